@@ -1,0 +1,45 @@
+# perspective-operator — the two commands of the README, plus the benchmark.
+#   make demo    start a throwaway PostgreSQL, migrate examples/shop.yaml, append sample events, show them
+#   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
+#   make bench   append-path benchmark (see BENCHMARKS.md)
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+# Builds are cached outside the checkout so a fresh clone on a warm machine is fast.
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/perspective-operator/target
+CARGO ?= cargo
+PG := tests/pg/pg.sh
+WORKER := $(CARGO_TARGET_DIR)/debug/perspective-worker
+
+.PHONY: all build lint fmt test unit integration demo bench postgres clean-cache
+
+all: build
+
+build:
+	$(CARGO) build --workspace --all-targets
+
+fmt:
+	$(CARGO) fmt --all
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# Installs the PostgreSQL server package when no server binaries are present.
+postgres:
+	@$(PG) bindir >/dev/null
+
+test: postgres lint
+	$(CARGO) test --workspace --no-run
+	$(PG) with $(CARGO) test --workspace
+
+demo: postgres
+	$(CARGO) build -p perspective-worker
+	$(PG) with examples/demo.sh $(WORKER)
+
+bench: postgres
+	$(CARGO) build --release -p perspective-worker
+	tests/bench/append.sh
+
+clean-cache:
+	rm -rf $(CARGO_TARGET_DIR)

@@ -1,0 +1,233 @@
+//! `perspective-worker append`: JSON lines in, events out.
+//!
+//! Every line is parsed before anything is written; a malformed line is reported with its
+//! line number and nothing is appended. The events then go in through the producer contract
+//! (plain INSERTs into `wh_event_store`, in input order) inside one transaction, so a failure
+//! half-way (say a stale `stream_version`) leaves nothing behind either.
+
+use std::collections::HashSet;
+use std::io::BufRead;
+
+use serde::Deserialize;
+use serde_json::Value;
+use sqlx::postgres::PgConnection;
+use sqlx::{Connection, Row};
+use uuid::Uuid;
+
+/// Rows per INSERT statement.
+const CHUNK: usize = 1000;
+
+/// One input line.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct NewEvent {
+    pub stream_id: Uuid,
+    pub event_type: String,
+    /// The event's payload; `{}` when absent.
+    #[serde(default = "empty_object")]
+    pub event_data: Value,
+    #[serde(default = "empty_object")]
+    pub metadata: Value,
+    #[serde(default = "empty_object")]
+    pub scope: Value,
+    /// Fixed id (idempotent imports); a UUIDv7 is generated when absent.
+    #[serde(default)]
+    pub event_id: Option<Uuid>,
+    /// Expected version of this event (optimistic concurrency); assigned when absent.
+    #[serde(default)]
+    pub stream_version: Option<i64>,
+}
+
+fn empty_object() -> Value {
+    Value::Object(Default::default())
+}
+
+/// Lines that could not be read as events.
+#[derive(Debug, thiserror::Error)]
+#[error("{source_name}: {} malformed line(s), nothing appended:\n{}", problems.len(), render(problems))]
+pub struct InputError {
+    pub source_name: String,
+    /// (1-based line number, what is wrong)
+    pub problems: Vec<(usize, String)>,
+}
+
+fn render(problems: &[(usize, String)]) -> String {
+    const SHOWN: usize = 20;
+    let mut out: Vec<String> = problems
+        .iter()
+        .take(SHOWN)
+        .map(|(l, m)| format!("  line {l}: {m}"))
+        .collect();
+    if problems.len() > SHOWN {
+        out.push(format!("  … and {} more", problems.len() - SHOWN));
+    }
+    out.join("\n")
+}
+
+/// Parse JSON lines. Blank lines and lines starting with `#` are skipped.
+pub fn parse_lines(reader: impl BufRead, source_name: &str) -> Result<Vec<NewEvent>, InputError> {
+    let mut events = Vec::new();
+    let mut problems = Vec::new();
+    for (index, line) in reader.lines().enumerate() {
+        let number = index + 1;
+        let line = match line {
+            Ok(l) => l,
+            Err(e) => {
+                problems.push((number, format!("cannot read: {e}")));
+                break;
+            }
+        };
+        let trimmed = line.trim();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        match serde_json::from_str::<NewEvent>(trimmed) {
+            Ok(ev) => match check(&ev) {
+                Ok(()) => events.push(ev),
+                Err(m) => problems.push((number, m)),
+            },
+            Err(e) => problems.push((number, e.to_string())),
+        }
+    }
+    if problems.is_empty() {
+        Ok(events)
+    } else {
+        Err(InputError {
+            source_name: source_name.to_string(),
+            problems,
+        })
+    }
+}
+
+fn check(ev: &NewEvent) -> Result<(), String> {
+    if ev.event_type.trim().is_empty() {
+        return Err("event_type must not be empty".into());
+    }
+    if ev.event_data.is_null() {
+        return Err("event_data must not be null (omit it for {})".into());
+    }
+    for (field, v) in [("metadata", &ev.metadata), ("scope", &ev.scope)] {
+        if !v.is_object() {
+            return Err(format!("{field} must be a JSON object"));
+        }
+    }
+    if matches!(ev.stream_version, Some(v) if v < 1) {
+        return Err("stream_version must be 1 or more".into());
+    }
+    Ok(())
+}
+
+/// What was appended.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct AppendReport {
+    pub events: usize,
+    pub streams: usize,
+    /// (event_id, stream_id, stream_version) of every event, in input order.
+    #[serde(skip)]
+    pub appended: Vec<(Uuid, Uuid, i64)>,
+}
+
+/// Append `events` to `schema` in one transaction. `progress` is called after each chunk with
+/// the number of events written so far.
+pub async fn append(
+    conn: &mut PgConnection,
+    schema: &str,
+    events: &[NewEvent],
+    mut progress: impl FnMut(usize),
+) -> Result<AppendReport, sqlx::Error> {
+    let sql = format!(
+        "INSERT INTO {schema}.wh_event_store
+             (event_id, stream_id, stream_version, event_type, event_data, metadata, scope)
+         SELECT e.event_id, e.stream_id, e.stream_version,
+                e.event_type, e.event_data, e.metadata, e.scope
+         FROM unnest($1::uuid[], $2::uuid[], $3::int8[], $4::text[], $5::jsonb[], $6::jsonb[], $7::jsonb[])
+              WITH ORDINALITY AS e(event_id, stream_id, stream_version, event_type, event_data, metadata, scope, ord)
+         ORDER BY e.ord
+         RETURNING event_id, stream_id, stream_version"
+    );
+    let mut report = AppendReport::default();
+    let mut tx = conn.begin().await?;
+    for chunk in events.chunks(CHUNK) {
+        let rows = sqlx::query(&sql)
+            .bind(chunk.iter().map(|e| e.event_id).collect::<Vec<_>>())
+            .bind(chunk.iter().map(|e| e.stream_id).collect::<Vec<_>>())
+            .bind(chunk.iter().map(|e| e.stream_version).collect::<Vec<_>>())
+            .bind(
+                chunk
+                    .iter()
+                    .map(|e| e.event_type.clone())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                chunk
+                    .iter()
+                    .map(|e| e.event_data.clone())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(chunk.iter().map(|e| e.metadata.clone()).collect::<Vec<_>>())
+            .bind(chunk.iter().map(|e| e.scope.clone()).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
+            .await?;
+        report
+            .appended
+            .extend(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))));
+        progress(report.appended.len());
+    }
+    tx.commit().await?;
+    report.events = report.appended.len();
+    report.streams = report
+        .appended
+        .iter()
+        .map(|(_, s, _)| *s)
+        .collect::<HashSet<_>>()
+        .len();
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_lines_and_defaults() {
+        let input = r#"
+# a comment
+{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":"OrderPlaced","event_data":{"total":42}}
+
+{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":"OrderShipped","metadata":{"user_id":"u-1"},"stream_version":2}
+"#;
+        let events = parse_lines(input.as_bytes(), "stdin").unwrap();
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0].metadata, serde_json::json!({}));
+        assert_eq!(events[1].event_data, serde_json::json!({}));
+        assert_eq!(events[1].stream_version, Some(2));
+    }
+
+    #[test]
+    fn reports_every_bad_line_with_its_number() {
+        let input = [
+            r#"{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":"A"}"#,
+            r#"{"stream_id":"not-a-uuid","event_type":"A"}"#,
+            r#"{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":"A","colour":1}"#,
+            r#"{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":"A""#,
+            r#"{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":" "}"#,
+            r#"{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":"A","scope":[1]}"#,
+            r#"{"event_type":"A"}"#,
+        ]
+        .join("\n");
+        let err = parse_lines(input.as_bytes(), "events.jsonl").unwrap_err();
+        let lines: Vec<usize> = err.problems.iter().map(|(l, _)| *l).collect();
+        assert_eq!(lines, vec![2, 3, 4, 5, 6, 7]);
+        let text = err.to_string();
+        assert!(
+            text.starts_with("events.jsonl: 6 malformed line(s), nothing appended"),
+            "{text}"
+        );
+        assert!(text.contains("line 3: unknown field `colour`"), "{text}");
+        assert!(
+            text.contains("line 6: scope must be a JSON object"),
+            "{text}"
+        );
+        assert!(text.contains("line 7: missing field `stream_id`"), "{text}");
+    }
+}

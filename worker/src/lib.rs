@@ -1,0 +1,20 @@
+//! perspective-worker: materializes perspectives (read models) from a PostgreSQL event store.
+//!
+//! Producers append events with plain SQL; the schema's insert trigger assigns commit-ordered
+//! stream versions and creates one work row per subscribed perspective in the same transaction.
+//!
+//! - [`config`]: the perspective config (also the `spec` of the operator's CRD) and its validation
+//! - [`sql_params`]: the `:name` parameter lexer for handler SQL
+//! - [`migrations`]: the embedded, versioned schema SQL
+//! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
+//! - [`append`]: JSON-lines event input (the `append` command)
+//! - [`status`]: read-only lag / failure / dead-letter queries
+//! - [`db`]: connections and human-readable database errors
+
+pub mod append;
+pub mod config;
+pub mod db;
+pub mod migrate;
+pub mod migrations;
+pub mod sql_params;
+pub mod status;

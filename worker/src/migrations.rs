@@ -1,0 +1,80 @@
+//! The versioned SQL of `migrations/`, embedded into the binary and rendered for one schema.
+
+use sha2::{Digest, Sha256};
+
+/// One embedded migration. `template` contains `{{schema}}` placeholders.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    pub version: i32,
+    pub name: &'static str,
+    pub template: &'static str,
+}
+
+/// Every migration this binary knows, in version order. Applied migrations are immutable:
+/// change the schema by adding a file, never by editing one (their checksums are recorded).
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "0001_event_store.sql",
+    template: include_str!("../../migrations/0001_event_store.sql"),
+}];
+
+/// The placeholder replaced by the schema name.
+const PLACEHOLDER: &str = "{{schema}}";
+
+impl Migration {
+    /// SHA-256 of the template, hex. Independent of the schema it is rendered for.
+    pub fn checksum(&self) -> String {
+        hex::encode(Sha256::digest(self.template.as_bytes()))
+    }
+
+    /// The SQL for `schema`. The schema name must already be a validated identifier
+    /// (`[a-z_][a-z0-9_]*`), so it needs no quoting.
+    pub fn render(&self, schema: &str) -> String {
+        self.template.replace(PLACEHOLDER, schema)
+    }
+}
+
+/// Highest version this binary knows.
+pub fn latest_version() -> i32 {
+    MIGRATIONS.last().map(|m| m.version).unwrap_or(0)
+}
+
+/// NOTIFY channel on which producers ring the doorbell for new work.
+pub fn work_channel(schema: &str) -> String {
+    format!("{schema}_work")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_increasing_and_names_match() {
+        let mut last = 0;
+        for m in MIGRATIONS {
+            assert!(m.version > last, "{} out of order", m.name);
+            assert!(
+                m.name.starts_with(&format!("{:04}_", m.version)),
+                "{} does not start with its version",
+                m.name
+            );
+            last = m.version;
+        }
+    }
+
+    #[test]
+    fn render_replaces_every_placeholder() {
+        for m in MIGRATIONS {
+            let sql = m.render("shop");
+            assert!(!sql.contains("{{"), "{} keeps a placeholder", m.name);
+            assert!(sql.contains("shop.wh_event_store"));
+        }
+    }
+
+    #[test]
+    fn checksum_is_stable_hex() {
+        let m = &MIGRATIONS[0];
+        assert_eq!(m.checksum(), m.checksum());
+        assert_eq!(m.checksum().len(), 64);
+    }
+}

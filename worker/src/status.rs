@@ -1,0 +1,149 @@
+//! Read-only status queries: how far behind each perspective is, what failed, who is alive.
+//! Used by `perspective-worker status` and by the operator's status reporting.
+
+use serde::Serialize;
+use sqlx::postgres::PgConnection;
+use sqlx::Row;
+
+/// Status of one perspective.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PerspectiveStatus {
+    pub name: String,
+    /// Whether the perspective is in the config (work of a removed perspective may remain).
+    pub configured: bool,
+    /// Work rows not yet applied.
+    pub pending_events: i64,
+    /// Age of the oldest pending work row, seconds.
+    pub oldest_pending_seconds: Option<f64>,
+    /// Streams whose cursor is in the Failed state.
+    pub failed_streams: i64,
+    /// Dead letters not yet replayed or discarded.
+    pub dead_letters: i64,
+}
+
+/// Status of a deployment's schema.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Status {
+    pub schema: String,
+    pub schema_version: Option<i32>,
+    pub perspectives: Vec<PerspectiveStatus>,
+    /// Worker instances whose heartbeat is younger than the staleness threshold.
+    pub live_instances: i64,
+    /// Streams with work not yet completed.
+    pub active_streams: i64,
+}
+
+/// Read the status of `schema`. `configured` lists the config's perspectives (so a perspective
+/// with no work still shows, with zeros); `stale_after_seconds` is the heartbeat age after
+/// which an instance no longer counts as live.
+pub async fn read_status(
+    conn: &mut PgConnection,
+    schema: &str,
+    configured: &[String],
+    stale_after_seconds: f64,
+) -> Result<Status, sqlx::Error> {
+    let schema_version: Option<i32> = sqlx::query_scalar(&format!(
+        "SELECT max(version) FROM {schema}.wh_schema_migrations"
+    ))
+    .fetch_one(&mut *conn)
+    .await?;
+    let rows = sqlx::query(&format!(
+        "WITH names AS (
+           SELECT unnest($1::text[]) AS name
+           UNION SELECT perspective_name FROM {schema}.wh_perspective_events WHERE processed_at IS NULL
+           UNION SELECT perspective_name FROM {schema}.wh_dead_letters WHERE recovery_status = 'pending'
+           UNION SELECT perspective_name FROM {schema}.wh_perspective_cursors WHERE (status & 4) <> 0
+         ),
+         pending AS (
+           SELECT perspective_name AS name, count(*) AS n,
+                  extract(epoch FROM now() - min(created_at))::float8 AS oldest
+           FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY 1
+         ),
+         failed AS (
+           SELECT perspective_name AS name, count(*) AS n
+           FROM {schema}.wh_perspective_cursors WHERE (status & 4) <> 0 GROUP BY 1
+         ),
+         dead AS (
+           SELECT perspective_name AS name, count(*) AS n
+           FROM {schema}.wh_dead_letters WHERE recovery_status = 'pending' GROUP BY 1
+         )
+         SELECT names.name, names.name = ANY($1) AS configured,
+                coalesce(pending.n, 0), pending.oldest, coalesce(failed.n, 0), coalesce(dead.n, 0)
+         FROM names
+         LEFT JOIN pending USING (name) LEFT JOIN failed USING (name) LEFT JOIN dead USING (name)
+         ORDER BY names.name"
+    ))
+    .bind(configured)
+    .fetch_all(&mut *conn)
+    .await?;
+    let perspectives = rows
+        .iter()
+        .map(|r| PerspectiveStatus {
+            name: r.get(0),
+            configured: r.get(1),
+            pending_events: r.get(2),
+            oldest_pending_seconds: r.get(3),
+            failed_streams: r.get(4),
+            dead_letters: r.get(5),
+        })
+        .collect();
+    let row = sqlx::query(&format!(
+        "SELECT (SELECT count(*) FROM {schema}.wh_service_instances
+                 WHERE last_heartbeat_at > now() - make_interval(secs => $1)),
+                (SELECT count(*) FROM {schema}.wh_active_streams)"
+    ))
+    .bind(stale_after_seconds)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(Status {
+        schema: schema.to_string(),
+        schema_version,
+        perspectives,
+        live_instances: row.get(0),
+        active_streams: row.get(1),
+    })
+}
+
+impl Status {
+    /// A fixed-width table for terminals.
+    pub fn to_table(&self) -> String {
+        let mut out = format!(
+            "schema {} (migration {}), {} live instance(s), {} active stream(s)\n",
+            self.schema,
+            self.schema_version
+                .map_or("none".to_string(), |v| v.to_string()),
+            self.live_instances,
+            self.active_streams
+        );
+        let width = self
+            .perspectives
+            .iter()
+            .map(|p| p.name.len())
+            .max()
+            .unwrap_or(0)
+            .max("PERSPECTIVE".len());
+        out.push_str(&format!(
+            "{:width$}  {:>10}  {:>14}  {:>14}  {:>12}\n",
+            "PERSPECTIVE", "PENDING", "OLDEST (s)", "FAILED STREAMS", "DEAD LETTERS"
+        ));
+        for p in &self.perspectives {
+            let name = if p.configured {
+                p.name.clone()
+            } else {
+                format!("{} (not configured)", p.name)
+            };
+            out.push_str(&format!(
+                "{:width$}  {:>10}  {:>14}  {:>14}  {:>12}\n",
+                name,
+                p.pending_events,
+                p.oldest_pending_seconds
+                    .map_or("-".to_string(), |s| format!("{s:.1}")),
+                p.failed_streams,
+                p.dead_letters
+            ));
+        }
+        out
+    }
+}

@@ -1,0 +1,362 @@
+//! `migrate` against a real PostgreSQL: idempotence, concurrency, refusal of changed or newer
+//! histories, subscription sync, and configs whose SQL does not run.
+
+mod common;
+
+use std::process::Output;
+
+use common::*;
+use perspective_worker::migrate::{migrate, MigrateError, MigrateOptions};
+use perspective_worker::migrations::{latest_version, MIGRATIONS};
+
+fn write_config(yaml: &str) -> tempfile_path::TempPath {
+    tempfile_path::write(yaml)
+}
+
+/// Minimal temp-file helper (std only), removed on drop.
+mod tempfile_path {
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    pub struct TempPath(PathBuf);
+    impl TempPath {
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+    impl Drop for TempPath {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    pub fn write(content: &str) -> TempPath {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "perspective-test-{}-{}.yaml",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, content).unwrap();
+        TempPath(path)
+    }
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Every object of the schema with its oid: a second migrate must leave all of them alone.
+async fn catalog_snapshot(schema: &str) -> Vec<(String, i64)> {
+    let mut conn = connect().await;
+    sqlx::query_as(
+        "SELECT c.relname::text, c.oid::int8 FROM pg_class c WHERE c.relnamespace = $1::regnamespace
+         UNION ALL
+         SELECT p.proname::text, p.oid::int8 FROM pg_proc p WHERE p.pronamespace = $1::regnamespace
+         UNION ALL
+         SELECT t.tgname::text, t.oid::int8 FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+           WHERE c.relnamespace = $1::regnamespace
+         ORDER BY 1, 2",
+    )
+    .bind(schema)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn second_migrate_changes_nothing() {
+    let (schema, config) = migrated_schema("idem").await;
+    let before = catalog_snapshot(&schema).await;
+    assert!(
+        before.iter().any(|(n, _)| n == "alpha_seen"),
+        "setup created the perspective's table"
+    );
+    let mut conn = connect().await;
+    let report = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .unwrap();
+    assert!(report.applied.is_empty());
+    assert_eq!(report.already_applied, MIGRATIONS.len());
+    assert!(report.subscriptions_added.is_empty() && report.subscriptions_removed.is_empty());
+    assert_eq!(report.statements_prepared, 4);
+    assert_eq!(catalog_snapshot(&schema).await, before);
+    let recorded: Vec<(i32, String)> = sqlx::query_as(&format!(
+        "SELECT version, checksum FROM {schema}.wh_schema_migrations ORDER BY version"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let expected: Vec<(i32, String)> = MIGRATIONS
+        .iter()
+        .map(|m| (m.version, m.checksum()))
+        .collect();
+    assert_eq!(recorded, expected);
+}
+
+#[tokio::test]
+async fn three_concurrent_migrate_processes_apply_each_migration_once() {
+    let schema = unique_schema("conc");
+    let file = write_config(&two_perspective_yaml(&schema));
+    let children: Vec<_> = (0..3)
+        .map(|_| {
+            worker_bin()
+                .arg("--config")
+                .arg(file.path())
+                .args(["migrate", "--json"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut applied_total = 0;
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "migrate failed: {}", text(&out));
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        applied_total += report["applied"].as_array().unwrap().len();
+    }
+    assert_eq!(
+        applied_total,
+        MIGRATIONS.len(),
+        "each migration applied by exactly one process"
+    );
+    let mut conn = connect().await;
+    let n: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_schema_migrations"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(n as usize, MIGRATIONS.len());
+    let subs: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_subscriptions"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(subs, 4);
+}
+
+#[tokio::test]
+async fn an_edited_applied_migration_is_refused() {
+    let (schema, config) = migrated_schema("edited").await;
+    let mut conn = connect().await;
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_schema_migrations SET checksum = 'deadbeef' WHERE version = 1"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let err = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, MigrateError::ChecksumMismatch { version: 1, .. }),
+        "{err}"
+    );
+
+    // The CLI says so and exits 1.
+    let file = write_config(&two_perspective_yaml(&schema));
+    let out = worker_bin()
+        .arg("--config")
+        .arg(file.path())
+        .arg("migrate")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let msg = text(&out);
+    assert!(
+        msg.contains("migration 1 (0001_event_store.sql) was applied with checksum deadbeef"),
+        "{msg}"
+    );
+}
+
+#[tokio::test]
+async fn a_database_newer_than_the_binary_is_refused() {
+    let (schema, config) = migrated_schema("newer").await;
+    let mut conn = connect().await;
+    let future = latest_version() + 1;
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_schema_migrations (version, name, checksum, applied_by) VALUES ($1, 'future.sql', 'x', 'test')"
+    ))
+    .bind(future)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let err = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, MigrateError::DatabaseNewer { version, .. } if version == future),
+        "{err}"
+    );
+    assert!(err
+        .to_string()
+        .contains("the database is newer than the binary"));
+}
+
+#[tokio::test]
+async fn subscriptions_follow_the_config() {
+    let (schema, _) = migrated_schema("subs").await;
+    // Drop beta, give alpha a new event type.
+    let yaml = format!(
+        "schema: {schema}\nperspectives:\n  - name: alpha\n    handlers:\n      A: SELECT 1\n      E: SELECT :stream_id\n"
+    );
+    let config = parse_config(&yaml);
+    let mut conn = connect().await;
+    let report = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .unwrap();
+    let mut removed = report.subscriptions_removed.clone();
+    removed.sort();
+    assert_eq!(
+        removed,
+        vec![
+            ("alpha".to_string(), "B".to_string()),
+            ("beta".to_string(), "B".to_string()),
+            ("beta".to_string(), "C".to_string())
+        ]
+    );
+    assert_eq!(
+        report.subscriptions_added,
+        vec![("alpha".to_string(), "E".to_string())]
+    );
+    let subs: Vec<(String, String)> = sqlx::query_as(&format!(
+        "SELECT perspective_name, event_type FROM {schema}.wh_perspective_subscriptions ORDER BY 1, 2"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        subs,
+        vec![("alpha".into(), "A".into()), ("alpha".into(), "E".into())]
+    );
+}
+
+#[tokio::test]
+async fn dry_run_validates_and_leaves_nothing() {
+    let schema = unique_schema("dry");
+    let file = write_config(&two_perspective_yaml(&schema));
+    let out = worker_bin()
+        .arg("--config")
+        .arg(file.path())
+        .args(["migrate", "--dry-run"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("dry run, rolled back"),
+        "{}",
+        text(&out)
+    );
+    let mut conn = connect().await;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(&schema)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert!(!exists, "a dry run leaves no schema behind");
+}
+
+/// Configs that are well-formed YAML but whose SQL does not run against the database. Each is
+/// rejected by `migrate --dry-run` with exit code 2 and a message naming file, perspective and
+/// field; all problems of one config are reported together.
+#[tokio::test]
+async fn handler_sql_that_does_not_prepare_is_rejected_with_its_location() {
+    let cases: &[(&str, &[&str])] = &[
+        (
+            "  - name: alpha\n    setup: CREATE TABLE IF NOT EXISTS t (id uuid)\n    handlers:\n      A: INSERT INTO t VALUS (:stream_id)\n",
+            &["perspectives[0] (alpha).handlers.A: syntax error at or near \"VALUS\" (line 1)"],
+        ),
+        (
+            "  - name: alpha\n    setup: CREATE TABLE IF NOT EXISTS t (id uuid)\n    handlers:\n      A: |\n        UPDATE t\n        SET nope = 1 WHERE id = :stream_id\n",
+            &["perspectives[0] (alpha).handlers.A: column \"nope\" of relation \"t\" does not exist"],
+        ),
+        (
+            "  - name: alpha\n    handlers:\n      A: INSERT INTO missing_table VALUES (:stream_id)\n",
+            &["perspectives[0] (alpha).handlers.A: relation \"missing_table\" does not exist"],
+        ),
+        (
+            "  - name: alpha\n    setup: CREATE TABLEE t (id uuid)\n    handlers:\n      A: SELECT 1\n",
+            &["perspectives[0] (alpha).setup: syntax error at or near \"TABLEE\""],
+        ),
+        (
+            "  - name: alpha\n    setup: CREATE TABLE IF NOT EXISTS t (id uuid)\n    reset: DELETE FROM t WHERE idd = :stream_id\n    handlers:\n      A: SELECT 1\n",
+            &["perspectives[0] (alpha).reset: column \"idd\" does not exist"],
+        ),
+        (
+            "  - name: alpha\n    setup: CREATE TABLE IF NOT EXISTS t (id uuid, n int)\n    handlers:\n      A: UPDATE t SET n = :data WHERE id = :stream_id\n",
+            &["perspectives[0] (alpha).handlers.A: column \"n\" is of type integer but expression is of type jsonb"],
+        ),
+        (
+            "  - name: alpha\n    handlers:\n      A: SELECT 1\n  - name: beta\n    handlers:\n      B: SELEC 2\n      C: DELETE FROM nowhere\n",
+            &[
+                "perspectives[1] (beta).handlers.B: syntax error at or near \"SELEC\"",
+                "perspectives[1] (beta).handlers.C: relation \"nowhere\" does not exist",
+            ],
+        ),
+    ];
+    for (perspectives, expected) in cases {
+        let schema = unique_schema("badsql");
+        let file = write_config(&format!("schema: {schema}\nperspectives:\n{perspectives}"));
+        let out = worker_bin()
+            .arg("--config")
+            .arg(file.path())
+            .args(["migrate", "--dry-run"])
+            .output()
+            .unwrap();
+        let msg = text(&out);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "expected exit 2 for\n{perspectives}\ngot: {msg}"
+        );
+        assert!(
+            msg.contains(&file.path().display().to_string()),
+            "message names the file: {msg}"
+        );
+        for fragment in *expected {
+            assert!(msg.contains(fragment), "expected `{fragment}` in:\n{msg}");
+        }
+    }
+}
+
+/// Static config errors are rejected before any connection is made, with exit code 2.
+#[tokio::test]
+async fn invalid_config_files_exit_2_naming_the_field() {
+    let cases: &[(&str, &str)] = &[
+        (
+            "schema: Bad-Name\nperspectives:\n  - name: a\n    handlers:\n      A: SELECT 1\n",
+            "schema",
+        ),
+        (
+            "schema: s\nperspectives:\n  - name: a\n    handlers:\n      A: SELECT :nope\n",
+            "unknown parameter :nope",
+        ),
+        (
+            "schema: s\nperspectives:\n  - name: a\n    handlrs:\n      A: SELECT 1\n",
+            "handlrs",
+        ),
+        ("schema: s\nperspectives: [\n", "s"),
+    ];
+    for (yaml, fragment) in cases {
+        let file = write_config(yaml);
+        let out = worker_bin()
+            .arg("--config")
+            .arg(file.path())
+            .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+            .args(["migrate", "--dry-run"])
+            .output()
+            .unwrap();
+        let msg = text(&out);
+        assert_eq!(out.status.code(), Some(2), "{yaml}\n{msg}");
+        assert!(msg.contains(fragment), "expected `{fragment}` in {msg}");
+        assert!(msg.contains(&file.path().display().to_string()), "{msg}");
+    }
+}
