@@ -1,0 +1,224 @@
+//! The `append` and `status` commands, run as the real binary against a real PostgreSQL.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Output, Stdio};
+
+use common::*;
+use uuid::Uuid;
+
+fn run_with_stdin(args: &[&str], config: &std::path::Path, stdin: &str) -> Output {
+    let mut child = worker_bin()
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+async fn count(schema: &str, table: &str) -> i64 {
+    let mut conn = connect().await;
+    sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.{table}"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+}
+
+fn config_file(schema: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("perspective-cli-{schema}.yaml"));
+    std::fs::write(&path, two_perspective_yaml(schema)).unwrap();
+    path
+}
+
+#[tokio::test]
+async fn append_writes_lines_in_order_through_the_producer_path() {
+    let (schema, _) = migrated_schema("cliappend").await;
+    let config = config_file(&schema);
+    let (s1, s2) = (Uuid::now_v7(), Uuid::now_v7());
+    let fixed = Uuid::now_v7();
+    let input = format!(
+        "# orders\n\
+         {{\"stream_id\":\"{s1}\",\"event_type\":\"A\",\"event_data\":{{\"n\":1}},\"metadata\":{{\"user_id\":\"u-1\"}}}}\n\
+         {{\"stream_id\":\"{s2}\",\"event_type\":\"C\"}}\n\
+         \n\
+         {{\"stream_id\":\"{s1}\",\"event_type\":\"B\",\"event_data\":{{\"total\":3}},\"event_id\":\"{fixed}\",\"stream_version\":2}}\n\
+         {{\"stream_id\":\"{s1}\",\"event_type\":\"D\",\"scope\":{{\"tenant_id\":\"t-9\"}}}}\n"
+    );
+    let out = run_with_stdin(&["append"], &config, &input);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("appended 4 event(s) to 2 stream(s)"),
+        "{}",
+        text(&out)
+    );
+
+    let mut conn = connect().await;
+    let rows: Vec<(Uuid, i64, String, serde_json::Value, serde_json::Value)> =
+        sqlx::query_as(&format!(
+        "SELECT event_id, stream_version, event_type, metadata, scope FROM {schema}.wh_event_store
+         WHERE stream_id = $1 ORDER BY stream_version"
+    ))
+        .bind(s1)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+    let types: Vec<&str> = rows.iter().map(|r| r.2.as_str()).collect();
+    assert_eq!(types, vec!["A", "B", "D"], "input order is stream order");
+    assert_eq!(rows[1].0, fixed, "a given event_id is kept");
+    assert_eq!(rows[0].3, serde_json::json!({"user_id": "u-1"}));
+    assert_eq!(rows[2].4, serde_json::json!({"tenant_id": "t-9"}));
+    // A→alpha, C→beta, B→alpha+beta, D→nothing
+    assert_eq!(count(&schema, "wh_perspective_events").await, 4);
+}
+
+#[tokio::test]
+async fn append_with_a_malformed_line_reports_it_and_writes_nothing() {
+    let (schema, _) = migrated_schema("clibad").await;
+    let config = config_file(&schema);
+    let s = Uuid::now_v7();
+    let input = format!(
+        "{{\"stream_id\":\"{s}\",\"event_type\":\"A\"}}\n\
+         {{\"stream_id\":\"{s}\",\"event_type\":\"A\",}}\n\
+         {{\"stream_id\":\"{s}\",\"event_type\":\"A\"}}\n\
+         {{\"stream_id\":\"{s}\"}}\n"
+    );
+    let out = run_with_stdin(&["append"], &config, &input);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let msg = text(&out);
+    assert!(
+        msg.contains("stdin: 2 malformed line(s), nothing appended"),
+        "{msg}"
+    );
+    assert!(msg.contains("line 2:"), "{msg}");
+    assert!(msg.contains("line 4: missing field `event_type`"), "{msg}");
+    assert_eq!(count(&schema, "wh_event_store").await, 0);
+
+    // A failure inside the database (a stale stream_version on the third line) also leaves
+    // nothing: the whole input is one transaction.
+    let input = format!(
+        "{{\"stream_id\":\"{s}\",\"event_type\":\"A\"}}\n\
+         {{\"stream_id\":\"{s}\",\"event_type\":\"B\"}}\n\
+         {{\"stream_id\":\"{s}\",\"event_type\":\"A\",\"stream_version\":7}}\n"
+    );
+    let out = run_with_stdin(&["append"], &config, &input);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("expected version 6 but the stream is at version 2"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(count(&schema, "wh_event_store").await, 0);
+    assert_eq!(count(&schema, "wh_perspective_events").await, 0);
+}
+
+#[tokio::test]
+async fn status_reports_pending_work_per_perspective() {
+    let (schema, _) = migrated_schema("clistatus").await;
+    let config = config_file(&schema);
+    let s = Uuid::now_v7();
+    let input: String = ["A", "B", "B", "C", "D"]
+        .iter()
+        .map(|t| format!("{{\"stream_id\":\"{s}\",\"event_type\":\"{t}\"}}\n"))
+        .collect();
+    assert!(run_with_stdin(&["append"], &config, &input)
+        .status
+        .success());
+
+    let out = run_with_stdin(&["status", "--json"], &config, "");
+    assert!(out.status.success(), "{}", text(&out));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let pending: Vec<(String, i64, bool)> = status["perspectives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_string(),
+                p["pendingEvents"].as_i64().unwrap(),
+                p["configured"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        pending,
+        vec![
+            ("alpha".to_string(), 3, true),
+            ("beta".to_string(), 3, true)
+        ]
+    );
+    assert_eq!(status["activeStreams"], 1);
+    assert_eq!(
+        status["schemaVersion"],
+        perspective_worker::migrations::latest_version()
+    );
+    assert!(
+        status["perspectives"][0]["oldestPendingSeconds"]
+            .as_f64()
+            .unwrap()
+            >= 0.0
+    );
+
+    let table = run_with_stdin(&["status"], &config, "");
+    let table = text(&table);
+    assert!(
+        table.contains("PERSPECTIVE") && table.contains("alpha") && table.contains("beta"),
+        "{table}"
+    );
+}
+
+#[test]
+fn help_explains_the_commands_and_environment() {
+    let out = worker_bin().arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "migrate",
+        "append",
+        "status",
+        "DATABASE_URL",
+        "PERSPECTIVE_CONFIG",
+    ] {
+        assert!(help.contains(needle), "--help lacks {needle}:\n{help}");
+    }
+    let out = worker_bin().args(["append", "--help"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("JSON lines"));
+}
+
+#[test]
+fn missing_config_or_database_is_invalid_input() {
+    let out = worker_bin()
+        .env_remove("PERSPECTIVE_CONFIG")
+        .arg("status")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("no config"), "{}", text(&out));
+    let path = config_file("t_nodb");
+    let out = worker_bin()
+        .env_remove("DATABASE_URL")
+        .arg("--config")
+        .arg(&path)
+        .arg("status")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("no database"), "{}", text(&out));
+}
