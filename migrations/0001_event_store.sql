@@ -105,6 +105,13 @@ CREATE INDEX wh_perspective_cursors_rewind ON {{schema}}.wh_perspective_cursors 
 -- Streams with work not yet completed, and who owns them. A producer inserts the row when it
 -- creates a stream's first pending work (the empty -> non-empty edge, which is also when it
 -- rings the doorbell); workers pin, take over and finally delete it once the stream is drained.
+--
+-- Deleting it must not lose a wake-up: a producer that saw the row (so did not ring) may commit
+-- new work just after a worker found the stream empty. Workers therefore delete only streams
+-- whose wh_streams row they could lock (`FOR SHARE SKIP LOCKED`: a producer of that stream holds
+-- the row lock until it commits), and check for pending work in a statement after taking that
+-- lock. A locked stream has a producer in flight and keeps its row; a producer arriving later
+-- waits for the worker's transaction, finds the row gone, re-inserts it and rings.
 CREATE TABLE {{schema}}.wh_active_streams (
   stream_id            uuid        PRIMARY KEY,
   partition_number     integer     NOT NULL,
