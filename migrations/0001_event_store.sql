@@ -59,7 +59,9 @@ CREATE TABLE {{schema}}.wh_perspective_subscriptions (
 -- Work rows: one per (stream, perspective, event), created in the appending transaction and
 -- deleted (or stamped, in debug mode) once applied. Kept narrow and lightly indexed: producers
 -- pay for every index here on every append. Workers find work through wh_active_streams and
--- then read a stream's rows through uq_perspective_event.
+-- then read a stream's rows in version order through uq_perspective_event. (Keyed by
+-- stream_version rather than event_id: within a stream the two identify the same event, and the
+-- version order is what the apply path range-scans.)
 CREATE TABLE {{schema}}.wh_perspective_events (
   event_work_id    bigint      GENERATED ALWAYS AS IDENTITY (CACHE 64) PRIMARY KEY,
   stream_id        uuid        NOT NULL,
@@ -74,7 +76,7 @@ CREATE TABLE {{schema}}.wh_perspective_events (
   error            text,
   processed_at     timestamptz,
   created_at       timestamptz NOT NULL DEFAULT now(),
-  CONSTRAINT uq_perspective_event UNIQUE (stream_id, perspective_name, event_id)
+  CONSTRAINT uq_perspective_event UNIQUE (stream_id, perspective_name, stream_version)
 );
 
 -- Position of each (stream, perspective): advanced in the same transaction that changes the

@@ -157,6 +157,12 @@ pub struct WorkerOptions {
     /// Interval between heartbeats in wh_service_instances, in seconds (default 10).
     #[schemars(range(min = 1))]
     pub heartbeat_interval_seconds: u32,
+    /// First retry delay after a handler fails, in ms; doubles per attempt (default 1000).
+    #[schemars(range(min = 1))]
+    pub failure_retry_base_milliseconds: u64,
+    /// Longest retry delay after a handler fails, in ms (default 300000).
+    #[schemars(range(min = 1))]
+    pub failure_retry_max_milliseconds: u64,
     /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty).
     pub instance_metadata: BTreeMap<String, String>,
 }
@@ -182,6 +188,8 @@ impl Default for WorkerOptions {
             retry_options: RetryOptions::default(),
             completion_strategy: CompletionStrategy::Batched,
             heartbeat_interval_seconds: 10,
+            failure_retry_base_milliseconds: 1000,
+            failure_retry_max_milliseconds: 300_000,
             instance_metadata: BTreeMap::new(),
         }
     }

@@ -7,13 +7,22 @@
 //! - [`sql_params`]: the `:name` parameter lexer for handler SQL
 //! - [`migrations`]: the embedded, versioned schema SQL
 //! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
+//! - [`apply_sql`]: compiles a perspective's handlers into its server-side apply function
 //! - [`append`]: JSON-lines event input (the `append` command)
 //! - [`status`]: read-only lag / failure / dead-letter queries
 //! - [`db`]: connections and human-readable database errors
 
 pub mod append;
+pub mod apply_sql;
+pub mod completion_tracker;
 pub mod config;
 pub mod db;
+pub mod dead_letters;
+pub mod dedup;
+pub mod embedded;
+pub mod engine;
+pub mod http;
+pub mod metrics;
 pub mod migrate;
 pub mod migrations;
 pub mod sql_params;

@@ -9,7 +9,8 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use perspective_worker::config::Config;
-use perspective_worker::{append, db, migrate, status};
+use perspective_worker::{append, db, dead_letters, migrate, status};
+use std::net::SocketAddr;
 
 const ABOUT: &str = "Materializes perspectives (read models) from a PostgreSQL event store.
 
@@ -77,11 +78,71 @@ enum Command {
         #[arg(long, short = 'f', value_name = "FILE")]
         file: Option<PathBuf>,
     },
+    /// Run the engine: claim work, apply it to the perspectives, complete it. Serves /livez,
+    /// /readyz and /metrics on --http-addr. Stops gracefully on SIGTERM or Ctrl-C. Without
+    /// DATABASE_URL it starts an embedded PostgreSQL in --data-dir.
+    Run {
+        /// Run `migrate` first (handy locally; in Kubernetes the migration Job does it).
+        #[arg(long)]
+        migrate: bool,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+    /// Zero-setup demo: embedded PostgreSQL (unless DATABASE_URL is set), migrate the config,
+    /// append sample events, run the engine until everything is applied, print the perspective
+    /// tables and the status.
+    Demo {
+        /// JSON-lines events to append (default: none beyond what the database already has).
+        #[arg(long, value_name = "FILE")]
+        events: Option<PathBuf>,
+        #[command(flatten)]
+        runtime: RuntimeArgs,
+    },
+    /// Inspect and replay dead-lettered events.
+    #[command(subcommand)]
+    DeadLetters(DeadLettersCommand),
     /// Show per-perspective pending work, oldest pending age, failed streams and dead letters.
     Status {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(clap::Args, Debug, Clone)]
+struct RuntimeArgs {
+    /// Address of the HTTP endpoints (/livez, /readyz, /metrics); port 0 picks a free port.
+    #[arg(long, env = "PERSPECTIVE_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// Data directory of the embedded PostgreSQL used when DATABASE_URL is not set.
+    #[arg(
+        long,
+        env = "PERSPECTIVE_DATA_DIR",
+        default_value = ".perspective/pgdata"
+    )]
+    data_dir: PathBuf,
+    /// Maximum database connections of the engine.
+    #[arg(long, env = "PERSPECTIVE_MAX_CONNECTIONS", default_value_t = 10)]
+    max_connections: u32,
+}
+
+#[derive(Subcommand, Debug)]
+enum DeadLettersCommand {
+    /// List dead letters (pending ones unless --all).
+    List {
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-apply pending dead letters through their perspective (after fixing the handler and
+    /// running `migrate`): the given ids, or every pending one with --all. Each replay commits
+    /// with its dead letter marked `replayed`, or not at all.
+    Replay {
+        /// Dead letter ids (see `dead-letters list`).
+        ids: Vec<i64>,
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
     },
 }
 
@@ -146,8 +207,107 @@ fn database_url(cli: &Cli) -> anyhow::Result<&str> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let (config, source) = load_config(cli.config.as_deref())?;
+    match &cli.command {
+        Command::Run { migrate, runtime } => {
+            return run_engine(&cli, config, &source, *migrate, runtime, None).await;
+        }
+        Command::Demo { events, runtime } => {
+            return run_engine(
+                &cli,
+                config,
+                &source,
+                true,
+                runtime,
+                Some(events.as_deref()),
+            )
+            .await;
+        }
+        _ => {}
+    }
     let url = database_url(&cli)?;
     match &cli.command {
+        Command::Run { .. } | Command::Demo { .. } => unreachable!("handled above"),
+        Command::DeadLetters(cmd) => {
+            let mut conn = db::connect(url, "perspective-worker dead-letters")
+                .await
+                .context("connecting to PostgreSQL")?;
+            match cmd {
+                DeadLettersCommand::List { all, json } => {
+                    let letters = dead_letters::list(&mut conn, &config.schema, *all)
+                        .await
+                        .map_err(|e| {
+                            anyhow::anyhow!(
+                                "listing dead letters: {}",
+                                db::describe_error(&e, None)
+                            )
+                        })?;
+                    if *json {
+                        println!("{}", serde_json::to_string_pretty(&letters)?);
+                    } else if letters.is_empty() {
+                        println!("no dead letters in schema {}", config.schema);
+                    } else {
+                        println!(
+                            "{:>6}  {:<24} {:<36} {:>7}  {:<20} {:>8}  {:<9} ERROR",
+                            "ID",
+                            "PERSPECTIVE",
+                            "STREAM",
+                            "VERSION",
+                            "EVENT TYPE",
+                            "ATTEMPTS",
+                            "STATUS"
+                        );
+                        for d in letters {
+                            println!(
+                                "{:>6}  {:<24} {:<36} {:>7}  {:<20} {:>8}  {:<9} {}",
+                                d.id,
+                                d.perspective,
+                                d.stream_id,
+                                d.stream_version,
+                                d.event_type,
+                                d.attempts,
+                                d.recovery_status,
+                                d.error.unwrap_or_default()
+                            );
+                        }
+                    }
+                }
+                DeadLettersCommand::Replay { ids, all } => {
+                    let ids: Vec<i64> = if *all {
+                        dead_letters::list(&mut conn, &config.schema, false)
+                            .await?
+                            .iter()
+                            .map(|d| d.id)
+                            .collect()
+                    } else if ids.is_empty() {
+                        return Err(InvalidInput(
+                            "name dead letter ids to replay, or pass --all".into(),
+                        )
+                        .into());
+                    } else {
+                        ids.clone()
+                    };
+                    let runner = perspective_worker::engine::SqlRunner::new(&config);
+                    let mut failed = 0;
+                    for id in &ids {
+                        match dead_letters::replay(&mut conn, &config.schema, &runner, *id).await {
+                            Ok(()) => println!("replayed dead letter {id}"),
+                            Err(e) => {
+                                failed += 1;
+                                eprintln!("error: {e}");
+                            }
+                        }
+                    }
+                    println!(
+                        "{} of {} dead letter(s) replayed",
+                        ids.len() - failed,
+                        ids.len()
+                    );
+                    if failed > 0 {
+                        anyhow::bail!("{failed} dead letter(s) could not be replayed");
+                    }
+                }
+            }
+        }
         Command::Migrate { dry_run, json } => {
             let mut conn = db::connect(url, "perspective-worker migrate")
                 .await
@@ -267,4 +427,245 @@ fn print_migrate_report(r: &migrate::MigrateReport, seconds: f64) {
     for p in &r.setups_run {
         println!("  ran setup of {p}");
     }
+}
+
+/// `run` and `demo`: resolve the database (embedded when DATABASE_URL is unset), optionally
+/// migrate, serve HTTP, run the engine until SIGTERM / Ctrl-C (or, for the demo, until the
+/// sample events are applied).
+async fn run_engine(
+    cli: &Cli,
+    config: Config,
+    source: &str,
+    do_migrate: bool,
+    runtime: &RuntimeArgs,
+    demo: Option<Option<&Path>>,
+) -> anyhow::Result<()> {
+    use perspective_worker::engine::{Engine, EngineOptions, HookEvent};
+    use tokio_util::sync::CancellationToken;
+
+    let instance_id = match std::env::var("PERSPECTIVE_INSTANCE_ID") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse::<uuid::Uuid>().map_err(|e| {
+            InvalidInput(format!("PERSPECTIVE_INSTANCE_ID {v:?} is not a UUID: {e}"))
+        })?,
+        _ => uuid::Uuid::now_v7(),
+    };
+    let mut embedded = None;
+    let url = match cli.database_url.clone() {
+        Some(url) => url,
+        None => {
+            tracing::info!(data_dir = %runtime.data_dir.display(), "DATABASE_URL is not set: using an embedded PostgreSQL");
+            let pg = perspective_worker::embedded::EmbeddedPostgres::start(&runtime.data_dir)
+                .await
+                .context("starting the embedded PostgreSQL")?;
+            eprintln!(
+                "DATABASE_URL is not set: using embedded PostgreSQL {} at {} (data directory {})",
+                pg.version(),
+                pg.url(),
+                pg.data_dir().display()
+            );
+            let url = pg.url();
+            embedded = Some(pg);
+            url
+        }
+    };
+    let result = async {
+        if do_migrate {
+            let mut conn = db::connect(&url, "perspective-worker migrate")
+                .await
+                .context("connecting to PostgreSQL")?;
+            let report = migrate::migrate(
+                &mut conn,
+                &config,
+                source,
+                migrate::MigrateOptions::default(),
+            )
+            .await
+            .map_err(|e| -> anyhow::Error {
+                if e.is_invalid_input() {
+                    InvalidInput(e.to_string()).into()
+                } else {
+                    e.into()
+                }
+            })?;
+            print_migrate_report(&report, 0.0);
+        }
+        if let Some(Some(events)) = demo {
+            let f = std::fs::File::open(events)
+                .map_err(|e| InvalidInput(format!("cannot open {}: {e}", events.display())))?;
+            let parsed = append::parse_lines(BufReader::new(f), &events.display().to_string())
+                .map_err(|e| InvalidInput(e.to_string()))?;
+            let mut conn = db::connect(&url, "perspective-worker demo").await?;
+            let r = append::append(&mut conn, &config.schema, &parsed, |_| {}).await?;
+            println!(
+                "appended {} sample event(s) to {} stream(s)",
+                r.events, r.streams
+            );
+        }
+
+        let shutdown = CancellationToken::new();
+        let mut options = EngineOptions::new(config.clone(), url.clone());
+        options.instance_id = instance_id;
+        options.max_connections = runtime.max_connections;
+        let metrics = options.metrics.clone();
+        let readiness = options.readiness.clone();
+        let (addr, http) = perspective_worker::http::serve(
+            runtime.http_addr,
+            readiness,
+            metrics,
+            shutdown.clone(),
+        )
+        .await
+        .with_context(|| format!("serving HTTP on {}", runtime.http_addr))?;
+        tracing::info!(%addr, "HTTP endpoints: /livez /readyz /metrics");
+        let hooks = options.hooks.clone();
+        let mut events = hooks.subscribe();
+        let engine =
+            Engine::start(options, shutdown.clone())
+                .await
+                .map_err(|e| -> anyhow::Error {
+                    match e {
+                        perspective_worker::engine::EngineError::SchemaOutdated { .. }
+                        | perspective_worker::engine::EngineError::PerspectiveOutdated { .. } => {
+                            InvalidInput(e.to_string()).into()
+                        }
+                        other => other.into(),
+                    }
+                })?;
+        tracing::info!(instance_id = %engine.instance_id(), "engine started");
+
+        let stopper = shutdown.clone();
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("signal received: shutting down");
+            stopper.cancel();
+        });
+        if demo.is_some() {
+            // Stop once nothing is pending and the engine has gone idle.
+            let names: Vec<String> = config.perspectives.iter().map(|p| p.name.clone()).collect();
+            let stopper = shutdown.clone();
+            let url2 = url.clone();
+            let schema = config.schema.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = db::connect(&url2, "perspective-worker demo").await else {
+                    return;
+                };
+                loop {
+                    match events.recv().await {
+                        Ok(HookEvent::WorkProcessingIdle)
+                        | Ok(HookEvent::CompletionsFlushed { .. })
+                        | Ok(HookEvent::ClaimPolled { streams: 0 }) => {
+                            if let Ok(st) =
+                                status::read_status(&mut conn, &schema, &names, 30.0).await
+                            {
+                                if st.perspectives.iter().all(|p| p.pending_events == 0) {
+                                    stopper.cancel();
+                                    return;
+                                }
+                            }
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                        _ => {}
+                    }
+                }
+            });
+        }
+        engine.run_until_stopped().await?;
+        let _ = http.await;
+        if demo.is_some() {
+            print_demo_tables(&url, &config).await?;
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    if let Some(pg) = embedded {
+        if let Err(e) = pg.stop().await {
+            tracing::warn!(error = %e, "stopping the embedded PostgreSQL");
+        }
+    }
+    result
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install the SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Print every table named like a perspective, then the status.
+async fn print_demo_tables(url: &str, config: &Config) -> anyhow::Result<()> {
+    use sqlx::Row;
+    let mut conn = db::connect(url, "perspective-worker demo").await?;
+    for p in &config.perspectives {
+        let columns: Vec<String> = sqlx::query_scalar(
+            "SELECT column_name::text FROM information_schema.columns
+             WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
+        )
+        .bind(&config.schema)
+        .bind(&p.name)
+        .fetch_all(&mut conn)
+        .await?;
+        if columns.is_empty() {
+            continue;
+        }
+        let select = columns
+            .iter()
+            .map(|c| format!("coalesce(\"{c}\"::text, '')"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let rows = sqlx::query(&format!(
+            "SELECT {select} FROM {}.\"{}\" ORDER BY 1",
+            config.schema, p.name
+        ))
+        .fetch_all(&mut conn)
+        .await?;
+        let cells: Vec<Vec<String>> = rows
+            .iter()
+            .map(|r| (0..columns.len()).map(|i| r.get::<String, _>(i)).collect())
+            .collect();
+        let widths: Vec<usize> = (0..columns.len())
+            .map(|i| {
+                cells
+                    .iter()
+                    .map(|r| r[i].chars().count())
+                    .chain([columns[i].len()])
+                    .max()
+                    .unwrap_or(0)
+            })
+            .collect();
+        println!("\n{}.{} ({} rows)", config.schema, p.name, cells.len());
+        let line = |vals: &[String]| {
+            vals.iter()
+                .zip(&widths)
+                .map(|(v, w)| format!("{v:<w$}"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        };
+        println!("{}", line(&columns));
+        println!(
+            "{}",
+            widths
+                .iter()
+                .map(|w| "-".repeat(*w))
+                .collect::<Vec<_>>()
+                .join("-+-")
+        );
+        for r in &cells {
+            println!("{}", line(r));
+        }
+    }
+    let names: Vec<String> = config.perspectives.iter().map(|p| p.name.clone()).collect();
+    let st = status::read_status(&mut conn, &config.schema, &names, 30.0).await?;
+    println!();
+    print!("{}", st.to_table());
+    Ok(())
 }

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::{Connection, Executor, Row};
 
+use crate::apply_sql::{apply_function_name, create_apply_function, definition_hash};
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
 use crate::migrations::{latest_version, Migration, MIGRATIONS};
@@ -39,6 +40,8 @@ pub struct MigrateReport {
     pub setups_run: Vec<String>,
     /// Handler and reset statements prepared successfully.
     pub statements_prepared: usize,
+    /// Perspectives compiled into their apply functions.
+    pub apply_functions: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -372,6 +375,49 @@ async fn setup_and_prepare(
                 }
             }
         }
+    }
+    if !problems.is_empty() {
+        return Err(MigrateError::InvalidPerspectives(ConfigError {
+            source: source.to_string(),
+            problems,
+        }));
+    }
+
+    // Every statement prepares: compile each perspective into its apply function.
+    for (index, p) in config.perspectives.iter().enumerate() {
+        let sql = create_apply_function(schema, p);
+        let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
+        match sqlx::raw_sql(&sql).execute(&mut *sp).await {
+            Ok(_) => sp.commit().await.map_err(db_err("releasing a savepoint"))?,
+            Err(e) => {
+                sp.rollback()
+                    .await
+                    .map_err(db_err("rolling back a savepoint"))?;
+                problems.push(Problem {
+                    path: format!("perspectives[{index}] ({}).handlers", p.name),
+                    message: format!(
+                        "cannot compile the apply function: {}",
+                        describe_error(&e, None)
+                    ),
+                });
+                continue;
+            }
+        }
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_perspectives (perspective_name, definition_hash, apply_function)
+             VALUES ($1, $2, $3)
+             ON CONFLICT (perspective_name) DO UPDATE
+               SET definition_hash = excluded.definition_hash, apply_function = excluded.apply_function,
+                   updated_at = now()
+             WHERE wh_perspectives.definition_hash <> excluded.definition_hash"
+        ))
+        .bind(&p.name)
+        .bind(definition_hash(p))
+        .bind(apply_function_name(&p.name))
+        .execute(&mut *conn)
+        .await
+        .map_err(db_err("recording the compiled perspective"))?;
+        report.apply_functions += 1;
     }
     if problems.is_empty() {
         Ok(())

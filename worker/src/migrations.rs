@@ -12,11 +12,18 @@ pub struct Migration {
 
 /// Every migration this binary knows, in version order. Applied migrations are immutable:
 /// change the schema by adding a file, never by editing one (their checksums are recorded).
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_event_store.sql",
-    template: include_str!("../../migrations/0001_event_store.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_event_store.sql",
+        template: include_str!("../../migrations/0001_event_store.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_engine.sql",
+        template: include_str!("../../migrations/0002_engine.sql"),
+    },
+];
 
 /// The placeholder replaced by the schema name.
 const PLACEHOLDER: &str = "{{schema}}";

@@ -1,0 +1,339 @@
+//! Compiles a perspective's handlers into one server-side PL/pgSQL function that applies a whole
+//! (stream, perspective) group of events per round trip.
+//!
+//! Round trips dominate the apply path, so instead of one client statement per event the worker
+//! calls `<schema>.wh_apply_<perspective>(stream, arrays of event fields, …)` once per group. The
+//! handler SQL becomes static SQL inside the function (plans are cached per session), `:params`
+//! become PL/pgSQL variables, and per event the function sets `perspective.user_id` /
+//! `perspective.tenant_id` with `set_config(…, true)` before running that event's handler.
+//!
+//! Exactly-once lives here: the function locks the group's cursor row, skips events at or below
+//! `last_version`, refuses to apply past a pending row of the pair that is not in the group
+//! (ordering), and advances the cursor in the same transaction as the model changes. A group is
+//! first applied in one subtransaction; only if that fails is it replayed event by event, each
+//! in its own subtransaction, to commit the good prefix and record the failing event (error,
+//! backoff in `scheduled_for`, lease released; cursor status Failed).
+
+use sha2::{Digest, Sha256};
+
+use crate::config::PerspectiveConfig;
+use crate::sql_params::{Param, ParsedStatement};
+
+/// Name of the apply function of `perspective` (always a valid identifier of at most 63 bytes).
+pub fn apply_function_name(perspective: &str) -> String {
+    let name = format!("wh_apply_{perspective}");
+    if name.len() <= 63 {
+        name
+    } else {
+        let hash = hex::encode(&Sha256::digest(perspective.as_bytes())[..4]);
+        format!("wh_apply_{}_{hash}", &perspective[..44])
+    }
+}
+
+/// Hash of everything the compiled function depends on (handlers, name), recorded by `migrate`
+/// so a worker notices handlers that were changed without migrating.
+pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
+    let mut h = Sha256::new();
+    h.update(FORMAT_VERSION.as_bytes());
+    h.update(perspective.name.as_bytes());
+    for (event_type, sql) in &perspective.handlers {
+        h.update([0u8]);
+        h.update(event_type.as_bytes());
+        h.update([0u8]);
+        h.update(sql.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// Bumped whenever the generated code changes shape.
+const FORMAT_VERSION: &str = "apply-v1";
+
+fn variable(p: Param) -> String {
+    format!("_wh_{}", p.name())
+}
+
+/// One handler statement as PL/pgSQL: parameters become variables; a bare SELECT becomes
+/// PERFORM (PL/pgSQL refuses a SELECT whose result goes nowhere).
+fn render_statement(stmt: &ParsedStatement) -> String {
+    let text = stmt.render_with(variable);
+    if stmt.leading_keyword().as_deref() == Some("select") {
+        format!("PERFORM{}", &text["select".len()..])
+    } else {
+        text
+    }
+}
+
+fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// A dollar-quote tag that occurs nowhere in `body`.
+fn dollar_tag(body: &str) -> String {
+    (0..)
+        .map(|n| {
+            if n == 0 {
+                "$wh_apply$".to_string()
+            } else {
+                format!("$wh_apply{n}$")
+            }
+        })
+        .find(|tag| !body.contains(tag.as_str()))
+        .expect("some tag is free")
+}
+
+fn indent(text: &str, by: usize) -> String {
+    let pad = " ".repeat(by);
+    text.lines()
+        .map(|l| format!("{pad}{l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `CREATE OR REPLACE FUNCTION` for `perspective` in `schema`. The perspective must be valid
+/// (see [`crate::config::Config::validate`]).
+pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> String {
+    let name = &perspective.name;
+    let pname = quote_literal(name);
+    let function = apply_function_name(name);
+
+    let mut dispatch = String::new();
+    for (i, (event_type, statements)) in perspective.compiled_handlers().iter().enumerate() {
+        let keyword = if i == 0 { "IF" } else { "ELSIF" };
+        dispatch.push_str(&format!(
+            "{keyword} _wh_event_type = {} THEN\n",
+            quote_literal(event_type)
+        ));
+        for stmt in statements {
+            dispatch.push_str(&indent(&format!("{};", render_statement(stmt)), 2));
+            dispatch.push('\n');
+        }
+    }
+    dispatch.push_str("END IF;");
+
+    let bind = "\
+_wh_event_id := a_event_ids[v_i];
+_wh_stream_version := a_versions[v_i];
+_wh_event_type := a_types[v_i];
+_wh_data := a_data[v_i];
+_wh_metadata := a_metadata[v_i];
+_wh_scope := a_scope[v_i];
+_wh_created_at := a_created[v_i];
+_wh_user_id := coalesce(_wh_metadata ->> 'user_id', _wh_scope ->> 'user_id');
+_wh_tenant_id := coalesce(_wh_scope ->> 'tenant_id', _wh_metadata ->> 'tenant_id');
+PERFORM set_config('perspective.user_id', coalesce(_wh_user_id, ''), true),
+        set_config('perspective.tenant_id', coalesce(_wh_tenant_id, ''), true);";
+    let apply_one = format!("{bind}\n{dispatch}");
+
+    let body = format!(
+        r#"
+#variable_conflict use_column
+DECLARE
+  _wh_stream_id      uuid := p_stream_id;
+  _wh_event_id       uuid;
+  _wh_stream_version bigint;
+  _wh_event_type     text;
+  _wh_data           jsonb;
+  _wh_metadata       jsonb;
+  _wh_scope          jsonb;
+  _wh_created_at     timestamptz;
+  _wh_user_id        text;
+  _wh_tenant_id      text;
+  -- Local copies: PL/pgSQL keeps local arrays expanded, so a[i] is O(1).
+  a_work_ids  bigint[]      := p_work_ids;
+  a_event_ids uuid[]        := p_event_ids;
+  a_versions  bigint[]      := p_versions;
+  a_types     text[]        := p_types;
+  a_data      jsonb[]       := p_data;
+  a_metadata  jsonb[]       := p_metadata;
+  a_scope     jsonb[]       := p_scope;
+  a_created   timestamptz[] := p_created;
+  v_n         integer := coalesce(array_length(p_work_ids, 1), 0);
+  v_i         integer;
+  v_last      bigint;
+  v_gap       bigint;
+  v_ok        boolean := false;
+  v_failed    integer;
+  v_err       text;
+  v_applied   integer := 0;
+  v_new_last  bigint;
+  v_new_event uuid;
+  v_done      bigint[] := '{{}}';
+BEGIN
+  IF v_n = 0 THEN
+    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[];
+    RETURN;
+  END IF;
+
+  -- The cursor row lock serialises every apply of this (stream, perspective), in any process.
+  INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name)
+  VALUES (p_stream_id, {pname}) ON CONFLICT DO NOTHING;
+  SELECT c.last_version INTO v_last FROM {schema}.wh_perspective_cursors c
+  WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname}
+  FOR UPDATE;
+  v_new_last := v_last;
+
+  IF NOT p_force THEN
+    -- A pending row of this pair that is not in the group but sorts inside it: apply only
+    -- what comes before it.
+    SELECT min(w.stream_version) INTO v_gap FROM {schema}.wh_perspective_events w
+    WHERE w.stream_id = p_stream_id AND w.perspective_name = {pname} AND w.processed_at IS NULL
+      AND w.stream_version > v_last AND w.stream_version <= a_versions[v_n]
+      AND NOT (w.event_work_id = ANY (a_work_ids));
+  END IF;
+
+  -- Fast path: the whole group in one subtransaction.
+  BEGIN
+    FOR v_i IN 1..v_n LOOP
+      IF NOT p_force THEN
+        CONTINUE WHEN a_versions[v_i] <= v_last;
+        EXIT WHEN v_gap IS NOT NULL AND a_versions[v_i] > v_gap;
+      END IF;
+{apply_fast}
+      v_applied := v_applied + 1;
+      v_new_last := greatest(v_new_last, a_versions[v_i]);
+      v_new_event := a_event_ids[v_i];
+    END LOOP;
+    v_ok := true;
+  EXCEPTION WHEN OTHERS THEN
+    IF p_force THEN
+      RAISE;
+    END IF;
+    v_ok := false;
+  END;
+
+  -- Slow path: event by event, to keep the good prefix and isolate the failing event.
+  IF NOT v_ok THEN
+    v_applied := 0;
+    v_new_last := v_last;
+    v_new_event := NULL;
+    FOR v_i IN 1..v_n LOOP
+      CONTINUE WHEN a_versions[v_i] <= v_last;
+      EXIT WHEN v_gap IS NOT NULL AND a_versions[v_i] > v_gap;
+      BEGIN
+{apply_slow}
+      EXCEPTION WHEN OTHERS THEN
+        v_failed := v_i;
+        v_err := SQLERRM;
+      END;
+      EXIT WHEN v_failed IS NOT NULL;
+      v_applied := v_applied + 1;
+      v_new_last := greatest(v_new_last, a_versions[v_i]);
+      v_new_event := a_event_ids[v_i];
+    END LOOP;
+  END IF;
+
+  IF NOT p_force THEN
+    IF v_applied > 0 OR v_failed IS NOT NULL THEN
+      UPDATE {schema}.wh_perspective_cursors c
+         SET last_version = v_new_last,
+             last_event_id = coalesce(v_new_event, c.last_event_id),
+             status = CASE WHEN v_failed IS NULL THEN 2 ELSE 4 END,
+             error = v_err,
+             processed_at = now()
+       WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname};
+    END IF;
+    IF v_failed IS NOT NULL THEN
+      UPDATE {schema}.wh_perspective_events w
+         SET error = v_err, instance_id = NULL, lease_expiry = NULL,
+             scheduled_for = now() + make_interval(secs =>
+               least(p_retry_base_ms * power(2, greatest(w.attempts - 1, 0)), p_retry_max_ms) / 1000.0)
+       WHERE w.event_work_id = a_work_ids[v_failed];
+    END IF;
+    -- Rows at or below the cursor are done, applied now or earlier (redelivered).
+    SELECT coalesce(array_agg(a_work_ids[i]), '{{}}') INTO v_done
+    FROM generate_subscripts(a_work_ids, 1) AS i
+    WHERE a_versions[i] <= v_new_last;
+    IF p_instant AND cardinality(v_done) > 0 THEN
+      PERFORM {schema}.complete_perspective_events(v_done, p_debug);
+    END IF;
+  END IF;
+
+  RETURN QUERY SELECT v_applied, v_new_last,
+                      CASE WHEN v_failed IS NULL THEN NULL ELSE a_work_ids[v_failed] END,
+                      v_err, v_done;
+END
+"#,
+        apply_fast = indent(&apply_one, 6),
+        apply_slow = indent(&apply_one, 8),
+    );
+    let tag = dollar_tag(&body);
+    format!(
+        "CREATE OR REPLACE FUNCTION {schema}.{function}(
+    p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[], p_versions bigint[], p_types text[],
+    p_data jsonb[], p_metadata jsonb[], p_scope jsonb[], p_created timestamptz[],
+    p_instant boolean, p_debug boolean, p_force boolean,
+    p_retry_base_ms double precision, p_retry_max_ms double precision)
+RETURNS TABLE (o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text,
+               o_done_work_ids bigint[])
+LANGUAGE plpgsql
+-- Handler SQL names its tables as `setup` created them; resolve them the same way whoever calls.
+SET search_path TO {schema}, public
+AS {tag}{body}{tag}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn shop() -> Config {
+        Config::from_yaml_str(include_str!("../../examples/shop.yaml"), "shop.yaml").unwrap()
+    }
+
+    #[test]
+    fn function_names_fit_postgres_identifiers() {
+        assert_eq!(
+            apply_function_name("order_summary"),
+            "wh_apply_order_summary"
+        );
+        let long = "a".repeat(63);
+        let name = apply_function_name(&long);
+        assert!(name.len() <= 63, "{name}");
+        assert_ne!(name, apply_function_name(&format!("{}b", "a".repeat(62))));
+    }
+
+    #[test]
+    fn handlers_become_static_sql_with_variables() {
+        let config = shop();
+        let sql = create_apply_function("shop", &config.perspectives[0]);
+        assert!(sql.starts_with("CREATE OR REPLACE FUNCTION shop.wh_apply_order_summary("));
+        assert!(sql.contains("IF _wh_event_type = 'OrderPlaced' THEN"));
+        assert!(sql.contains("ELSIF _wh_event_type = 'OrderShipped' THEN"));
+        assert!(sql.contains("WHERE order_id = _wh_stream_id"));
+        assert!(!sql.contains(":stream_id"), "no named parameter is left");
+    }
+
+    #[test]
+    fn bare_select_becomes_perform() {
+        let yaml = "schema: s\nperspectives:\n  - name: p\n    handlers:\n      A: select pg_notify('x', :event_type)\n";
+        let config = Config::from_yaml_str(yaml, "t").unwrap();
+        let sql = create_apply_function("s", &config.perspectives[0]);
+        assert!(
+            sql.contains("PERFORM pg_notify('x', _wh_event_type);"),
+            "{sql}"
+        );
+    }
+
+    #[test]
+    fn dollar_tag_avoids_collisions() {
+        assert_eq!(dollar_tag("x"), "$wh_apply$");
+        assert_eq!(dollar_tag("a $wh_apply$ b"), "$wh_apply1$");
+    }
+
+    #[test]
+    fn definition_hash_tracks_handlers() {
+        let config = shop();
+        let mut changed = config.perspectives[0].clone();
+        let first = changed.handlers.keys().next().unwrap().clone();
+        changed.handlers.insert(first, "SELECT 1".into());
+        assert_ne!(
+            definition_hash(&config.perspectives[0]),
+            definition_hash(&changed)
+        );
+        assert_eq!(
+            definition_hash(&config.perspectives[0]),
+            definition_hash(&config.perspectives[0].clone())
+        );
+    }
+}

@@ -1,0 +1,423 @@
+//! Drain consumers: take stream ids from the drain channel, batch them, claim and fetch their
+//! work in one round trip, and apply every (stream, perspective) group through the runner —
+//! groups in parallel, each pair under its in-process mutex, each stream re-fetched while it
+//! keeps producing work.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use super::hooks::HookEvent;
+use super::runner::{ApplyMode, Group, WorkItem};
+use super::Ctx;
+use crate::config::CompletionStrategy;
+
+pub(crate) type SharedReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Uuid>>>;
+
+/// One consumer loop.
+pub(crate) async fn consumer(ctx: Arc<Ctx>, rx: SharedReceiver) {
+    loop {
+        let Some(batch) = next_batch(&ctx, &rx).await else {
+            return;
+        };
+        process_streams(&ctx, batch).await;
+    }
+}
+
+/// Wait for the first stream id, then gather more with the sliding window. The window only
+/// applies while another batch is being processed: an idle engine applies a lone event at once,
+/// a busy one coalesces bursts for the same streams into one pass.
+async fn next_batch(ctx: &Ctx, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
+    let opts = &ctx.config.worker.drain_batcher;
+    let mut rx = rx.lock().await;
+    let first = tokio::select! {
+        _ = ctx.shutdown.cancelled() => return None,
+        id = rx.recv() => id?,
+    };
+    let mut batch = vec![first];
+    let mut seen: HashSet<Uuid> = HashSet::from([first]);
+    let started = Instant::now();
+    let window = Duration::from_millis(opts.sliding_window_milliseconds);
+    let max_wait = Duration::from_millis(opts.max_wait_milliseconds);
+    while batch.len() < opts.max_size as usize {
+        // Whatever is already queued joins for free.
+        match rx.try_recv() {
+            Ok(id) => {
+                if seen.insert(id) {
+                    batch.push(id);
+                }
+                continue;
+            }
+            Err(_)
+                if ctx
+                    .batches_in_flight
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    == 0 =>
+            {
+                break
+            }
+            Err(_) => {}
+        }
+        let left = max_wait.saturating_sub(started.elapsed()).min(window);
+        if left.is_zero() {
+            break;
+        }
+        match tokio::time::timeout(left, rx.recv()).await {
+            Ok(Some(id)) => {
+                if seen.insert(id) {
+                    batch.push(id);
+                }
+            }
+            _ => break,
+        }
+    }
+    Some(batch)
+}
+
+/// Streams this pod is draining right now; a signal for one of them asks the running drain to
+/// look once more instead of starting a second one. The guard removes the entry on drop, so it
+/// can never be left set by a failed drain.
+struct InFlight<'a> {
+    ctx: &'a Ctx,
+    streams: Vec<Uuid>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut map = self.ctx.in_flight.lock().unwrap();
+        for s in &self.streams {
+            map.remove(s);
+        }
+    }
+}
+
+/// Claim, fetch and apply `streams`, re-fetching busy streams up to `drainLoopMaxIterations`.
+pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
+    let mine: Vec<Uuid> = {
+        let mut map = ctx.in_flight.lock().unwrap();
+        streams
+            .into_iter()
+            .filter(|s| match map.get_mut(s) {
+                Some(rerun) => {
+                    *rerun = true;
+                    false
+                }
+                None => {
+                    map.insert(*s, false);
+                    true
+                }
+            })
+            .collect()
+    };
+    if mine.is_empty() {
+        return;
+    }
+    let _guard = InFlight {
+        ctx,
+        streams: mine.clone(),
+    };
+    ctx.batches_in_flight
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let started = Instant::now();
+    let mut applied_total = 0u64;
+    let mut current = mine.clone();
+    let mut iterations = 0;
+    let max_iterations = ctx.config.worker.drain_loop_max_iterations.max(1);
+    while !current.is_empty() && iterations < max_iterations {
+        iterations += 1;
+        let (applied, busy) = drain_once(ctx, &current).await;
+        applied_total += applied;
+        // A stream signalled again while we drained it gets another pass.
+        let reruns: Vec<Uuid> = {
+            let mut map = ctx.in_flight.lock().unwrap();
+            mine.iter()
+                .filter(|s| {
+                    map.get_mut(s)
+                        .map(|r| std::mem::replace(r, false))
+                        .unwrap_or(false)
+                })
+                .copied()
+                .collect()
+        };
+        let mut next: Vec<Uuid> = busy;
+        for s in reruns {
+            if !next.contains(&s) {
+                next.push(s);
+            }
+        }
+        // Streams we stop looking at may be drained: try to retire them (see `settle`).
+        for s in current.iter().filter(|s| !next.contains(s)) {
+            let _ = ctx.settle_tx.send(*s);
+        }
+        current = next;
+    }
+    // Streams still busy after the last iteration go back to the channel for another consumer.
+    for s in current {
+        let _ = ctx.drain_tx.try_send(s);
+    }
+    ctx.batches_in_flight
+        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    ctx.metrics.batches.inc();
+    ctx.metrics
+        .batch_duration
+        .observe(started.elapsed().as_secs_f64());
+    ctx.hooks.emit(HookEvent::BatchCycleComplete {
+        streams: mine.len(),
+        events_applied: applied_total,
+    });
+}
+
+/// One claim+fetch round for `streams` and the application of everything it returned. Returns
+/// (events applied, streams worth re-fetching).
+async fn drain_once(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
+    let max_rows = (ctx.config.worker.perspective_batch_size as i64 * 8).clamp(100, 10_000)
+        * streams.len().min(8) as i64;
+    let fetched: Result<Vec<WorkItem>, sqlx::Error> = sqlx::query_as(&format!(
+        "SELECT * FROM {}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4)",
+        ctx.schema
+    ))
+    .bind(ctx.instance_id)
+    .bind(streams)
+    .bind(ctx.config.worker.lease_seconds as i32)
+    .bind(max_rows.min(i32::MAX as i64) as i32)
+    .fetch_all(&ctx.pool)
+    .await;
+    let items = match fetched {
+        Ok(items) => items,
+        Err(e) => {
+            tracing::warn!(error = %crate::db::describe_error(&e, None), "claim_and_fetch failed");
+            return (0, Vec::new());
+        }
+    };
+    let mut per_stream: BTreeMap<Uuid, usize> = streams.iter().map(|s| (*s, 0)).collect();
+    for i in &items {
+        *per_stream.entry(i.stream_id).or_default() += 1;
+    }
+    let busy: Vec<Uuid> = per_stream
+        .iter()
+        .filter(|(_, n)| **n >= ctx.config.worker.drain_loop_refetch_min_batch.max(1) as usize)
+        .map(|(s, _)| *s)
+        .collect();
+    if items.is_empty() {
+        return (0, busy);
+    }
+
+    let items = dead_letter_filter(ctx, items).await;
+    let items = dedup_filter(ctx, items);
+    let groups = group(items, ctx.config.worker.perspective_batch_size as usize);
+    let applied = apply_groups(ctx, groups).await;
+    (applied, busy)
+}
+
+/// Rows leased more often than `maxPerspectiveEventAttempts` go to the dead letters before
+/// they are tried again; if moving them fails they stay (and are tried next time).
+async fn dead_letter_filter(ctx: &Ctx, items: Vec<WorkItem>) -> Vec<WorkItem> {
+    let Some(max) = ctx.config.worker.max_perspective_event_attempts else {
+        return items;
+    };
+    let (poison, good): (Vec<WorkItem>, Vec<WorkItem>) =
+        items.into_iter().partition(|i| i.attempts > max as i32);
+    if poison.is_empty() {
+        return good;
+    }
+    let ids: Vec<i64> = poison.iter().map(|i| i.event_work_id).collect();
+    let moved = sqlx::query_scalar::<_, i32>(&format!(
+        "SELECT {}.move_to_dead_letters($1, $2)",
+        ctx.schema
+    ))
+    .bind(ctx.instance_id)
+    .bind(&ids)
+    .fetch_one(&ctx.pool)
+    .await;
+    match moved {
+        Ok(_) => {
+            for p in &poison {
+                tracing::warn!(
+                    perspective = %p.perspective_name, stream_id = %p.stream_id, stream_version = p.stream_version,
+                    attempts = p.attempts, error = p.error.as_deref().unwrap_or(""),
+                    "event moved to dead letters after too many attempts"
+                );
+                ctx.metrics
+                    .dead_letters
+                    .with_label_values(&[p.perspective_name.as_str()])
+                    .inc();
+                ctx.hooks.emit(HookEvent::DeadLettered {
+                    perspective: p.perspective_name.clone(),
+                    stream_id: p.stream_id,
+                    event_work_ids: vec![p.event_work_id],
+                });
+            }
+            good
+        }
+        Err(e) => {
+            tracing::warn!(error = %crate::db::describe_error(&e, None), "moving to dead letters failed; keeping the rows");
+            // Without the poison rows their pairs cannot advance past them anyway.
+            let blocked: HashSet<(Uuid, String)> = poison
+                .iter()
+                .map(|p| (p.stream_id, p.perspective_name.clone()))
+                .collect();
+            good.into_iter()
+                .filter(|i| !blocked.contains(&(i.stream_id, i.perspective_name.clone())))
+                .collect()
+        }
+    }
+}
+
+/// Drop rows this pod applied recently whose completion is not flushed yet.
+fn dedup_filter(ctx: &Ctx, items: Vec<WorkItem>) -> Vec<WorkItem> {
+    let now = Instant::now();
+    let mut cache = ctx.cache.lock().unwrap();
+    cache.evict_expired(now);
+    if cache.is_empty() {
+        return items;
+    }
+    let mut by_pair: BTreeMap<(Uuid, String), Vec<i64>> = BTreeMap::new();
+    for i in &items {
+        by_pair
+            .entry((i.stream_id, i.perspective_name.clone()))
+            .or_default()
+            .push(i.event_work_id);
+    }
+    let mut keep: HashSet<i64> = HashSet::new();
+    for ((stream, perspective), ids) in by_pair {
+        keep.extend(cache.filter_new(&perspective, stream, &ids, now));
+    }
+    items
+        .into_iter()
+        .filter(|i| keep.contains(&i.event_work_id))
+        .collect()
+}
+
+/// Group by (stream, perspective) in version order, in chunks of at most `batch_size`.
+fn group(items: Vec<WorkItem>, batch_size: usize) -> Vec<Vec<Group>> {
+    let mut pairs: BTreeMap<(Uuid, String), Vec<WorkItem>> = BTreeMap::new();
+    for i in items {
+        pairs
+            .entry((i.stream_id, i.perspective_name.clone()))
+            .or_default()
+            .push(i);
+    }
+    pairs
+        .into_iter()
+        .map(|((stream_id, perspective), mut items)| {
+            items.sort_by_key(|i| i.stream_version);
+            items
+                .chunks(batch_size.max(1))
+                .map(|c| Group {
+                    stream_id,
+                    perspective: perspective.clone(),
+                    items: c.to_vec(),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Apply the pairs in parallel (up to `maxConcurrentPerspectives`), the chunks of one pair in
+/// order. Returns events applied.
+async fn apply_groups(ctx: &Ctx, pairs: Vec<Vec<Group>>) -> u64 {
+    let limit = ctx.config.worker.max_concurrent_perspectives.max(1) as usize;
+    futures::stream::iter(pairs)
+        .map(|chunks| apply_pair(ctx, chunks))
+        .buffer_unordered(limit)
+        .fold(0u64, |acc, n| async move { acc + n })
+        .await
+}
+
+async fn apply_pair(ctx: &Ctx, chunks: Vec<Group>) -> u64 {
+    let Some(first) = chunks.first() else {
+        return 0;
+    };
+    let gate = ctx.pair_gate(first.stream_id, &first.perspective);
+    let held = gate.clone().lock_owned().await;
+    let mode = ApplyMode {
+        instant: ctx.config.worker.completion_strategy == CompletionStrategy::Instant,
+        debug: ctx.config.worker.debug_mode,
+        force: false,
+    };
+    let mut applied = 0u64;
+    for group in &chunks {
+        let outcome = async {
+            let mut conn = ctx.pool.acquire().await?;
+            ctx.runner.apply(&mut conn, group, mode).await
+        }
+        .await;
+        match outcome {
+            Ok(o) => {
+                applied += o.applied as u64;
+                record_outcome(ctx, group, &o, mode);
+                if o.failed.is_some() {
+                    break;
+                }
+            }
+            Err(e) => {
+                // Nothing of this group committed; its leases will lapse or be re-fetched.
+                tracing::warn!(
+                    perspective = %group.perspective, stream_id = %group.stream_id,
+                    error = %crate::db::describe_error(&e, None), "apply call failed"
+                );
+                ctx.metrics
+                    .failures
+                    .with_label_values(&[group.perspective.as_str()])
+                    .inc();
+                break;
+            }
+        }
+    }
+    drop(held);
+    ctx.release_pair_gate(first.stream_id, &first.perspective, gate);
+    applied
+}
+
+fn record_outcome(ctx: &Ctx, group: &Group, o: &super::runner::ApplyOutcome, mode: ApplyMode) {
+    let perspective = group.perspective.as_str();
+    if o.applied > 0 {
+        ctx.metrics
+            .events_processed
+            .with_label_values(&[perspective])
+            .inc_by(o.applied as u64);
+        let now = chrono::Utc::now();
+        let last = o.last_version.unwrap_or(i64::MIN);
+        for i in group.items.iter().filter(|i| i.stream_version <= last) {
+            let latency = (now - i.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+            ctx.metrics.apply_latency.observe(latency.max(0.0));
+        }
+        ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
+            perspective: group.perspective.clone(),
+            stream_id: group.stream_id,
+            event_count: o.applied,
+            last_version: last,
+        });
+    }
+    if let Some((work_id, error)) = &o.failed {
+        let version = group
+            .items
+            .iter()
+            .find(|i| i.event_work_id == *work_id)
+            .map(|i| i.stream_version);
+        tracing::warn!(
+            perspective, stream_id = %group.stream_id, stream_version = version, event_work_id = work_id,
+            error = error.as_str(), "handler failed; the event will be retried with backoff"
+        );
+        ctx.metrics.failures.with_label_values(&[perspective]).inc();
+        ctx.hooks.emit(HookEvent::PerspectiveEventFailed {
+            perspective: group.perspective.clone(),
+            stream_id: group.stream_id,
+            event_work_id: *work_id,
+            error: error.clone(),
+        });
+    }
+    if !mode.instant && !o.done_work_ids.is_empty() {
+        ctx.cache
+            .lock()
+            .unwrap()
+            .add_range(&o.done_work_ids, Instant::now());
+        for id in &o.done_work_ids {
+            let _ = ctx.completion_tx.send((*id, group.stream_id));
+        }
+    }
+}

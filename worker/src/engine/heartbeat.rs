@@ -1,0 +1,48 @@
+//! Heartbeats in `wh_service_instances`, and abandoning instances that stopped heartbeating.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Ctx;
+
+/// One heartbeat plus a stale-instance sweep. Returns how many instances were abandoned.
+pub(crate) async fn beat(ctx: &Ctx) -> Result<i32, sqlx::Error> {
+    let schema = &ctx.schema;
+    sqlx::query(&format!(
+        "SELECT {schema}.record_heartbeat($1, $2, $3, $4, $5)"
+    ))
+    .bind(ctx.instance_id)
+    .bind(&ctx.service_name)
+    .bind(&ctx.host_name)
+    .bind(std::process::id() as i32)
+    .bind(serde_json::to_value(&ctx.config.worker.instance_metadata).unwrap_or_default())
+    .execute(&ctx.pool)
+    .await?;
+    let abandoned: i32 =
+        sqlx::query_scalar(&format!("SELECT {schema}.cleanup_stale_instances($1, $2)"))
+            .bind(ctx.instance_id)
+            .bind(ctx.config.worker.abandon_stale_instance_threshold_seconds as f64)
+            .fetch_one(&ctx.pool)
+            .await?;
+    if abandoned > 0 {
+        tracing::warn!(
+            abandoned,
+            "abandoned silent worker instances; their streams are up for grabs"
+        );
+        ctx.hooks.request_immediate_poll();
+    }
+    Ok(abandoned)
+}
+
+pub(crate) async fn run(ctx: Arc<Ctx>) {
+    let every = Duration::from_secs(ctx.config.worker.heartbeat_interval_seconds.max(1) as u64);
+    loop {
+        tokio::select! {
+            _ = ctx.shutdown.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        if let Err(e) = beat(&ctx).await {
+            tracing::warn!(error = %crate::db::describe_error(&e, None), "heartbeat failed");
+        }
+    }
+}

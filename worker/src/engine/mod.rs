@@ -1,0 +1,328 @@
+//! The perspective engine: claim → drain → apply → complete.
+//!
+//! Tasks, joined by channels and stopped by one cancellation token:
+//! - [`claim`]: polls `claim_work` (tight while NOTIFY is down, relaxed while it is healthy),
+//!   woken at once by the doorbell or [`Hooks::request_immediate_poll`]; feeds stream ids into
+//!   the bounded drain channel;
+//! - [`listener`]: the LISTEN connection (doorbell → claim wake-up; health; reconnects);
+//! - [`drain`]: `maxConcurrentDrainConsumers` consumers: sliding-window batches of stream ids,
+//!   one claim+fetch round trip per batch, groups applied through the [`PerspectiveRunner`];
+//! - [`completion`]: the Batched completion flush worker and the settler that retires drained
+//!   streams;
+//! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers.
+
+pub mod claim;
+pub mod completion;
+pub mod drain;
+pub mod heartbeat;
+pub mod hooks;
+pub mod listener;
+pub mod runner;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+pub use hooks::{HookEvent, Hooks};
+pub use runner::{ApplyMode, ApplyOutcome, Group, PerspectiveRunner, SqlRunner, WorkItem};
+
+use crate::apply_sql::definition_hash;
+use crate::config::Config;
+use crate::dedup::ProcessedEventCache;
+use crate::http::Readiness;
+use crate::metrics::WorkerMetrics;
+use crate::migrations::latest_version;
+
+/// How to run an engine.
+#[derive(Clone)]
+pub struct EngineOptions {
+    pub config: Arc<Config>,
+    pub database_url: String,
+    /// Unique per process: `PERSPECTIVE_INSTANCE_ID`, else a fresh UUIDv7.
+    pub instance_id: Uuid,
+    pub service_name: String,
+    pub max_connections: u32,
+    pub runner: Option<Arc<dyn PerspectiveRunner>>,
+    pub metrics: Arc<WorkerMetrics>,
+    pub readiness: Readiness,
+    pub hooks: Hooks,
+}
+
+impl EngineOptions {
+    pub fn new(config: Config, database_url: impl Into<String>) -> Self {
+        EngineOptions {
+            config: Arc::new(config),
+            database_url: database_url.into(),
+            instance_id: Uuid::now_v7(),
+            service_name: "perspective-worker".into(),
+            max_connections: 10,
+            runner: None,
+            metrics: Arc::new(WorkerMetrics::new()),
+            readiness: Readiness::new("starting"),
+            hooks: Hooks::new(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("database error while {step}: {message}")]
+    Database { step: &'static str, message: String },
+    #[error(
+        "schema {schema} is at migration {found:?} but this worker needs {expected}: run `perspective-worker migrate` first"
+    )]
+    SchemaOutdated {
+        schema: String,
+        found: Option<i32>,
+        expected: i32,
+    },
+    #[error(
+        "perspective {perspective} in schema {schema} was compiled from a different definition than the config's: run `perspective-worker migrate` to compile the current handlers"
+    )]
+    PerspectiveOutdated { schema: String, perspective: String },
+}
+
+/// The in-process mutex serialising applies of one (stream, perspective).
+pub(crate) type PairGate = Arc<tokio::sync::Mutex<()>>;
+
+/// Shared state of the engine's tasks.
+pub(crate) struct Ctx {
+    pub config: Arc<Config>,
+    pub schema: String,
+    pub instance_id: Uuid,
+    pub service_name: String,
+    pub host_name: String,
+    pub pool: PgPool,
+    pub listen_pool: PgPool,
+    pub runner: Arc<dyn PerspectiveRunner>,
+    pub hooks: Hooks,
+    pub metrics: Arc<WorkerMetrics>,
+    pub readiness: Readiness,
+    pub cache: Mutex<ProcessedEventCache>,
+    pub drain_tx: mpsc::Sender<Uuid>,
+    pub completion_tx: mpsc::UnboundedSender<(i64, Uuid)>,
+    pub settle_tx: mpsc::UnboundedSender<Uuid>,
+    pub in_flight: Mutex<HashMap<Uuid, bool>>,
+    pub pair_gates: Mutex<HashMap<(Uuid, String), PairGate>>,
+    pub listener_healthy: AtomicBool,
+    pub batches_in_flight: AtomicUsize,
+    pub first_claim: AtomicBool,
+    pub shutdown: CancellationToken,
+}
+
+impl Ctx {
+    /// The in-process mutex of one (stream, perspective).
+    pub(crate) fn pair_gate(&self, stream: Uuid, perspective: &str) -> PairGate {
+        self.pair_gates
+            .lock()
+            .unwrap()
+            .entry((stream, perspective.to_string()))
+            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
+            .clone()
+    }
+
+    /// Forget a gate nobody else holds or waits for.
+    pub(crate) fn release_pair_gate(
+        &self,
+        stream: Uuid,
+        perspective: &str,
+        gate: Arc<tokio::sync::Mutex<()>>,
+    ) {
+        let mut gates = self.pair_gates.lock().unwrap();
+        // Ours plus the map's reference: nobody else holds or waits for it.
+        if Arc::strong_count(&gate) <= 2 {
+            gates.remove(&(stream, perspective.to_string()));
+        }
+    }
+
+    pub(crate) fn first_claim_done(&self) {
+        if !self.first_claim.swap(true, Ordering::Relaxed) {
+            self.readiness.set_ready();
+            tracing::info!(instance_id = %self.instance_id, "first claim succeeded; ready");
+        }
+    }
+}
+
+/// A running engine.
+pub struct Engine {
+    ctx: Arc<Ctx>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    flush_task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Verify the schema, register the instance and start every task.
+    pub async fn start(
+        options: EngineOptions,
+        shutdown: CancellationToken,
+    ) -> Result<Engine, EngineError> {
+        let config = options.config.clone();
+        let schema = config.schema.clone();
+        let connect = |app: &str| crate::db::connect_options(&options.database_url, app);
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections.max(2))
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
+            .await
+            .map_err(|e| db("connecting to PostgreSQL", e))?;
+        let listen_pool = PgPoolOptions::new().max_connections(1).connect_lazy_with(
+            connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
+        );
+
+        verify_schema(&pool, &config).await?;
+
+        let (drain_tx, drain_rx) =
+            mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
+        let (completion_tx, completion_rx) = mpsc::unbounded_channel();
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        for p in &config.perspectives {
+            options.metrics.init_perspective(&p.name);
+        }
+        let runner = options
+            .runner
+            .clone()
+            .unwrap_or_else(|| Arc::new(SqlRunner::new(&config)));
+        let ctx = Arc::new(Ctx {
+            schema,
+            instance_id: options.instance_id,
+            service_name: options.service_name.clone(),
+            host_name: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
+            pool,
+            listen_pool,
+            runner,
+            hooks: options.hooks.clone(),
+            metrics: options.metrics.clone(),
+            readiness: options.readiness.clone(),
+            cache: Mutex::new(ProcessedEventCache::new(Duration::from_secs(
+                config.worker.lease_seconds as u64,
+            ))),
+            drain_tx,
+            completion_tx,
+            settle_tx,
+            in_flight: Mutex::new(HashMap::new()),
+            pair_gates: Mutex::new(HashMap::new()),
+            listener_healthy: AtomicBool::new(false),
+            batches_in_flight: AtomicUsize::new(0),
+            first_claim: AtomicBool::new(false),
+            shutdown,
+            config,
+        });
+        ctx.readiness.set_not_ready("first claim pending");
+
+        // Register before the first claim, so it ranks us among the live instances.
+        heartbeat::beat(&ctx)
+            .await
+            .map_err(|e| db("registering the instance", e))?;
+        tracing::info!(instance_id = %ctx.instance_id, schema = %ctx.schema, "worker instance registered");
+
+        let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(listener::run(ctx.clone())));
+        tasks.push(tokio::spawn(heartbeat::run(ctx.clone())));
+        tasks.push(tokio::spawn(completion::settler(ctx.clone(), settle_rx)));
+        let rx: drain::SharedReceiver = Arc::new(tokio::sync::Mutex::new(drain_rx));
+        for _ in 0..ctx.config.worker.max_concurrent_drain_consumers.max(1) {
+            tasks.push(tokio::spawn(drain::consumer(ctx.clone(), rx.clone())));
+        }
+        tasks.push(tokio::spawn(claim::run(ctx.clone())));
+        let flush_task = Some(tokio::spawn(completion::flush_worker(
+            ctx.clone(),
+            completion_rx,
+        )));
+        Ok(Engine {
+            ctx,
+            tasks,
+            flush_task,
+        })
+    }
+
+    pub fn hooks(&self) -> &Hooks {
+        &self.ctx.hooks
+    }
+
+    pub fn instance_id(&self) -> Uuid {
+        self.ctx.instance_id
+    }
+
+    /// Wait for the shutdown token, then stop: no new claims, in-flight batches finish,
+    /// completions are flushed, leases and streams are released, the instance deregisters.
+    pub async fn run_until_stopped(mut self) -> Result<(), EngineError> {
+        self.ctx.shutdown.cancelled().await;
+        tracing::info!("stopping: finishing in-flight work");
+        self.ctx.readiness.set_not_ready("shutting down");
+        for t in self.tasks.drain(..) {
+            let _ = t.await;
+        }
+        if let Some(t) = self.flush_task.take() {
+            let _ = t.await;
+        }
+        sqlx::query(&format!(
+            "SELECT {}.deregister_instance($1)",
+            self.ctx.schema
+        ))
+        .bind(self.ctx.instance_id)
+        .execute(&self.ctx.pool)
+        .await
+        .map_err(|e| db("deregistering the instance", e))?;
+        self.ctx.pool.close().await;
+        tracing::info!(instance_id = %self.ctx.instance_id, "stopped; leases released and instance deregistered");
+        Ok(())
+    }
+}
+
+fn db(step: &'static str, e: sqlx::Error) -> EngineError {
+    EngineError::Database {
+        step,
+        message: crate::db::describe_error(&e, None),
+    }
+}
+
+/// The schema must be at this binary's migration and every perspective compiled from the
+/// config's current definition.
+async fn verify_schema(pool: &PgPool, config: &Config) -> Result<(), EngineError> {
+    let schema = &config.schema;
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(format!("{schema}.wh_schema_migrations"))
+        .fetch_one(pool)
+        .await
+        .map_err(|e| db("checking the schema", e))?;
+    let found: Option<i32> = if exists {
+        sqlx::query_scalar(&format!(
+            "SELECT max(version) FROM {schema}.wh_schema_migrations"
+        ))
+        .fetch_one(pool)
+        .await
+        .map_err(|e| db("checking the schema", e))?
+    } else {
+        None
+    };
+    if found != Some(latest_version()) {
+        return Err(EngineError::SchemaOutdated {
+            schema: schema.clone(),
+            found,
+            expected: latest_version(),
+        });
+    }
+    let compiled: HashMap<String, String> = sqlx::query_as::<_, (String, String)>(&format!(
+        "SELECT perspective_name, definition_hash FROM {schema}.wh_perspectives"
+    ))
+    .fetch_all(pool)
+    .await
+    .map_err(|e| db("checking compiled perspectives", e))?
+    .into_iter()
+    .collect();
+    for p in &config.perspectives {
+        if compiled.get(&p.name) != Some(&definition_hash(p)) {
+            return Err(EngineError::PerspectiveOutdated {
+                schema: schema.clone(),
+                perspective: p.name.clone(),
+            });
+        }
+    }
+    Ok(())
+}

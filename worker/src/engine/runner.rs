@@ -1,0 +1,158 @@
+//! Applying a (stream, perspective) group of events: the `PerspectiveRunner` trait and the SQL
+//! runner that calls the perspective's compiled apply function (see `apply_sql`).
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use futures::future::BoxFuture;
+use serde_json::Value;
+use sqlx::postgres::PgConnection;
+use sqlx::Row;
+use uuid::Uuid;
+
+use crate::apply_sql::apply_function_name;
+use crate::config::Config;
+
+/// One claimed work row with its event.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct WorkItem {
+    pub event_work_id: i64,
+    pub stream_id: Uuid,
+    pub perspective_name: String,
+    pub event_id: Uuid,
+    pub stream_version: i64,
+    pub attempts: i32,
+    pub error: Option<String>,
+    pub event_type: String,
+    pub event_data: Value,
+    pub metadata: Value,
+    pub scope: Value,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Events of one (stream, perspective), in stream-version order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    pub stream_id: Uuid,
+    pub perspective: String,
+    pub items: Vec<WorkItem>,
+}
+
+/// How a group is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ApplyMode {
+    /// Retire the applied work rows inside the apply transaction (Instant completion).
+    pub instant: bool,
+    /// Keep retired rows, stamped, instead of deleting them.
+    pub debug: bool,
+    /// Apply regardless of the cursor and without moving it (dead-letter replay).
+    pub force: bool,
+}
+
+/// What applying a group did.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ApplyOutcome {
+    /// Events applied now.
+    pub applied: u32,
+    /// The cursor after the call.
+    pub last_version: Option<i64>,
+    /// The event that failed (its work id) and why; events after it were not applied.
+    pub failed: Option<(i64, String)>,
+    /// Work rows at or below the cursor (applied now or earlier): ready to be completed.
+    pub done_work_ids: Vec<i64>,
+}
+
+/// Applies groups of events to perspectives. The model change and the cursor advance must
+/// commit together, and events at or below the cursor must be skipped: that is what makes
+/// delivery exactly-once. Implement it to compile your own perspectives into your own worker.
+pub trait PerspectiveRunner: Send + Sync {
+    fn apply<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        group: &'a Group,
+        mode: ApplyMode,
+    ) -> BoxFuture<'a, Result<ApplyOutcome, sqlx::Error>>;
+}
+
+/// The runner for SQL handlers: one call of the perspective's apply function per group.
+#[derive(Debug, Clone)]
+pub struct SqlRunner {
+    schema: String,
+    functions: HashMap<String, String>,
+    retry_base_ms: f64,
+    retry_max_ms: f64,
+}
+
+impl SqlRunner {
+    pub fn new(config: &Config) -> Self {
+        SqlRunner {
+            schema: config.schema.clone(),
+            functions: config
+                .perspectives
+                .iter()
+                .map(|p| (p.name.clone(), apply_function_name(&p.name)))
+                .collect(),
+            retry_base_ms: config.worker.failure_retry_base_milliseconds as f64,
+            retry_max_ms: config.worker.failure_retry_max_milliseconds as f64,
+        }
+    }
+}
+
+impl PerspectiveRunner for SqlRunner {
+    fn apply<'a>(
+        &'a self,
+        conn: &'a mut PgConnection,
+        group: &'a Group,
+        mode: ApplyMode,
+    ) -> BoxFuture<'a, Result<ApplyOutcome, sqlx::Error>> {
+        Box::pin(async move {
+            let Some(function) = self.functions.get(&group.perspective) else {
+                return Err(sqlx::Error::Protocol(format!(
+                    "perspective {} is not in the config",
+                    group.perspective
+                )));
+            };
+            let items = &group.items;
+            let sql = format!(
+                "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids
+                 FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+                self.schema
+            );
+            let row = sqlx::query(&sql)
+                .bind(group.stream_id)
+                .bind(items.iter().map(|i| i.event_work_id).collect::<Vec<_>>())
+                .bind(items.iter().map(|i| i.event_id).collect::<Vec<_>>())
+                .bind(items.iter().map(|i| i.stream_version).collect::<Vec<_>>())
+                .bind(
+                    items
+                        .iter()
+                        .map(|i| i.event_type.clone())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(
+                    items
+                        .iter()
+                        .map(|i| i.event_data.clone())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(items.iter().map(|i| i.metadata.clone()).collect::<Vec<_>>())
+                .bind(items.iter().map(|i| i.scope.clone()).collect::<Vec<_>>())
+                .bind(items.iter().map(|i| i.created_at).collect::<Vec<_>>())
+                .bind(mode.instant)
+                .bind(mode.debug)
+                .bind(mode.force)
+                .bind(self.retry_base_ms)
+                .bind(self.retry_max_ms)
+                .fetch_one(&mut *conn)
+                .await?;
+            let failed_id: Option<i64> = row.get(2);
+            let error: Option<String> = row.get(3);
+            Ok(ApplyOutcome {
+                applied: row.get::<i32, _>(0) as u32,
+                last_version: row.get(1),
+                failed: failed_id.map(|id| (id, error.unwrap_or_default())),
+                done_work_ids: row.get(4),
+            })
+        })
+    }
+}

@@ -1,0 +1,346 @@
+//! The worker's HTTP endpoints: `/livez`, `/readyz` and `/metrics`.
+//!
+//! Kubernetes probes and Prometheus scrape these (the operator points the StatefulSet's probes
+//! and metrics port at them, DESIGN §7), so their semantics are deliberately narrow:
+//!
+//! - `/livez` answers 200 `ok` as long as the process serves HTTP at all. It never checks the
+//!   database: a database outage must not make the kubelet restart every worker pod, which
+//!   would only add a thundering herd to the outage.
+//! - `/readyz` answers 200 `ready` once the engine has said so through the shared
+//!   [`Readiness`] handle (schema verified, first claim done), and 503 with the reason
+//!   otherwise, so `kubectl describe pod` tells a person *why* a pod is not ready. Shutdown flips
+//!   it back to not ready first.
+//! - `/metrics` renders [`WorkerMetrics`] in the Prometheus text format.
+//!
+//! The server binds before returning, so `127.0.0.1:0` yields a free port that the caller
+//! learns (and logs), and it drains in-flight requests when the cancellation token fires.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::WorkerMetrics;
+
+/// The content type of the Prometheus text exposition format.
+pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
+
+/// Whether the worker is ready for traffic, and if not, why. Cheap to clone; all clones share
+/// one state.
+#[derive(Clone)]
+pub struct Readiness {
+    inner: Arc<ReadinessInner>,
+}
+
+struct ReadinessInner {
+    ready: AtomicBool,
+    reason: Mutex<String>,
+}
+
+impl Readiness {
+    /// A handle that is not ready, for `reason` (e.g. "migrations not verified").
+    pub fn new(reason: impl Into<String>) -> Self {
+        Readiness {
+            inner: Arc::new(ReadinessInner {
+                ready: AtomicBool::new(false),
+                reason: Mutex::new(reason.into()),
+            }),
+        }
+    }
+
+    /// Marks the worker ready.
+    pub fn set_ready(&self) {
+        self.inner.ready.store(true, Ordering::SeqCst);
+    }
+
+    /// Marks the worker not ready, for `reason` (shown in the 503 body).
+    pub fn set_not_ready(&self, reason: impl Into<String>) {
+        // Reason first, so a reader that sees "not ready" never sees a stale reason.
+        *self.reason_lock() = reason.into();
+        self.inner.ready.store(false, Ordering::SeqCst);
+    }
+
+    /// True once [`Readiness::set_ready`] was called (and not undone).
+    pub fn is_ready(&self) -> bool {
+        self.inner.ready.load(Ordering::SeqCst)
+    }
+
+    /// Why the worker is not ready; `None` when it is ready.
+    pub fn reason(&self) -> Option<String> {
+        if self.is_ready() {
+            None
+        } else {
+            Some(self.reason_lock().clone())
+        }
+    }
+
+    fn reason_lock(&self) -> std::sync::MutexGuard<'_, String> {
+        // A panic while holding the lock cannot leave a String half-written; keep serving.
+        self.inner
+            .reason
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Default for Readiness {
+    /// Not ready: "starting".
+    fn default() -> Self {
+        Readiness::new("starting")
+    }
+}
+
+impl std::fmt::Debug for Readiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Readiness")
+            .field("ready", &self.is_ready())
+            .field("reason", &self.reason())
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    readiness: Readiness,
+    metrics: Arc<WorkerMetrics>,
+}
+
+/// The endpoint router, for embedding in another server or testing without a socket.
+pub fn router(readiness: Readiness, metrics: Arc<WorkerMetrics>) -> Router {
+    Router::new()
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_handler))
+        .with_state(AppState { readiness, metrics })
+}
+
+async fn livez() -> &'static str {
+    "ok"
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    match state.readiness.reason() {
+        None => (StatusCode::OK, "ready").into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {reason}"),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics_handler(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Binds `addr` and serves the endpoints until `shutdown` is cancelled, then finishes the
+/// requests in flight and returns. Returns the bound address (the real port when `addr` asked
+/// for port 0) and the server task.
+pub async fn serve(
+    addr: SocketAddr,
+    readiness: Readiness,
+    metrics: Arc<WorkerMetrics>,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), std::io::Error> {
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("could not listen for HTTP on {addr}: {e}"),
+        )
+    })?;
+    let local = listener.local_addr()?;
+    tracing::info!("HTTP endpoints on http://{local} (/livez, /readyz, /metrics)");
+    let app = router(readiness, metrics);
+    let task = tokio::spawn(async move {
+        let result = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+        match result {
+            Ok(()) => tracing::debug!("HTTP endpoints on {local} stopped"),
+            Err(e) => tracing::error!("HTTP server on {local} failed: {e}"),
+        }
+    });
+    Ok((local, task))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    struct Reply {
+        status: u16,
+        headers: String,
+        body: String,
+    }
+
+    /// A minimal HTTP/1.1 GET: one request, `Connection: close`, read to EOF.
+    async fn get(addr: SocketAddr, path: &str) -> std::io::Result<Reply> {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        stream
+            .write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await?;
+        let mut raw = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no reply"))??;
+        let text = String::from_utf8(raw).expect("utf-8 reply");
+        let (head, body) = text.split_once("\r\n\r\n").expect("header/body separator");
+        let (status_line, headers) = head.split_once("\r\n").unwrap_or((head, ""));
+        let status = status_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .expect("status code");
+        Ok(Reply {
+            status,
+            headers: headers.to_ascii_lowercase(),
+            body: body.to_string(),
+        })
+    }
+
+    async fn start() -> (
+        SocketAddr,
+        tokio::task::JoinHandle<()>,
+        Readiness,
+        Arc<WorkerMetrics>,
+        CancellationToken,
+    ) {
+        let readiness = Readiness::new("migrations not verified");
+        let metrics = Arc::new(WorkerMetrics::new());
+        let token = CancellationToken::new();
+        let (addr, task) = serve(
+            "127.0.0.1:0".parse().unwrap(),
+            readiness.clone(),
+            metrics.clone(),
+            token.clone(),
+        )
+        .await
+        .expect("bind");
+        assert_ne!(addr.port(), 0, "the real port is returned");
+        (addr, task, readiness, metrics, token)
+    }
+
+    #[tokio::test]
+    async fn livez_is_ok() {
+        let (addr, _task, _r, _m, token) = start().await;
+        let reply = get(addr, "/livez").await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.body, "ok");
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn readyz_reports_reason_until_ready() {
+        let (addr, _task, readiness, _m, token) = start().await;
+        let reply = get(addr, "/readyz").await.unwrap();
+        assert_eq!(reply.status, 503);
+        assert!(
+            reply.body.contains("migrations not verified"),
+            "{}",
+            reply.body
+        );
+
+        readiness.set_not_ready("first claim pending");
+        let reply = get(addr, "/readyz").await.unwrap();
+        assert_eq!(reply.status, 503);
+        assert!(reply.body.contains("first claim pending"), "{}", reply.body);
+
+        readiness.set_ready();
+        let reply = get(addr, "/readyz").await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.body, "ready");
+
+        readiness.set_not_ready("shutting down");
+        let reply = get(addr, "/readyz").await.unwrap();
+        assert_eq!(reply.status, 503);
+        assert!(reply.body.contains("shutting down"), "{}", reply.body);
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn metrics_are_prometheus_text() {
+        let (addr, _task, _r, metrics, token) = start().await;
+        metrics.batches.inc();
+        let reply = get(addr, "/metrics").await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert!(
+            reply
+                .headers
+                .contains("content-type: text/plain; version=0.0.4"),
+            "{}",
+            reply.headers
+        );
+        assert!(
+            reply.body.contains("perspective_batches_total 1"),
+            "{}",
+            reply.body
+        );
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn unknown_path_is_404() {
+        let (addr, _task, _r, _m, token) = start().await;
+        assert_eq!(get(addr, "/nope").await.unwrap().status, 404);
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn server_stops_after_cancel() {
+        let (addr, task, _r, _m, token) = start().await;
+        assert_eq!(get(addr, "/livez").await.unwrap().status, 200);
+        token.cancel();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("server task ends after cancel")
+            .expect("server task did not panic");
+        let err = tokio::net::TcpStream::connect(addr)
+            .await
+            .expect_err("nothing listens after shutdown");
+        assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
+    }
+
+    #[tokio::test]
+    async fn bind_conflict_is_an_error() {
+        let (addr, _task, _r, _m, token) = start().await;
+        let err = serve(
+            addr,
+            Readiness::default(),
+            Arc::new(WorkerMetrics::new()),
+            CancellationToken::new(),
+        )
+        .await
+        .expect_err("port already taken");
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
+        token.cancel();
+    }
+
+    #[test]
+    fn readiness_clones_share_state() {
+        let a = Readiness::default();
+        let b = a.clone();
+        assert!(!b.is_ready());
+        assert_eq!(b.reason().as_deref(), Some("starting"));
+        a.set_ready();
+        assert!(b.is_ready());
+        assert_eq!(b.reason(), None);
+        b.set_not_ready("draining");
+        assert!(!a.is_ready());
+        assert_eq!(a.reason().as_deref(), Some("draining"));
+    }
+}
