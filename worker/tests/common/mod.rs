@@ -120,3 +120,161 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A running in-process engine; stop it with [`RunningEngine::stop`].
+pub struct RunningEngine {
+    pub hooks: perspective_worker::engine::Hooks,
+    pub instance_id: uuid::Uuid,
+    pub metrics: std::sync::Arc<perspective_worker::metrics::WorkerMetrics>,
+    shutdown: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), perspective_worker::engine::EngineError>>,
+}
+
+impl RunningEngine {
+    pub async fn start(config: &Config) -> RunningEngine {
+        let options =
+            perspective_worker::engine::EngineOptions::new(config.clone(), database_url());
+        Self::start_with(options).await
+    }
+
+    pub async fn start_with(options: perspective_worker::engine::EngineOptions) -> RunningEngine {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let hooks = options.hooks.clone();
+        let metrics = options.metrics.clone();
+        let engine = perspective_worker::engine::Engine::start(options, shutdown.clone())
+            .await
+            .expect("engine starts");
+        let instance_id = engine.instance_id();
+        let task = tokio::spawn(engine.run_until_stopped());
+        RunningEngine {
+            hooks,
+            instance_id,
+            metrics,
+            shutdown,
+            task,
+        }
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("engine stops in time")
+            .expect("engine task")
+            .expect("engine stops cleanly");
+    }
+}
+
+/// Config with perspectives `p1` and `p2`, each recording, per stream, the versions it applied
+/// (in `seen_p1` / `seen_p2`), for event types A and B. `extra` is appended to the YAML
+/// (worker/claimWorker options).
+pub fn recording_yaml(schema: &str, extra: &str) -> String {
+    let mut y = format!("schema: {schema}\nperspectives:\n");
+    for p in ["p1", "p2"] {
+        y.push_str(&format!(
+            "  - name: {p}
+    setup: CREATE TABLE IF NOT EXISTS seen_{p} (stream_id uuid PRIMARY KEY, versions bigint[] NOT NULL)
+    handlers:
+      A: INSERT INTO seen_{p} AS s VALUES (:stream_id, ARRAY[:stream_version]) ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version
+      B: INSERT INTO seen_{p} AS s VALUES (:stream_id, ARRAY[:stream_version]) ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version
+"
+        ));
+    }
+    y.push_str(extra);
+    y
+}
+
+/// Migrate a config into the test database.
+pub async fn migrate_config(config: &Config) {
+    let mut conn = connect().await;
+    migrate(&mut conn, config, "test.yaml", MigrateOptions::default())
+        .await
+        .expect("migrate");
+}
+
+/// Append `per_stream` events of type A to each stream, from `writers` concurrent tasks, in
+/// transactions of `per_tx` events.
+pub async fn append_load(
+    schema: &str,
+    streams: &[uuid::Uuid],
+    per_stream: usize,
+    writers: usize,
+    per_tx: usize,
+) {
+    let pool = pool(writers as u32).await;
+    let mut jobs: Vec<uuid::Uuid> = Vec::new();
+    for _ in 0..per_stream {
+        jobs.extend_from_slice(streams);
+    }
+    let chunks: Vec<Vec<uuid::Uuid>> = jobs.chunks(per_tx).map(|c| c.to_vec()).collect();
+    let chunks = std::sync::Arc::new(std::sync::Mutex::new(chunks.into_iter()));
+    let mut tasks = Vec::new();
+    for _ in 0..writers {
+        let pool = pool.clone();
+        let chunks = chunks.clone();
+        let sql = format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type, metadata)
+             SELECT s, 'A', '{{\"user_id\": \"load\"}}' FROM unnest($1::uuid[]) WITH ORDINALITY AS x(s, o) ORDER BY o"
+        );
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let next = chunks.lock().unwrap().next();
+                let Some(chunk) = next else { break };
+                sqlx::query(&sql)
+                    .bind(&chunk)
+                    .execute(&pool)
+                    .await
+                    .expect("append");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// Wait until no work row is pending in `schema`.
+pub async fn wait_drained(schema: &str, timeout: Duration) {
+    let pool = pool(1).await;
+    let sql =
+        format!("SELECT count(*) FROM {schema}.wh_perspective_events WHERE processed_at IS NULL");
+    wait_until("all work applied", timeout, || {
+        let pool = pool.clone();
+        let sql = sql.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(&sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == 0
+        }
+    })
+    .await;
+}
+
+/// Every stream's recorded versions in both perspectives must be exactly 1..n, n being the
+/// stream's event count.
+pub async fn assert_exactly_once(schema: &str, expected_streams: usize) {
+    let mut conn = connect().await;
+    for p in ["p1", "p2"] {
+        let bad: Vec<(uuid::Uuid, Vec<i64>, i64)> = sqlx::query_as(&format!(
+            "SELECT s.stream_id, s.versions, h.version
+             FROM {schema}.seen_{p} s JOIN {schema}.wh_streams h USING (stream_id)
+             WHERE s.versions <> ARRAY(SELECT generate_series(1, h.version))"
+        ))
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        assert!(
+            bad.is_empty(),
+            "{p}: {} stream(s) not applied exactly once in order, e.g. {:?}",
+            bad.len(),
+            bad.first()
+        );
+        let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {schema}.seen_{p}"))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(n as usize, expected_streams, "{p}: every stream has a row");
+    }
+}

@@ -1,0 +1,607 @@
+//! The engine against a real PostgreSQL: exactly-once and in order with several instances,
+//! redelivery, poison events and dead letters, per-event security context, NOTIFY wake-up
+//! latency, LISTEN loss, and idle load.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use perspective_worker::engine::{
+    ApplyMode, Group, HookEvent, PerspectiveRunner, SqlRunner, WorkItem,
+};
+use sqlx::Row;
+use uuid::Uuid;
+
+const FAST: &str = "worker:
+  failureRetryBaseMilliseconds: 20
+  failureRetryMaxMilliseconds: 200
+  drainBatcher: { slidingWindowMilliseconds: 20, maxWaitMilliseconds: 200 }
+claimWorker:
+  pollingIntervalMilliseconds: 100
+";
+
+async fn exactly_once_with_three_instances(strategy: &str) {
+    let schema = unique_schema(&format!("eo_{}", &strategy[..4].to_lowercase()));
+    let config = {
+        let mut c = parse_config(&recording_yaml(&schema, FAST));
+        c.worker.completion_strategy = match strategy {
+            "Instant" => perspective_worker::config::CompletionStrategy::Instant,
+            _ => perspective_worker::config::CompletionStrategy::Batched,
+        };
+        c
+    };
+    migrate_config(&config).await;
+    let engines = vec![
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+    ];
+    let streams: Vec<Uuid> = (0..300).map(|_| Uuid::now_v7()).collect();
+    // 30 000 events while the three instances race for them.
+    append_load(&schema, &streams, 100, 6, 50).await;
+    wait_drained(&schema, Duration::from_secs(180)).await;
+    for e in engines {
+        e.stop().await;
+    }
+    assert_exactly_once(&schema, 300).await;
+    let mut conn = connect().await;
+    let (events, cursors_behind): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT (SELECT count(*) FROM {schema}.wh_event_store),
+                (SELECT count(*) FROM {schema}.wh_perspective_cursors c JOIN {schema}.wh_streams s USING (stream_id)
+                 WHERE c.last_version <> s.version)"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(events, 30_000);
+    assert_eq!(cursors_behind, 0);
+    let (instances, active): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT (SELECT count(*) FROM {schema}.wh_service_instances), (SELECT count(*) FROM {schema}.wh_active_streams)"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(instances, 0, "stopped instances deregister");
+    assert_eq!(active, 0, "drained streams are retired");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_instances_apply_every_event_exactly_once_in_order_batched() {
+    exactly_once_with_three_instances("Batched").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_instances_apply_every_event_exactly_once_in_order_instant() {
+    exactly_once_with_three_instances("Instant").await;
+}
+
+/// Claim and fetch like a worker would, without applying.
+async fn fetch(schema: &str, instance: Uuid, streams: &[Uuid]) -> Vec<WorkItem> {
+    let mut conn = connect().await;
+    sqlx::query(&format!(
+        "SELECT {schema}.record_heartbeat($1, 't', 'h', 1)"
+    ))
+    .bind(instance)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let _: Vec<Uuid> = sqlx::query_scalar(&format!(
+        "SELECT stream_id FROM {schema}.claim_work($1, 100, 300, 30)"
+    ))
+    .bind(instance)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query_as(&format!(
+        "SELECT * FROM {schema}.claim_and_fetch_pending_perspective_events($1, $2, 300, 1000)"
+    ))
+    .bind(instance)
+    .bind(streams)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap()
+}
+
+fn groups(items: Vec<WorkItem>) -> Vec<Group> {
+    let mut out: Vec<Group> = Vec::new();
+    for i in items {
+        match out
+            .iter_mut()
+            .find(|g| g.stream_id == i.stream_id && g.perspective == i.perspective_name)
+        {
+            Some(g) => g.items.push(i),
+            None => out.push(Group {
+                stream_id: i.stream_id,
+                perspective: i.perspective_name.clone(),
+                items: vec![i],
+            }),
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn redelivered_work_is_never_applied_twice() {
+    let schema = unique_schema("redeliver");
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let runner = SqlRunner::new(&config);
+    let instance = Uuid::now_v7();
+    let (s1, s2) = (Uuid::now_v7(), Uuid::now_v7());
+    append_load(&schema, &[s1, s2], 3, 1, 10).await;
+
+    // Cycle 1: apply everything, but do not complete (a Batched flush that has not run yet).
+    let first = fetch(&schema, instance, &[s1, s2]).await;
+    assert_eq!(first.len(), 12, "2 streams × 3 events × 2 perspectives");
+    let mut conn = connect().await;
+    let mut done = Vec::new();
+    for g in groups(first.clone()) {
+        let o = runner
+            .apply(&mut conn, &g, ApplyMode::default())
+            .await
+            .unwrap();
+        assert_eq!(o.applied, 3);
+        done.extend(o.done_work_ids);
+    }
+    assert_eq!(
+        done.len(),
+        12,
+        "every applied row is reported for completion"
+    );
+
+    // Cycle 2: the same rows are still there; the fetch does not hand them out again...
+    assert!(fetch(&schema, instance, &[s1, s2]).await.is_empty());
+    // ...and even handed to the runner again (same work ids), nothing is re-applied.
+    for g in groups(first.clone()) {
+        let o = runner
+            .apply(&mut conn, &g, ApplyMode::default())
+            .await
+            .unwrap();
+        assert_eq!(o.applied, 0, "redelivered work is skipped by the cursor");
+        assert_eq!(
+            o.done_work_ids.len(),
+            3,
+            "and reported done so its rows get deleted"
+        );
+    }
+    assert_exactly_once(&schema, 2).await;
+
+    // New work for one stream (different work ids) is applied; the other stream is untouched.
+    append_load(&schema, &[s1], 1, 1, 1).await;
+    let next = fetch(&schema, instance, &[s1, s2]).await;
+    assert_eq!(next.len(), 2);
+    assert!(next
+        .iter()
+        .all(|i| i.stream_id == s1 && i.stream_version == 4));
+    for g in groups(next) {
+        assert_eq!(
+            runner
+                .apply(&mut conn, &g, ApplyMode::default())
+                .await
+                .unwrap()
+                .applied,
+            1
+        );
+    }
+    assert_exactly_once(&schema, 2).await;
+}
+
+#[tokio::test]
+async fn a_group_never_applies_past_a_missing_earlier_row() {
+    let schema = unique_schema("ordering");
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let runner = SqlRunner::new(&config);
+    let instance = Uuid::now_v7();
+    let s = Uuid::now_v7();
+    append_load(&schema, &[s], 4, 1, 1).await;
+    let items = fetch(&schema, instance, &[s]).await;
+    // Hand the runner versions 1, 3 and 4 of p1 only: it must stop before 3.
+    let g = Group {
+        stream_id: s,
+        perspective: "p1".into(),
+        items: items
+            .into_iter()
+            .filter(|i| i.perspective_name == "p1" && i.stream_version != 2)
+            .collect(),
+    };
+    let mut conn = connect().await;
+    let o = runner
+        .apply(&mut conn, &g, ApplyMode::default())
+        .await
+        .unwrap();
+    assert_eq!((o.applied, o.last_version), (1, Some(1)));
+    let versions: Vec<i64> = sqlx::query_scalar(&format!("SELECT versions FROM {schema}.seen_p1"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(versions, vec![1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_event_retries_then_dead_letters_and_replays_after_the_fix() {
+    let schema = unique_schema("poison");
+    let broken = |fixed: bool| {
+        let guard = if fixed {
+            ""
+        } else {
+            "\n        SELECT 1 / (CASE WHEN :data->>'poison' = 'yes' THEN 0 ELSE 1 END)"
+        };
+        format!(
+            "schema: {schema}
+perspectives:
+  - name: p1
+    setup: CREATE TABLE IF NOT EXISTS seen_p1 (stream_id uuid PRIMARY KEY, versions bigint[] NOT NULL)
+    handlers:
+      A: |{guard}
+        ;INSERT INTO seen_p1 AS s VALUES (:stream_id, ARRAY[:stream_version]) ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version
+worker:
+  maxPerspectiveEventAttempts: 3
+  failureRetryBaseMilliseconds: 20
+  failureRetryMaxMilliseconds: 100
+  drainBatcher: {{ slidingWindowMilliseconds: 10 }}
+claimWorker:
+  pollingIntervalMilliseconds: 50
+"
+        )
+    };
+    let config = parse_config(&broken(false));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let mut hooks = engine.hooks.subscribe();
+    let (bad, good) = (Uuid::now_v7(), Uuid::now_v7());
+    let mut conn = connect().await;
+    for (stream, poison) in [
+        (bad, false),
+        (bad, true),
+        (bad, false),
+        (good, false),
+        (good, false),
+    ] {
+        sqlx::query(&format!("INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data) VALUES ($1, 'A', $2)"))
+            .bind(stream)
+            .bind(serde_json::json!({ "poison": if poison { "yes" } else { "no" } }))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+
+    // Three failed attempts (with growing backoff), then the dead letter.
+    let mut failures = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ev = tokio::time::timeout_at(deadline.into(), hooks.recv())
+            .await
+            .expect("dead letter in time")
+            .unwrap();
+        match ev {
+            HookEvent::PerspectiveEventFailed {
+                stream_id, error, ..
+            } => {
+                assert_eq!(stream_id, bad, "only the poisoned stream fails: {error}");
+                assert!(error.contains("division by zero"), "{error}");
+                failures += 1;
+            }
+            HookEvent::DeadLettered { stream_id, .. } => {
+                assert_eq!(stream_id, bad);
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(
+        failures, 3,
+        "maxPerspectiveEventAttempts attempts before dead-lettering"
+    );
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+
+    let seen = |stream: Uuid| {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            sqlx::query_scalar::<_, Vec<i64>>(&format!(
+                "SELECT versions FROM {schema}.seen_p1 WHERE stream_id = $1"
+            ))
+            .bind(stream)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(
+        seen(bad).await,
+        vec![1, 3],
+        "the rest of the poisoned stream is applied"
+    );
+    assert_eq!(seen(good).await, vec![1, 2], "other streams are unaffected");
+    let dl = sqlx::query(&format!(
+        "SELECT dead_letter_id, stream_version, attempts, error, event->>'event_type' FROM {schema}.wh_dead_letters"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let dl_id: i64 = dl.get(0);
+    assert_eq!(dl.get::<i64, _>(1), 2);
+    assert_eq!(
+        dl.get::<i32, _>(2),
+        4,
+        "leased a fourth time, then dead-lettered before applying"
+    );
+    assert!(dl
+        .get::<Option<String>, _>(3)
+        .unwrap()
+        .contains("division by zero"));
+    assert_eq!(dl.get::<String, _>(4), "A");
+
+    // Replay with the broken handler fails and changes nothing.
+    let file = std::env::temp_dir().join(format!("{schema}.yaml"));
+    std::fs::write(&file, broken(false)).unwrap();
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["dead-letters", "replay", &dl_id.to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("failed again"));
+
+    // Fix the handler, migrate, replay.
+    std::fs::write(&file, broken(true)).unwrap();
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["dead-letters", "list"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("division by zero"));
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["dead-letters", "replay", "--all"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        seen(bad).await,
+        vec![1, 3, 2],
+        "the replayed event is applied once"
+    );
+    let status: String = sqlx::query_scalar(&format!(
+        "SELECT recovery_status FROM {schema}.wh_dead_letters"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(status, "replayed");
+    // A second replay finds nothing pending.
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["dead-letters", "replay", &dl_id.to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_eq!(seen(bad).await, vec![1, 3, 2]);
+}
+
+#[tokio::test]
+async fn each_event_runs_with_its_own_user_and_tenant() {
+    let schema = unique_schema("security");
+    let yaml = format!(
+        "schema: {schema}
+perspectives:
+  - name: audit
+    setup: CREATE TABLE IF NOT EXISTS audit (stream_version bigint, user_id text, tenant_id text, param_user text)
+    handlers:
+      A: INSERT INTO audit VALUES (:stream_version, current_setting('perspective.user_id', true), current_setting('perspective.tenant_id', true), :user_id)
+{FAST}"
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    // All events of one stream, appended in one transaction, so they are applied in one batch.
+    let s = Uuid::now_v7();
+    let mut conn = connect().await;
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type, metadata, scope)
+         SELECT $1, 'A', jsonb_build_object('user_id', 'user-' || (i % 2)), jsonb_build_object('tenant_id', 'tenant-' || (i % 3))
+         FROM generate_series(1, 12) i ORDER BY i"
+    ))
+    .bind(s)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let engine = RunningEngine::start(&config).await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    let rows: Vec<(i64, String, String, String)> = sqlx::query_as(&format!(
+        "SELECT stream_version, user_id, tenant_id, param_user FROM {schema}.audit ORDER BY 1"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 12);
+    for (v, user, tenant, param) in rows {
+        assert_eq!(user, format!("user-{}", v % 2), "version {v}");
+        assert_eq!(tenant, format!("tenant-{}", v % 3), "version {v}");
+        assert_eq!(param, user);
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_an_idle_worker_at_once_and_polling_covers_a_lost_listener() {
+    let schema = unique_schema("wake");
+    // Relaxed safety net (5 s) so only the doorbell can explain fast applies.
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let mut hooks = engine.hooks.subscribe();
+    let pool = pool(2).await;
+    wait_until("LISTEN connected", Duration::from_secs(10), || {
+        let m = engine.metrics.clone();
+        async move { m.listener_connected.get() == 1 }
+    })
+    .await;
+    let insert =
+        format!("INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')");
+    let mut latencies = Vec::new();
+    for _ in 0..1000 {
+        let s = Uuid::now_v7();
+        let started = Instant::now();
+        sqlx::query(&insert).bind(s).execute(&pool).await.unwrap();
+        let mut done = 0;
+        while done < 2 {
+            match tokio::time::timeout(Duration::from_secs(10), hooks.recv())
+                .await
+                .expect("applied in time")
+                .unwrap()
+            {
+                HookEvent::PerspectiveEventProcessed { stream_id, .. } if stream_id == s => {
+                    done += 1
+                }
+                _ => {}
+            }
+        }
+        latencies.push(started.elapsed());
+    }
+    latencies.sort();
+    let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
+    println!(
+        "append → applied by both perspectives, 1000 single appends: p50 {p50:?}, p99 {p99:?}"
+    );
+    assert!(
+        p99 < Duration::from_secs(1),
+        "p99 {p99:?} is not well under the 5 s safety net"
+    );
+
+    // Kill the LISTEN connection: the tight poll still applies new work, and it reconnects.
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+         WHERE application_name = 'perspective-worker listen' AND query LIKE '%' || $1 || '%'",
+    )
+    .bind(format!("{schema}_work"))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1, "found this engine's LISTEN session");
+    let s = Uuid::now_v7();
+    sqlx::query(&insert).bind(s).execute(&pool).await.unwrap();
+    let started = Instant::now();
+    let mut done = 0;
+    while done < 2 {
+        if let HookEvent::PerspectiveEventProcessed { stream_id, .. } =
+            tokio::time::timeout(Duration::from_secs(10), hooks.recv())
+                .await
+                .expect("applied without LISTEN")
+                .unwrap()
+        {
+            if stream_id == s {
+                done += 1;
+            }
+        }
+    }
+    println!(
+        "applied {:?} after the LISTEN connection was killed",
+        started.elapsed()
+    );
+    wait_until("LISTEN reconnected", Duration::from_secs(10), || {
+        let pool = pool.clone();
+        let channel = format!("{schema}_work");
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'perspective-worker listen' AND query LIKE '%' || $1 || '%'",
+            )
+            .bind(channel)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        }
+    })
+    .await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 1001).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_worker_sends_few_statements() {
+    let schema = unique_schema("idle");
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    let has_pss: bool = sqlx::query_scalar(
+        "SELECT count(*) > 0 FROM pg_extension WHERE extname = 'pg_stat_statements'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    if !has_pss {
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements").execute(&mut conn).await.expect(
+            "pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh); without it idle load cannot be measured",
+        );
+    }
+    let calls = |schema: String| async move {
+        let mut conn = connect().await;
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT sum(calls)::int8 FROM pg_stat_statements WHERE query LIKE '%' || $1 || '.%'",
+        )
+        .bind(schema)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        .unwrap_or(0)
+    };
+    let engine = RunningEngine::start(&config).await;
+    wait_until("LISTEN connected", Duration::from_secs(10), || {
+        let m = engine.metrics.clone();
+        async move { m.listener_connected.get() == 1 }
+    })
+    .await;
+    let before = calls(schema.clone()).await;
+    let window = Duration::from_secs(30);
+    tokio::time::sleep(window).await; // the measurement itself: nothing to wait for but time
+    let after = calls(schema.clone()).await;
+    engine.stop().await;
+    let per_second = (after - before) as f64 / window.as_secs_f64();
+    println!(
+        "idle worker: {} statements in {:?} = {per_second:.2}/s",
+        after - before,
+        window
+    );
+    // Cadence: claim every 5 s growing to 10 s while idle (≤ 6), heartbeat + stale sweep every
+    // 10 s (≤ 8 statements): at most 14 in 30 s.
+    assert!(
+        after - before <= 14,
+        "{} statements in 30 s is more than the cadences explain",
+        after - before
+    );
+    assert!(
+        after - before >= 3,
+        "the safety net and heartbeats must still run"
+    );
+}
