@@ -1,7 +1,7 @@
 # perspective-operator — the two commands of the README, plus the benchmark.
-#   make demo    start a throwaway PostgreSQL, migrate examples/shop.yaml, append sample events, show them
+#   make demo    embedded PostgreSQL, migrate examples/shop.yaml, append sample events, apply them, print the tables
 #   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
-#   make bench   append-path benchmark (see BENCHMARKS.md)
+#   make bench   append-path and apply-path benchmarks (see BENCHMARKS.md)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
@@ -33,9 +33,13 @@ test: postgres lint
 	$(CARGO) test --workspace --no-run
 	$(PG) with $(CARGO) test --workspace
 
+# A fresh embedded PostgreSQL each time (no DATABASE_URL), removed afterwards.
 demo: postgres
 	$(CARGO) build -p perspective-worker
-	$(PG) with examples/demo.sh $(WORKER)
+	dir=$$(mktemp -d /tmp/perspective-demo.XXXXXX); chmod 755 $$dir; \
+	trap 'rm -rf '$$dir EXIT; \
+	env -u DATABASE_URL $(WORKER) --config examples/shop.yaml demo --events examples/shop-events.jsonl \
+	  --data-dir $$dir/pgdata --http-addr 127.0.0.1:0
 
 bench: postgres
 	$(CARGO) build --release -p perspective-worker

@@ -132,7 +132,8 @@ $$;
 -- time a row is leased afresh (not when this instance's live lease is renewed), which is what
 -- dead-lettering counts. Returns the rows with their events, ordered for applying.
 CREATE FUNCTION {{schema}}.claim_and_fetch_pending_perspective_events(
-    p_instance_id uuid, p_stream_ids uuid[], p_lease_seconds integer, p_max_rows integer)
+    p_instance_id uuid, p_stream_ids uuid[], p_lease_seconds integer, p_max_rows integer,
+    p_debug_mode boolean DEFAULT false)
 RETURNS TABLE (event_work_id bigint, stream_id uuid, perspective_name text, event_id uuid,
                stream_version bigint, attempts integer, error text, event_type text, event_data jsonb,
                metadata jsonb, scope jsonb, created_at timestamptz)
@@ -146,6 +147,17 @@ BEGIN
   IF v_owned IS NULL THEN
     RETURN;
   END IF;
+
+  -- Rows at or below their cursor are already applied: by an instance that died before its
+  -- completion flush, or by this one with its flush still pending. Retire them here, so they
+  -- never hold a stream in wh_active_streams.
+  PERFORM {{schema}}.complete_perspective_events(ARRAY(
+    SELECT w.event_work_id
+    FROM {{schema}}.wh_perspective_events w
+    JOIN {{schema}}.wh_perspective_cursors c
+      ON c.stream_id = w.stream_id AND c.perspective_name = w.perspective_name
+    WHERE w.stream_id = ANY (v_owned) AND w.processed_at IS NULL AND w.stream_version <= c.last_version
+  ), p_debug_mode);
 
   RETURN QUERY
   WITH pending AS (

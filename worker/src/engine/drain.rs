@@ -177,13 +177,14 @@ async fn drain_once(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
     let max_rows = (ctx.config.worker.perspective_batch_size as i64 * 8).clamp(100, 10_000)
         * streams.len().min(8) as i64;
     let fetched: Result<Vec<WorkItem>, sqlx::Error> = sqlx::query_as(&format!(
-        "SELECT * FROM {}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4)",
+        "SELECT * FROM {}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4, $5)",
         ctx.schema
     ))
     .bind(ctx.instance_id)
     .bind(streams)
     .bind(ctx.config.worker.lease_seconds as i32)
     .bind(max_rows.min(i32::MAX as i64) as i32)
+    .bind(ctx.config.worker.debug_mode)
     .fetch_all(&ctx.pool)
     .await;
     let items = match fetched {

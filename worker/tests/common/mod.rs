@@ -193,7 +193,9 @@ pub async fn migrate_config(config: &Config) {
 }
 
 /// Append `per_stream` events of type A to each stream, from `writers` concurrent tasks, in
-/// transactions of `per_tx` events.
+/// transactions of `per_tx` events. Each transaction appends in stream-id order: a transaction
+/// holds every stream head it wrote until it commits, so writers touching several streams must
+/// agree on an order or deadlock.
 pub async fn append_load(
     schema: &str,
     streams: &[uuid::Uuid],
@@ -214,7 +216,7 @@ pub async fn append_load(
         let chunks = chunks.clone();
         let sql = format!(
             "INSERT INTO {schema}.wh_event_store (stream_id, event_type, metadata)
-             SELECT s, 'A', '{{\"user_id\": \"load\"}}' FROM unnest($1::uuid[]) WITH ORDINALITY AS x(s, o) ORDER BY o"
+             SELECT s, 'A', '{{\"user_id\": \"load\"}}' FROM unnest($1::uuid[]) WITH ORDINALITY AS x(s, o) ORDER BY s, o"
         );
         tasks.push(tokio::spawn(async move {
             loop {
