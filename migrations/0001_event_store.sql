@@ -77,7 +77,10 @@ CREATE TABLE {{schema}}.wh_perspective_events (
   processed_at     timestamptz,
   created_at       timestamptz NOT NULL DEFAULT now(),
   CONSTRAINT uq_perspective_event UNIQUE (stream_id, perspective_name, stream_version)
-);
+)
+-- Leasing a row rewrites it; free space on its page lets that be a HOT update (no index
+-- insertions), which halves the cost of claiming a backlog.
+WITH (fillfactor = 60);
 
 -- Position of each (stream, perspective): advanced in the same transaction that changes the
 -- read model, so it is the durable exactly-once floor.

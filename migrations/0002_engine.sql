@@ -117,9 +117,12 @@ BEGIN
   SELECT a.stream_id
   FROM {{schema}}.wh_active_streams a
   WHERE a.assigned_instance_id = p_instance_id
+    -- OFFSET 0 keeps this a per-stream index probe; flattened into a join, stale statistics
+    -- can turn it into repeated scans of the whole work table.
     AND EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
                 WHERE w.stream_id = a.stream_id AND w.processed_at IS NULL
-                  AND (w.scheduled_for IS NULL OR w.scheduled_for <= now()))
+                  AND (w.scheduled_for IS NULL OR w.scheduled_for <= now())
+                OFFSET 0)
   ORDER BY a.created_at
   LIMIT p_max_streams;
 END
@@ -133,13 +136,16 @@ $$;
 -- dead-lettering counts. Returns the rows with their events, ordered for applying.
 CREATE FUNCTION {{schema}}.claim_and_fetch_pending_perspective_events(
     p_instance_id uuid, p_stream_ids uuid[], p_lease_seconds integer, p_max_rows integer,
-    p_debug_mode boolean DEFAULT false)
+    p_per_pair integer DEFAULT 100, p_debug_mode boolean DEFAULT false, p_with_payloads boolean DEFAULT true)
 RETURNS TABLE (event_work_id bigint, stream_id uuid, perspective_name text, event_id uuid,
                stream_version bigint, attempts integer, error text, event_type text, event_data jsonb,
                metadata jsonb, scope jsonb, created_at timestamptz)
 LANGUAGE plpgsql AS $$
 DECLARE
-  v_owned uuid[];
+  v_owned        uuid[];
+  v_pair_streams uuid[];
+  v_pair_names   text[];
+  v_pair_last    bigint[];
 BEGIN
   SELECT array_agg(a.stream_id) INTO v_owned
   FROM {{schema}}.wh_active_streams a
@@ -148,64 +154,84 @@ BEGIN
     RETURN;
   END IF;
 
+  -- Every (stream, perspective) to look at, with its cursor. Each pair is then read through the
+  -- (stream_id, perspective_name, stream_version) index with a LATERAL ... LIMIT, a shape the
+  -- planner keeps even when the statistics are stale (a table that just grew from empty is
+  -- exactly when a worker gets busy).
+  SELECT array_agg(o.stream_id), array_agg(sub.perspective_name), array_agg(coalesce(c.last_version, 0))
+    INTO v_pair_streams, v_pair_names, v_pair_last
+  FROM unnest(v_owned) AS o(stream_id)
+  CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{schema}}.wh_perspective_subscriptions s) sub
+  LEFT JOIN {{schema}}.wh_perspective_cursors c
+         ON c.stream_id = o.stream_id AND c.perspective_name = sub.perspective_name;
+  IF v_pair_streams IS NULL THEN
+    RETURN;
+  END IF;
+
   -- Rows at or below their cursor are already applied: by an instance that died before its
   -- completion flush, or by this one with its flush still pending. Retire them here, so they
   -- never hold a stream in wh_active_streams.
   PERFORM {{schema}}.complete_perspective_events(ARRAY(
-    SELECT w.event_work_id
-    FROM {{schema}}.wh_perspective_events w
-    JOIN {{schema}}.wh_perspective_cursors c
-      ON c.stream_id = w.stream_id AND c.perspective_name = w.perspective_name
-    WHERE w.stream_id = ANY (v_owned) AND w.processed_at IS NULL AND w.stream_version <= c.last_version
+    SELECT d.event_work_id
+    FROM unnest(v_pair_streams, v_pair_names, v_pair_last) AS p(stream_id, perspective_name, last_version)
+    CROSS JOIN LATERAL (
+      SELECT w.event_work_id FROM {{schema}}.wh_perspective_events w
+      WHERE w.stream_id = p.stream_id AND w.perspective_name = p.perspective_name
+        AND w.stream_version <= p.last_version AND w.processed_at IS NULL
+      OFFSET 0
+    ) d
   ), p_debug_mode);
 
   RETURN QUERY
-  WITH pending AS (
-    SELECT w.event_work_id, w.stream_id, w.perspective_name, w.stream_version,
-           (w.scheduled_for > now()
-            OR (w.instance_id IS NOT NULL AND w.instance_id <> p_instance_id AND w.lease_expiry > now()
-                AND EXISTS (SELECT 1 FROM {{schema}}.wh_service_instances i WHERE i.instance_id = w.instance_id))
-           ) AS unavailable
-    FROM {{schema}}.wh_perspective_events w
-    LEFT JOIN {{schema}}.wh_perspective_cursors c
-           ON c.stream_id = w.stream_id AND c.perspective_name = w.perspective_name
-    WHERE w.stream_id = ANY (v_owned)
-      AND w.processed_at IS NULL
-      AND w.stream_version > coalesce(c.last_version, 0)
-  ),
-  fence AS (
-    SELECT p.stream_id, p.perspective_name, min(p.stream_version) AS version
-    FROM pending p WHERE p.unavailable
-    GROUP BY p.stream_id, p.perspective_name
+  WITH window_rows AS (
+    -- The first p_per_pair pending rows above each cursor, cut at the first row that is not
+    -- available (scheduled for a retry later, or leased by another live instance).
+    SELECT x.event_work_id, x.stream_id, x.perspective_name, x.depth
+    FROM unnest(v_pair_streams, v_pair_names, v_pair_last) AS p(stream_id, perspective_name, last_version)
+    CROSS JOIN LATERAL (
+      SELECT h.event_work_id, h.stream_id, h.perspective_name,
+             row_number() OVER (ORDER BY h.stream_version) AS depth,
+             bool_or(h.unavailable) OVER (ORDER BY h.stream_version ROWS UNBOUNDED PRECEDING) AS fenced
+      FROM (
+        SELECT w.event_work_id, w.stream_id, w.perspective_name, w.stream_version,
+               (coalesce(w.scheduled_for > now(), false)
+                OR (w.instance_id IS NOT NULL AND w.instance_id <> p_instance_id AND w.lease_expiry > now()
+                    AND EXISTS (SELECT 1 FROM {{schema}}.wh_service_instances i WHERE i.instance_id = w.instance_id))
+               ) AS unavailable
+        FROM {{schema}}.wh_perspective_events w
+        WHERE w.stream_id = p.stream_id AND w.perspective_name = p.perspective_name
+          AND w.stream_version > p.last_version AND w.processed_at IS NULL
+        ORDER BY w.stream_version
+        LIMIT p_per_pair
+      ) h
+    ) x
+    WHERE NOT x.fenced
   ),
   eligible AS (
-    SELECT p.event_work_id
-    FROM pending p
-    LEFT JOIN fence f ON f.stream_id = p.stream_id AND f.perspective_name = p.perspective_name
-    WHERE f.version IS NULL OR p.stream_version < f.version
-    ORDER BY p.stream_version, p.stream_id, p.perspective_name
+    -- The shallowest first across pairs, p_max_rows in all.
+    SELECT r.event_work_id FROM window_rows r
+    ORDER BY r.depth, r.stream_id, r.perspective_name
     LIMIT p_max_rows
   ),
-  locked AS (
-    SELECT w.event_work_id
-    FROM {{schema}}.wh_perspective_events w
-    WHERE w.event_work_id IN (SELECT e.event_work_id FROM eligible e)
-    ORDER BY w.event_work_id
-    FOR UPDATE OF w SKIP LOCKED
-  ),
+  -- Lease them (the UPDATE takes the row locks; the stream is ours, so nobody else is after
+  -- these rows but a completion deleting them, which it is fine to wait for).
   leased AS (
     UPDATE {{schema}}.wh_perspective_events w
        SET attempts = CASE WHEN w.instance_id = p_instance_id AND w.lease_expiry > now()
                            THEN w.attempts ELSE w.attempts + 1 END,
            instance_id = p_instance_id,
            lease_expiry = now() + make_interval(secs => p_lease_seconds)
-    FROM locked l
+    FROM eligible l
     WHERE w.event_work_id = l.event_work_id
     RETURNING w.event_work_id, w.stream_id, w.perspective_name, w.event_id, w.stream_version,
               w.attempts, w.error
   )
   SELECT l.event_work_id, l.stream_id, l.perspective_name, l.event_id, l.stream_version, l.attempts,
-         l.error, e.event_type, e.event_data, e.metadata, e.scope, e.created_at
+         l.error, e.event_type,
+         CASE WHEN p_with_payloads THEN e.event_data ELSE 'null'::jsonb END,
+         CASE WHEN p_with_payloads THEN e.metadata ELSE 'null'::jsonb END,
+         CASE WHEN p_with_payloads THEN e.scope ELSE 'null'::jsonb END,
+         e.created_at
   FROM leased l
   JOIN {{schema}}.wh_event_store e ON e.event_id = l.event_id
   ORDER BY l.stream_id, l.perspective_name, l.stream_version;
@@ -275,7 +301,8 @@ BEGIN
   WHERE a.stream_id = ANY (v_locked)
     AND (a.assigned_instance_id = p_instance_id OR a.assigned_instance_id IS NULL)
     AND NOT EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
-                    WHERE w.stream_id = a.stream_id AND w.processed_at IS NULL)
+                    WHERE w.stream_id = a.stream_id AND w.processed_at IS NULL
+                    OFFSET 0)
   RETURNING a.stream_id;
 END
 $$;

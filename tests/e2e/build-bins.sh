@@ -48,7 +48,6 @@ helm_version="$(modver helm helm.sh/helm/v3)"
 # client-go it is built with (v0.X -> 1.X); do the same.
 helm_client_go="$(modver helm k8s.io/client-go)"
 helm_kube_minor="$(cut -d. -f2 <<<"$helm_client_go")"
-go_version="$(go version)"
 
 root="$cache/k8s/$k8s_version"
 bindir="$root/bin"
@@ -78,13 +77,15 @@ targets=(
 	"helm|helm|helm.sh/helm/v3/cmd/helm|$helm_version| -X helm.sh/helm/v3/internal/version.version=$helm_version -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$helm_kube_minor -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$helm_kube_minor"
 )
 
-say "Kubernetes $k8s_version, etcd $etcd_version, kwok $kwok_version, helm $helm_version; $go_version"
+say "Kubernetes $k8s_version, etcd $etcd_version, kwok $kwok_version, helm $helm_version; $(go version)"
 say "cache: $cache"
 total_start=$SECONDS
 built=0
 for t in "${targets[@]}"; do
 	IFS='|' read -r name dir pkg version extra <<<"$t"
 	ldflags="-s -w$extra"
+	# The toolchain that builds this module (GOTOOLCHAIN may switch per go line).
+	go_version="$(cd "$bins/$dir" && go version)"
 	stamp="$(printf '%s\n' "name=$name" "package=$pkg" "version=$version" "go=$go_version" \
 		"ldflags=$ldflags" "go.mod=$(sha256sum <"$bins/$dir/go.mod" | cut -d' ' -f1)" \
 		"go.sum=$(sha256sum <"$bins/$dir/go.sum" | cut -d' ' -f1)")"

@@ -24,6 +24,10 @@ timeout_s="${E2E_START_TIMEOUT:-120}"
 # kwok nodes have no kubelet, so nothing would ever taint them.
 kcm_controllers="${E2E_KCM_CONTROLLERS:-statefulset-controller,job-controller,garbage-collector-controller,namespace-controller,serviceaccount-controller,serviceaccount-token-controller,replicaset-controller,deployment-controller,disruption-controller,root-ca-certificate-publisher-controller,ttl-after-finished-controller}"
 pod_cidr="${E2E_POD_CIDR:-127.64.0.0/16}"
+# kwok Stage set; default: kwokctl's (build-bins.sh writes it next to the
+# binaries). A harness that decides itself when a Job pod ends can pass a
+# copy without the pod-complete stage and patch pod status instead.
+kwok_stages="${E2E_KWOK_STAGES:-}"
 nodes="${E2E_NODES:-2}"
 
 usage() {
@@ -45,7 +49,7 @@ pid_alive() { [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null; }
 pids_of_dir() {
 	local p args
 	for p in /proc/[0-9]*; do
-		args="$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" || continue
+		args="$(tr '\0' ' ' 2>/dev/null <"$p/cmdline")" || continue
 		case "$args" in
 		*/etcd\ *"$dir/"* | */kube-apiserver\ *"$dir/"* | */kube-controller-manager\ *"$dir/"* | */kube-scheduler\ *"$dir/"* | */kwok\ *"$dir/"*)
 			echo "${p#/proc/}"
@@ -62,6 +66,8 @@ launch() {
 	shift
 	setsid "$@" >"$dir/logs/$name.log" 2>&1 </dev/null &
 	echo "$!" >"$dir/pids/$name.pid"
+	# Not a job of this shell: no "Killed" notices if stop runs in it.
+	disown "$!"
 }
 
 show_logs() {
@@ -104,39 +110,57 @@ free_ports() {
 
 # --- commands ---------------------------------------------------------------
 
-cmd_stop() {
-	[[ -d "$dir" ]] || return 0
-	local i name pid pids=() deadline
-	# Reverse start order: kwok first, etcd last.
-	for ((i = ${#components[@]} - 1; i >= 0; i--)); do
-		name="${components[i]}"
-		pid="$(cat "$dir/pids/$name.pid" 2>/dev/null || true)"
-		rm -f "$dir/pids/$name.pid"
-		pid_alive "$pid" || continue
-		# Only signal it if it still is our process (pids get reused).
-		[[ "$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" == *"$dir/"* ]] || continue
+# terminate PID...: TERM their process groups, wait up to 15s, then KILL.
+terminate() {
+	local pid deadline=$((SECONDS + 15))
+	for pid in "$@"; do
 		kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-		pids+=("$pid")
 	done
-	# Anything else of ours (lost pid file, a half-finished start).
-	for pid in $(pids_of_dir); do
-		kill -TERM "$pid" 2>/dev/null || true
-		pids+=("$pid")
-	done
-	((${#pids[@]})) || return 0
-	deadline=$((SECONDS + 20))
-	for pid in "${pids[@]}"; do
-		while pid_alive "$pid" && ((SECONDS < deadline)); do sleep 0.2; done
-	done
-	for pid in "${pids[@]}" $(pids_of_dir); do
+	for pid in "$@"; do
+		while pid_alive "$pid" && ((SECONDS < deadline)); do sleep 0.1; done
 		if pid_alive "$pid"; then
-			say "pid $pid did not stop on TERM; killing"
+			say "pid $pid did not stop on TERM within 15s; killing"
 			kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
 		fi
 	done
-	sleep 0.2
+}
+
+# Pid of component NAME if it is still our process (pids get reused).
+component_pid() {
+	local pid
+	pid="$(cat "$dir/pids/$1.pid" 2>/dev/null || true)"
+	pid_alive "$pid" || return 0
+	[[ "$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline")" == *"$dir/"* ]] && echo "$pid"
+	return 0
+}
+
+cmd_stop() {
+	[[ -d "$dir" ]] || return 0
+	local name pid first=() last n
+	# etcd goes last, after the apiserver has exited: an apiserver that
+	# loses etcd while still starting hangs in its shutdown.
+	for name in kwok kube-scheduler kube-controller-manager kube-apiserver; do
+		pid="$(component_pid "$name")"
+		[[ -z "$pid" ]] || first+=("$pid")
+	done
+	last="$(component_pid etcd)"
+	n=${#first[@]}
+	((n == 0)) || terminate "${first[@]}"
+	if [[ -n "$last" ]]; then
+		terminate "$last"
+		n=$((n + 1))
+	fi
+	rm -f "$dir"/pids/*.pid
+	# Anything else of ours (lost pid file, a half-finished start).
+	local rest=()
+	mapfile -t rest < <(pids_of_dir)
+	if ((${#rest[@]})); then
+		terminate "${rest[@]}"
+		n=$((n + ${#rest[@]}))
+	fi
+	sleep 0.1
 	[[ -z "$(pids_of_dir)" ]] || die "processes of $dir still running: $(pids_of_dir | tr '\n' ' ')"
-	say "stopped (${#pids[@]} processes)"
+	((n == 0)) || say "stopped ($n processes)"
 }
 
 cmd_env() {
@@ -150,6 +174,7 @@ cmd_env() {
 cmd_start() {
 	local bin t0=$SECONDS
 	mkdir -p "$dir"/{pki,etcd,logs,pids}
+	chmod 700 "$dir/pki" "$dir/etcd"
 	[[ -z "$(pids_of_dir)" ]] || die "a control plane is already running in $dir (stop it first)"
 	for t in curl openssl ss setsid; do command -v "$t" >/dev/null || die "'$t' is needed"; done
 
@@ -157,7 +182,8 @@ cmd_start() {
 	for t in etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok; do
 		[[ -x "$bin/$t" ]] || die "$bin/$t missing (run tests/e2e/build-bins.sh)"
 	done
-	[[ -f "$bin/kwok-stages.yaml" ]] || die "$bin/kwok-stages.yaml missing (run tests/e2e/build-bins.sh)"
+	kwok_stages="${kwok_stages:-$bin/kwok-stages.yaml}"
+	[[ -f "$kwok_stages" ]] || die "$kwok_stages missing (run tests/e2e/build-bins.sh)"
 	echo "$bin" >"$dir/bindir"
 
 	# On any failure below: show the logs, leave nothing running.
@@ -212,6 +238,11 @@ cmd_start() {
 	wait_for "etcd on :$etcd_port" etcd curl -sf --max-time 2 "http://127.0.0.1:$etcd_port/health"
 
 	# The service CIDR is bookkeeping only: no kube-proxy, nothing dials it.
+	# TaintNodesByCondition is off: it puts node.kubernetes.io/not-ready on
+	# every new Node, and only the node-lifecycle controller (not run: no
+	# kubelets) would take it off again; kwok nodes must stay schedulable.
+	# No endpoint reconciler: it would publish 127.0.0.1 as the endpoint of
+	# the "kubernetes" Service, which validation rejects (loopback), every 10s.
 	launch kube-apiserver "$bin/kube-apiserver" \
 		--etcd-servers="http://127.0.0.1:$etcd_port" \
 		--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" \
@@ -222,30 +253,38 @@ cmd_start() {
 		--service-account-issuer=https://kubernetes.default.svc.cluster.local \
 		--service-account-key-file="$dir/pki/sa.pub" \
 		--service-account-signing-key-file="$dir/pki/sa.key" \
-		--allow-privileged=true --profiling=false
+		--allow-privileged=true --profiling=false \
+		--endpoint-reconciler-type=none \
+		--disable-admission-plugins=TaintNodesByCondition
 	wait_for "kube-apiserver /readyz on :$api_port" kube-apiserver https_ok "$api_port" /readyz
 	say "kube-apiserver ready after $((SECONDS - t0))s"
 
+	# No --authentication-kubeconfig for the controller manager and scheduler:
+	# with token auth only, the apiserver publishes no client CA
+	# (extension-apiserver-authentication), and the delegated authenticator
+	# would log that every few seconds. Their /healthz is always allowed.
 	launch kube-controller-manager "$bin/kube-controller-manager" \
-		--kubeconfig="$kc" --authentication-kubeconfig="$kc" --authorization-kubeconfig="$kc" \
+		--kubeconfig="$kc" \
 		--bind-address=127.0.0.1 --secure-port="$kcm_port" \
 		--leader-elect=false --controllers="$kcm_controllers" \
 		--service-account-private-key-file="$dir/pki/sa.key" \
 		--root-ca-file="$dir/pki/apiserver.crt" --profiling=false
 
 	launch kube-scheduler "$bin/kube-scheduler" \
-		--kubeconfig="$kc" --authentication-kubeconfig="$kc" --authorization-kubeconfig="$kc" \
+		--kubeconfig="$kc" \
 		--bind-address=127.0.0.1 --secure-port="$sched_port" \
 		--leader-elect=false --profiling=false
 
 	# kwok runs standalone: it has no built-in stages, so it gets the same
 	# default set kwokctl would use (build-bins.sh extracts them from the
 	# kwok module). It manages only nodes with the annotation below; its
-	# kubelet-like server and the node addresses are on loopback.
-	launch kwok "$bin/kwok" --config="$bin/kwok-stages.yaml" --kubeconfig="$kc" \
+	# kubelet-like server and the node addresses are on loopback. Node
+	# heartbeats are Leases renewed every 10s, as kwokctl sets it up (the
+	# heartbeat-with-lease stage expects that).
+	launch kwok "$bin/kwok" --config="$kwok_stages" --kubeconfig="$kc" \
 		--manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
 		--node-ip=127.0.0.1 --node-port="$kwok_port" --server-address="127.0.0.1:$kwok_port" \
-		--cidr="$pod_cidr"
+		--cidr="$pod_cidr" --node-lease-duration-seconds=40
 
 	wait_for "kube-controller-manager /healthz" kube-controller-manager https_ok "$kcm_port" /healthz
 	wait_for "kube-scheduler /healthz" kube-scheduler https_ok "$sched_port" /healthz
@@ -282,6 +321,9 @@ cmd_start() {
 		die "creating the kwok nodes failed: $(cat "$dir/logs/nodes.log")"
 	"$bin/kubectl" --kubeconfig="$kc" wait --for=condition=Ready node --all --timeout="${timeout_s}s" >>"$dir/logs/nodes.log" 2>&1 ||
 		die "kwok nodes did not become Ready: $(cat "$dir/logs/nodes.log")"
+	local taints
+	taints="$("$bin/kubectl" --kubeconfig="$kc" get nodes -o jsonpath='{.items[*].spec.taints}')"
+	[[ -z "$taints" ]] || die "kwok nodes carry taints, pods would not schedule: $taints"
 
 	trap - EXIT
 	say "up in $((SECONDS - t0))s: https://127.0.0.1:$api_port, $nodes kwok nodes Ready; state in $dir"

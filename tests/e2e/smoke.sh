@@ -23,7 +23,6 @@ check() {
 	say "ok   $current ($((SECONDS - t))s)"
 }
 
-bin="$("$here/build-bins.sh" | tail -n1)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/perspective-e2e-smoke.XXXXXX")"
 
 finish() {
@@ -33,7 +32,7 @@ finish() {
 	# Nothing of ours may survive: every process we start has $work in its args.
 	local p left=""
 	for p in /proc/[0-9]*; do
-		if [[ "$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" == *"$work/"* ]]; then left+="${p#/proc/} "; fi
+		if [[ "$(tr '\0' ' ' 2>/dev/null <"$p/cmdline")" == *"$work/"* ]]; then left+="${p#/proc/} "; fi
 	done
 	if [[ -n "$left" ]]; then
 		say "leftover processes after stop: $left"
@@ -51,6 +50,8 @@ finish() {
 }
 trap finish EXIT
 
+current="build-bins.sh"
+bin="$("$here/build-bins.sh" | tail -n1)"
 current="control plane start"
 E2E_BIN_DIR="$bin" "$here/control-plane.sh" start "$work"
 eval "$("$here/control-plane.sh" env "$work")"
@@ -156,6 +157,8 @@ statefulset() {
 }
 
 garbage_collection() {
+	# The pods are dependents of the StatefulSet (ownerReferences)...
+	[[ "$(kubectl -n smoke get pods -l app=smoke-sts -o jsonpath='{.items[*].metadata.ownerReferences[0].kind}')" == "StatefulSet StatefulSet StatefulSet" ]]
 	kubectl -n smoke delete statefulset smoke-sts --cascade=background --wait=true
 	# The pods are deleted by the garbage collector (owner gone), and removed
 	# by kwok's pod-delete stage in place of a kubelet.

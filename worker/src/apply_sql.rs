@@ -2,7 +2,8 @@
 //! (stream, perspective) group of events per round trip.
 //!
 //! Round trips dominate the apply path, so instead of one client statement per event the worker
-//! calls `<schema>.wh_apply_<perspective>(stream, arrays of event fields, …)` once per group. The
+//! calls `<schema>.wh_apply_<perspective>(stream, work ids, event ids, versions, …)` once per
+//! group; the function reads the events from the store itself. The
 //! handler SQL becomes static SQL inside the function (plans are cached per session), `:params`
 //! become PL/pgSQL variables, and per event the function sets `perspective.user_id` /
 //! `perspective.tenant_id` with `set_config(…, true)` before running that event's handler.
@@ -120,8 +121,13 @@ _wh_scope := a_scope[v_i];
 _wh_created_at := a_created[v_i];
 _wh_user_id := coalesce(_wh_metadata ->> 'user_id', _wh_scope ->> 'user_id');
 _wh_tenant_id := coalesce(_wh_scope ->> 'tenant_id', _wh_metadata ->> 'tenant_id');
-PERFORM set_config('perspective.user_id', coalesce(_wh_user_id, ''), true),
-        set_config('perspective.tenant_id', coalesce(_wh_tenant_id, ''), true);";
+-- Consecutive events usually share an identity: set it only when it changes.
+IF v_set_user IS DISTINCT FROM coalesce(_wh_user_id, '') THEN
+  v_set_user := set_config('perspective.user_id', coalesce(_wh_user_id, ''), true);
+END IF;
+IF v_set_tenant IS DISTINCT FROM coalesce(_wh_tenant_id, '') THEN
+  v_set_tenant := set_config('perspective.tenant_id', coalesce(_wh_tenant_id, ''), true);
+END IF;";
     let apply_one = format!("{bind}\n{dispatch}");
 
     let body = format!(
@@ -142,11 +148,11 @@ DECLARE
   a_work_ids  bigint[]      := p_work_ids;
   a_event_ids uuid[]        := p_event_ids;
   a_versions  bigint[]      := p_versions;
-  a_types     text[]        := p_types;
-  a_data      jsonb[]       := p_data;
-  a_metadata  jsonb[]       := p_metadata;
-  a_scope     jsonb[]       := p_scope;
-  a_created   timestamptz[] := p_created;
+  a_types     text[];
+  a_data      jsonb[];
+  a_metadata  jsonb[];
+  a_scope     jsonb[];
+  a_created   timestamptz[];
   v_n         integer := coalesce(array_length(p_work_ids, 1), 0);
   v_i         integer;
   v_last      bigint;
@@ -158,10 +164,26 @@ DECLARE
   v_new_last  bigint;
   v_new_event uuid;
   v_done      bigint[] := '{{}}';
+  -- What perspective.user_id / tenant_id are currently set to in this transaction (NULL: unknown).
+  v_set_user   text;
+  v_set_tenant text;
 BEGIN
   IF v_n = 0 THEN
     RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[];
     RETURN;
+  END IF;
+
+  -- The events themselves are read here, next to the data, rather than shipped through the
+  -- worker and parsed again.
+  SELECT array_agg(e.event_type ORDER BY x.ord), array_agg(e.event_data ORDER BY x.ord),
+         array_agg(e.metadata ORDER BY x.ord), array_agg(e.scope ORDER BY x.ord),
+         array_agg(e.created_at ORDER BY x.ord)
+    INTO a_types, a_data, a_metadata, a_scope, a_created
+  FROM unnest(a_event_ids) WITH ORDINALITY AS x(id, ord)
+  JOIN {schema}.wh_event_store e ON e.event_id = x.id;
+  IF coalesce(array_length(a_types, 1), 0) <> v_n THEN
+    RAISE EXCEPTION 'events of % are missing from {schema}.wh_event_store', p_stream_id
+      USING ERRCODE = 'WH404';
   END IF;
 
   -- The cursor row lock serialises every apply of this (stream, perspective), in any process.
@@ -199,6 +221,9 @@ BEGIN
       RAISE;
     END IF;
     v_ok := false;
+    -- The rollback also undid the settings made inside the block.
+    v_set_user := NULL;
+    v_set_tenant := NULL;
   END;
 
   -- Slow path: event by event, to keep the good prefix and isolate the failing event.
@@ -214,6 +239,8 @@ BEGIN
       EXCEPTION WHEN OTHERS THEN
         v_failed := v_i;
         v_err := SQLERRM;
+        v_set_user := NULL;
+        v_set_tenant := NULL;
       END;
       EXIT WHEN v_failed IS NOT NULL;
       v_applied := v_applied + 1;
@@ -259,8 +286,7 @@ END
     let tag = dollar_tag(&body);
     format!(
         "CREATE OR REPLACE FUNCTION {schema}.{function}(
-    p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[], p_versions bigint[], p_types text[],
-    p_data jsonb[], p_metadata jsonb[], p_scope jsonb[], p_created timestamptz[],
+    p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[], p_versions bigint[],
     p_instant boolean, p_debug boolean, p_force boolean,
     p_retry_base_ms double precision, p_retry_max_ms double precision)
 RETURNS TABLE (o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text,

@@ -18,6 +18,9 @@ use crate::config::CompletionStrategy;
 
 pub(crate) type SharedReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Uuid>>>;
 
+/// Rows one claim+fetch round trip aims for.
+const ROWS_PER_FETCH: usize = 10_000;
+
 /// One consumer loop.
 pub(crate) async fn consumer(ctx: Arc<Ctx>, rx: SharedReceiver) {
     loop {
@@ -33,6 +36,11 @@ pub(crate) async fn consumer(ctx: Arc<Ctx>, rx: SharedReceiver) {
 /// a busy one coalesces bursts for the same streams into one pass.
 async fn next_batch(ctx: &Ctx, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     let opts = &ctx.config.worker.drain_batcher;
+    // Keep one fetch within ~ROWS_PER_FETCH rows of full-depth groups; what is left in the
+    // channel goes to the other consumers, which work in parallel.
+    let per_stream = ctx.config.worker.perspective_batch_size.max(1) as usize
+        * ctx.config.perspectives.len().max(1);
+    let max_size = (opts.max_size as usize).min((ROWS_PER_FETCH / per_stream).max(1));
     let mut rx = rx.lock().await;
     let first = tokio::select! {
         _ = ctx.shutdown.cancelled() => return None,
@@ -43,7 +51,7 @@ async fn next_batch(ctx: &Ctx, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     let started = Instant::now();
     let window = Duration::from_millis(opts.sliding_window_milliseconds);
     let max_wait = Duration::from_millis(opts.max_wait_milliseconds);
-    while batch.len() < opts.max_size as usize {
+    while batch.len() < max_size {
         // Whatever is already queued joins for free.
         match rx.try_recv() {
             Ok(id) => {
@@ -174,17 +182,20 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
 /// One claim+fetch round for `streams` and the application of everything it returned. Returns
 /// (events applied, streams worth re-fetching).
 async fn drain_once(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
-    let max_rows = (ctx.config.worker.perspective_batch_size as i64 * 8).clamp(100, 10_000)
-        * streams.len().min(8) as i64;
+    let per_pair = ctx.config.worker.perspective_batch_size.max(1) as i64;
+    let max_rows = (per_pair * streams.len() as i64 * ctx.config.perspectives.len() as i64)
+        .clamp(100, 2 * ROWS_PER_FETCH as i64);
     let fetched: Result<Vec<WorkItem>, sqlx::Error> = sqlx::query_as(&format!(
-        "SELECT * FROM {}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4, $5)",
+        "SELECT * FROM {}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4, $5, $6, $7)",
         ctx.schema
     ))
     .bind(ctx.instance_id)
     .bind(streams)
     .bind(ctx.config.worker.lease_seconds as i32)
-    .bind(max_rows.min(i32::MAX as i64) as i32)
+    .bind(max_rows as i32)
+    .bind(per_pair as i32)
     .bind(ctx.config.worker.debug_mode)
+    .bind(ctx.runner.needs_event_payloads())
     .fetch_all(&ctx.pool)
     .await;
     let items = match fetched {

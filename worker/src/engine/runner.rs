@@ -13,7 +13,8 @@ use uuid::Uuid;
 use crate::apply_sql::apply_function_name;
 use crate::config::Config;
 
-/// One claimed work row with its event.
+/// One claimed work row with its event (payload fields are JSON null when the runner does not
+/// need them, see [`PerspectiveRunner::needs_event_payloads`]).
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
 pub struct WorkItem {
     pub event_work_id: i64,
@@ -66,6 +67,12 @@ pub struct ApplyOutcome {
 /// commit together, and events at or below the cursor must be skipped: that is what makes
 /// delivery exactly-once. Implement it to compile your own perspectives into your own worker.
 pub trait PerspectiveRunner: Send + Sync {
+    /// Whether [`WorkItem`]s must carry `event_data`, `metadata` and `scope`. The SQL runner
+    /// reads them inside the database and says no, which keeps payloads off the wire.
+    fn needs_event_payloads(&self) -> bool {
+        true
+    }
+
     fn apply<'a>(
         &'a self,
         conn: &'a mut PgConnection,
@@ -99,6 +106,10 @@ impl SqlRunner {
 }
 
 impl PerspectiveRunner for SqlRunner {
+    fn needs_event_payloads(&self) -> bool {
+        false
+    }
+
     fn apply<'a>(
         &'a self,
         conn: &'a mut PgConnection,
@@ -115,7 +126,7 @@ impl PerspectiveRunner for SqlRunner {
             let items = &group.items;
             let sql = format!(
                 "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids
-                 FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+                 FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9)",
                 self.schema
             );
             let row = sqlx::query(&sql)
@@ -123,21 +134,6 @@ impl PerspectiveRunner for SqlRunner {
                 .bind(items.iter().map(|i| i.event_work_id).collect::<Vec<_>>())
                 .bind(items.iter().map(|i| i.event_id).collect::<Vec<_>>())
                 .bind(items.iter().map(|i| i.stream_version).collect::<Vec<_>>())
-                .bind(
-                    items
-                        .iter()
-                        .map(|i| i.event_type.clone())
-                        .collect::<Vec<_>>(),
-                )
-                .bind(
-                    items
-                        .iter()
-                        .map(|i| i.event_data.clone())
-                        .collect::<Vec<_>>(),
-                )
-                .bind(items.iter().map(|i| i.metadata.clone()).collect::<Vec<_>>())
-                .bind(items.iter().map(|i| i.scope.clone()).collect::<Vec<_>>())
-                .bind(items.iter().map(|i| i.created_at).collect::<Vec<_>>())
                 .bind(mode.instant)
                 .bind(mode.debug)
                 .bind(mode.force)

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# Apply-path benchmark: the engine end to end (claim, fetch, apply, complete) against a
+# hand-written ceiling, side by side on one throwaway cluster.
+#
+# Workload: STREAMS streams × PER_STREAM events, 2 perspectives each doing one upsert per event
+# (a per-stream counter), so 2 × STREAMS × PER_STREAM applies.
+#   ceiling  pre-claimed work; 4 pgbench connections each repeatedly call one server-side
+#            PL/pgSQL function that takes the next (stream, perspective) pair (SKIP LOCKED),
+#            applies its ≤ 100 events with the same upsert, upserts the cursor and deletes the
+#            work rows — one round trip per group, no claiming, no engine.
+#   engine   N `perspective-worker run` processes (release build) already running and idle;
+#            all events are appended in one transaction; timed from that commit until no work
+#            row is left and every cursor is at its stream's head (claim, fetch, apply and
+#            complete included).
+# Rounds alternate so machine drift hits every variant; medians are reported.
+#
+#   tests/bench/apply.sh            (make bench builds the release worker first)
+#   STREAMS=400 PER_STREAM=100 ROUNDS=3 tests/bench/apply.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+STREAMS=${STREAMS:-400}
+PER_STREAM=${PER_STREAM:-100}
+ROUNDS=${ROUNDS:-3}
+WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
+[ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
+
+if [ -z "${DATABASE_URL:-}" ]; then
+  exec tests/pg/pg.sh with "$0" "$@"
+fi
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+q() { psql "$DATABASE_URL" -XAtq -v ON_ERROR_STOP=1 "$@"; }
+now() { date +%s.%N; }
+APPLIES=$(( STREAMS * PER_STREAM * 2 ))
+
+config() { # schema strategy -> file
+  cat >"$work/$1.yaml" <<EOF
+schema: $1
+perspectives:
+  - name: c1
+    setup: CREATE TABLE IF NOT EXISTS c1 (stream_id uuid PRIMARY KEY, n bigint NOT NULL, last bigint NOT NULL)
+    handlers:
+      A: INSERT INTO c1 AS c VALUES (:stream_id, 1, :stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last
+  - name: c2
+    setup: CREATE TABLE IF NOT EXISTS c2 (stream_id uuid PRIMARY KEY, n bigint NOT NULL, last bigint NOT NULL)
+    handlers:
+      A: INSERT INTO c2 AS c VALUES (:stream_id, 1, :stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last
+worker:
+  completionStrategy: $2
+EOF
+  echo "$work/$1.yaml"
+}
+
+append_all() { # schema
+  q -c "INSERT INTO $1.wh_event_store (stream_id, event_type, metadata)
+        SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(s), 12, '0'))::uuid, 'A', '{\"user_id\": \"bench\"}'
+        FROM generate_series(1, $PER_STREAM) v, generate_series(1, $STREAMS) s ORDER BY s, v"
+}
+
+drained() { # schema -> 0 when everything is applied and retired
+  [ "$(q -c "SELECT (SELECT count(*) FROM $1.wh_perspective_events WHERE processed_at IS NULL)
+                   + (SELECT count(*) FROM $1.wh_perspective_cursors c JOIN $1.wh_streams s USING (stream_id) WHERE c.last_version < s.version)
+                   + (SELECT $STREAMS * 2 - count(*) FROM $1.wh_perspective_cursors)")" = 0 ]
+}
+
+check() { # schema: every counter must equal PER_STREAM
+  local bad
+  bad=$(q -c "SELECT count(*) FROM (SELECT n FROM $1.c1 UNION ALL SELECT n FROM $1.c2) x WHERE n <> $PER_STREAM")
+  [ "$bad" = 0 ] || { echo "bench: $1 applied some events more or less than once ($bad streams)" >&2; exit 1; }
+}
+
+run_ceiling() { # round -> applies/s
+  local s="ceil_$1"
+  "$WORKER" --config "$(config "$s" Batched)" migrate >/dev/null
+  append_all "$s"
+  q <<EOF
+CREATE TABLE $s.bench_pairs AS
+  SELECT DISTINCT stream_id, perspective_name FROM $s.wh_perspective_events;
+ALTER TABLE $s.bench_pairs ADD PRIMARY KEY (stream_id, perspective_name);
+CREATE FUNCTION $s.bench_apply_next() RETURNS integer LANGUAGE plpgsql AS \$f\$
+DECLARE
+  v_stream uuid; v_p text; r record; v_last bigint := 0; v_ids bigint[] := '{}'; v_n integer := 0;
+BEGIN
+  DELETE FROM $s.bench_pairs WHERE (stream_id, perspective_name) =
+    (SELECT stream_id, perspective_name FROM $s.bench_pairs LIMIT 1 FOR UPDATE SKIP LOCKED)
+  RETURNING stream_id, perspective_name INTO v_stream, v_p;
+  IF v_stream IS NULL THEN RETURN 0; END IF;
+  FOR r IN SELECT w.event_work_id, w.stream_version FROM $s.wh_perspective_events w
+           WHERE w.stream_id = v_stream AND w.perspective_name = v_p ORDER BY w.stream_version LIMIT 100 LOOP
+    IF v_p = 'c1' THEN
+      INSERT INTO $s.c1 AS c VALUES (v_stream, 1, r.stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last;
+    ELSE
+      INSERT INTO $s.c2 AS c VALUES (v_stream, 1, r.stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last;
+    END IF;
+    v_last := r.stream_version; v_ids := v_ids || r.event_work_id; v_n := v_n + 1;
+  END LOOP;
+  INSERT INTO $s.wh_perspective_cursors AS c (stream_id, perspective_name, last_version, status)
+  VALUES (v_stream, v_p, v_last, 2)
+  ON CONFLICT (stream_id, perspective_name) DO UPDATE SET last_version = excluded.last_version, status = 2;
+  DELETE FROM $s.wh_perspective_events WHERE event_work_id = ANY (v_ids);
+  IF EXISTS (SELECT 1 FROM $s.wh_perspective_events WHERE stream_id = v_stream AND perspective_name = v_p) THEN
+    INSERT INTO $s.bench_pairs VALUES (v_stream, v_p);
+  END IF;
+  RETURN v_n;
+END
+\$f\$;
+EOF
+  echo "SELECT $s.bench_apply_next();" >"$work/ceiling.sql"
+  local groups=$(( STREAMS * 2 * ((PER_STREAM + 99) / 100) ))
+  local t0 t1
+  t0=$(now)
+  pgbench "$DATABASE_URL" -n -f "$work/ceiling.sql" -c 4 -j 2 -t $(( groups / 4 + 1 )) >/dev/null 2>&1
+  t1=$(now)
+  [ "$(q -c "SELECT count(*) FROM $s.wh_perspective_events")" = 0 ] || { echo "bench: ceiling left work behind" >&2; exit 1; }
+  check "$s"
+  awk -v n="$APPLIES" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }'
+}
+
+run_engine() { # round workers strategy -> applies/s ; leaves RSS in $work/rss
+  local s="eng_$1_$2_$(echo "$3" | tr 'A-Z' 'a-z')"
+  local cfg; cfg=$(config "$s" "$3")
+  "$WORKER" --config "$cfg" migrate >/dev/null
+  pids=()
+  for _ in $(seq "$2"); do
+    RUST_LOG=warn "$WORKER" --config "$cfg" run --http-addr 127.0.0.1:0 --max-connections ${MAX_CONNECTIONS:-8} >>"$work/worker.log" 2>&1 &
+    pids+=($!)
+  done
+  # Wait until every worker has registered and made its first claim (idle).
+  for _ in $(seq 200); do
+    [ "$(q -c "SELECT count(*) FROM $s.wh_service_instances")" = "$2" ] && break
+    sleep 0.05
+  done
+  sleep 0.3
+  local t0 t1
+  append_all "$s"
+  t0=$(now) # the commit: from here on the events are visible and the doorbell has rung
+  until drained "$s"; do sleep 0.02; done
+  t1=$(now)
+  check "$s"
+  local rss=0 p
+  for p in "${pids[@]}"; do
+    rss=$(( rss > $(awk '/VmHWM/ {print $2}' "/proc/$p/status") ? rss : $(awk '/VmHWM/ {print $2}' "/proc/$p/status") ))
+    kill -TERM "$p"
+  done
+  wait "${pids[@]}" 2>/dev/null || true
+  pids=()
+  echo "$rss" >"$work/rss"
+  awk -v n="$APPLIES" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }'
+}
+
+median() { sort -g | awk '{a[NR]=$1} END{print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+
+echo "apply-path benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f1), fsync=$(q -c 'show fsync'), $(nproc) cores; $STREAMS streams x $PER_STREAM events x 2 perspectives = $APPLIES applies; $ROUNDS rounds, median applies/s"
+variants=("ceiling" "engine 1 Batched" "engine 1 Instant" "engine 3 Batched" "engine 3 Instant")
+for r in $(seq "$ROUNDS"); do
+  for i in "${!variants[@]}"; do
+    v=${variants[$i]}
+    if [ "$v" = ceiling ]; then
+      run_ceiling "$r" >>"$work/v$i"
+    else
+      read -r _ n strat <<<"$v"
+      run_engine "$r" "$n" "$strat" >>"$work/v$i"
+      cat "$work/rss" >>"$work/rss$i"
+    fi
+    echo >>"$work/v$i"
+  done
+done
+ceiling=$(median <"$work/v0")
+printf '| variant | applies/s | vs ceiling | worker peak RSS |\n|---|---|---|---|\n'
+printf '| hand-written ceiling (4 connections, 1 call per group) | %.0f | 100%% | - |\n' "$ceiling"
+for i in 1 2 3 4; do
+  v=${variants[$i]}; read -r _ n strat <<<"$v"
+  m=$(median <"$work/v$i"); rss=$(sort -g "$work/rss$i" | tail -1)
+  printf '| engine, %s worker(s), %s | %.0f | %.0f%% | %.1f MiB |\n' "$n" "$strat" "$m" "$(awk -v m="$m" -v c="$ceiling" 'BEGIN { print m * 100 / c }')" "$(awk -v r="$rss" 'BEGIN { print r / 1024 }')"
+done
