@@ -44,6 +44,7 @@ demo: postgres
 bench: postgres
 	$(CARGO) build --release -p perspective-worker
 	tests/bench/append.sh
+	tests/bench/apply.sh
 
 clean-cache:
 	rm -rf $(CARGO_TARGET_DIR)

@@ -1,4 +1,5 @@
-//! Heartbeats in `wh_service_instances`, and abandoning instances that stopped heartbeating.
+//! Heartbeats in `wh_service_instances`, abandoning instances that stopped heartbeating, and
+//! the pending-events gauge.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +25,23 @@ pub(crate) async fn beat(ctx: &Ctx) -> Result<i32, sqlx::Error> {
             .bind(ctx.config.worker.abandon_stale_instance_threshold_seconds as f64)
             .fetch_one(&ctx.pool)
             .await?;
+    // Lag per perspective for /metrics (one small aggregate per heartbeat).
+    let pending: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT perspective_name, count(*) FROM {schema}.wh_perspective_events
+         WHERE processed_at IS NULL GROUP BY perspective_name"
+    ))
+    .fetch_all(&ctx.pool)
+    .await?;
+    for p in &ctx.config.perspectives {
+        let n = pending
+            .iter()
+            .find(|(name, _)| *name == p.name)
+            .map_or(0, |(_, n)| *n);
+        ctx.metrics
+            .pending_events
+            .with_label_values(&[p.name.as_str()])
+            .set(n);
+    }
     if abandoned > 0 {
         tracing::warn!(
             abandoned,
