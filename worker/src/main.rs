@@ -320,13 +320,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 migrate::MigrateOptions { dry_run: *dry_run },
             )
             .await
-            .map_err(|e| -> anyhow::Error {
-                if e.is_invalid_input() {
-                    InvalidInput(e.to_string()).into()
-                } else {
-                    e.into()
-                }
-            })?;
+            .map_err(migrate_error)?;
             if *json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -480,13 +474,7 @@ async fn run_engine(
                 migrate::MigrateOptions::default(),
             )
             .await
-            .map_err(|e| -> anyhow::Error {
-                if e.is_invalid_input() {
-                    InvalidInput(e.to_string()).into()
-                } else {
-                    e.into()
-                }
-            })?;
+            .map_err(migrate_error)?;
             print_migrate_report(&report, 0.0);
         }
         if let Some(Some(events)) = demo {
@@ -668,4 +656,13 @@ async fn print_demo_tables(url: &str, config: &Config) -> anyhow::Result<()> {
     println!();
     print!("{}", st.to_table());
     Ok(())
+}
+
+/// Config problems found by `migrate` are the caller's (exit 2); the rest are failures (exit 1).
+fn migrate_error(e: migrate::MigrateError) -> anyhow::Error {
+    if e.is_invalid_input() {
+        InvalidInput(e.to_string()).into()
+    } else {
+        e.into()
+    }
 }
