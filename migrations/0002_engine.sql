@@ -49,11 +49,13 @@ BEGIN
 END
 $$;
 
--- Graceful shutdown: give back streams and leases, then leave.
+-- Graceful shutdown: retire drained streams, give back the rest and the leases, then leave.
 CREATE FUNCTION {{schema}}.deregister_instance(p_instance_id uuid)
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
+  PERFORM {{schema}}.cleanup_completed_streams(p_instance_id, ARRAY(
+    SELECT a.stream_id FROM {{schema}}.wh_active_streams a WHERE a.assigned_instance_id = p_instance_id));
   UPDATE {{schema}}.wh_active_streams SET assigned_instance_id = NULL, lease_expiry = NULL
   WHERE assigned_instance_id = p_instance_id;
   UPDATE {{schema}}.wh_perspective_events SET instance_id = NULL, lease_expiry = NULL
@@ -112,6 +114,15 @@ BEGIN
          last_activity_at = now()
   FROM candidates c
   WHERE a.stream_id = c.stream_id;
+
+  -- Streams this instance holds with nothing pending (left behind by an instance that stopped
+  -- before retiring them): retire them, so their next event rings the doorbell again.
+  PERFORM {{schema}}.cleanup_completed_streams(p_instance_id, ARRAY(
+    SELECT a.stream_id FROM {{schema}}.wh_active_streams a
+    WHERE a.assigned_instance_id = p_instance_id
+      AND NOT EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
+                      WHERE w.stream_id = a.stream_id AND w.processed_at IS NULL
+                      OFFSET 0)));
 
   RETURN QUERY
   SELECT a.stream_id

@@ -605,3 +605,105 @@ async fn an_idle_worker_sends_few_statements() {
         "the safety net and heartbeats must still run"
     );
 }
+
+#[tokio::test]
+async fn drained_streams_left_pinned_are_retired_so_the_doorbell_rings_again() {
+    let schema = unique_schema("retire");
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    let mut listener = sqlx::postgres::PgListener::connect(&database_url())
+        .await
+        .unwrap();
+    let channel = format!("{schema}_work");
+    listener.listen(&channel).await.unwrap();
+    let insert =
+        format!("INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')");
+    let active = format!("SELECT count(*) FROM {schema}.wh_active_streams WHERE stream_id = $1");
+
+    for how in ["deregister", "claim"] {
+        let (owner, s) = (Uuid::now_v7(), Uuid::now_v7());
+        sqlx::query(&format!(
+            "SELECT {schema}.record_heartbeat($1, 't', 'h', 1)"
+        ))
+        .bind(owner)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+        sqlx::query(&insert)
+            .bind(s)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(5), listener.recv())
+                .await
+                .unwrap()
+                .unwrap()
+                .payload(),
+            ""
+        );
+        let claimed: Vec<Uuid> = sqlx::query_scalar(&format!(
+            "SELECT stream_id FROM {schema}.claim_work($1, 100, 300, 30)"
+        ))
+        .bind(owner)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        assert!(claimed.contains(&s));
+        // The owner applied and deleted the work but stopped before retiring the stream.
+        sqlx::query(&format!(
+            "DELETE FROM {schema}.wh_perspective_events WHERE stream_id = $1"
+        ))
+        .bind(s)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+        match how {
+            "deregister" => {
+                sqlx::query(&format!("SELECT {schema}.deregister_instance($1)"))
+                    .bind(owner)
+                    .execute(&mut conn)
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    tokio::time::timeout(Duration::from_secs(5), listener.recv())
+                        .await
+                        .unwrap()
+                        .unwrap()
+                        .payload(),
+                    "orphan"
+                );
+            }
+            _ => {
+                let again: Vec<Uuid> = sqlx::query_scalar(&format!(
+                    "SELECT stream_id FROM {schema}.claim_work($1, 100, 300, 30)"
+                ))
+                .bind(owner)
+                .fetch_all(&mut conn)
+                .await
+                .unwrap();
+                assert!(
+                    !again.contains(&s),
+                    "a stream with nothing pending is not offered"
+                );
+            }
+        }
+        let n: i64 = sqlx::query_scalar(&active)
+            .bind(s)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "{how}: the drained stream was retired");
+        sqlx::query(&insert)
+            .bind(s)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), listener.recv())
+            .await
+            .expect("doorbell rings again")
+            .unwrap();
+        assert_eq!((n.channel(), n.payload()), (channel.as_str(), ""), "{how}");
+    }
+}
