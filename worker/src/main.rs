@@ -16,7 +16,9 @@ const ABOUT: &str = "Materializes perspectives (read models) from a PostgreSQL e
 
 Applications append events with plain SQL (INSERT INTO <schema>.wh_event_store ...); each
 perspective declared in the config gets one work row per subscribed event in the same
-transaction. This binary creates the schema, registers the perspectives and appends events.";
+transaction. This binary creates the schema and compiles the perspectives (migrate), runs the
+engine that applies the work exactly once and in order (run), and inspects it (status,
+dead-letters).";
 
 const AFTER: &str = "Environment:
   DATABASE_URL        PostgreSQL URL, e.g. postgres://app@127.0.0.1:5432/app
@@ -59,8 +61,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Create or upgrade the schema, register subscriptions, run each perspective's `setup`
-    /// and prepare every handler. Idempotent; concurrent runs serialise on an advisory lock.
+    /// Create or upgrade the schema, register subscriptions, run each perspective's `setup`,
+    /// prepare every handler and compile it into the perspective's apply function. Idempotent;
+    /// concurrent runs serialise on an advisory lock.
     Migrate {
         /// Do everything, report it, then roll back: validates the config against the database.
         #[arg(long)]
