@@ -15,6 +15,8 @@
 //! in its own subtransaction, to commit the good prefix and record the failing event (error,
 //! backoff in `scheduled_for`, lease released; cursor status Failed).
 
+use std::collections::BTreeSet;
+
 use sha2::{Digest, Sha256};
 
 use crate::config::PerspectiveConfig;
@@ -47,7 +49,7 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v1";
+const FORMAT_VERSION: &str = "apply-v2";
 
 fn variable(p: Param) -> String {
     format!("_wh_{}", p.name())
@@ -101,7 +103,7 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
     for (i, (event_type, statements)) in perspective.compiled_handlers().iter().enumerate() {
         let keyword = if i == 0 { "IF" } else { "ELSIF" };
         dispatch.push_str(&format!(
-            "{keyword} _wh_event_type = {} THEN\n",
+            "{keyword} a_types[v_i] = {} THEN\n",
             quote_literal(event_type)
         ));
         for stmt in statements {
@@ -111,23 +113,53 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
     }
     dispatch.push_str("END IF;");
 
-    let bind = "\
-_wh_event_id := a_event_ids[v_i];
-_wh_stream_version := a_versions[v_i];
-_wh_event_type := a_types[v_i];
-_wh_data := a_data[v_i];
-_wh_metadata := a_metadata[v_i];
-_wh_scope := a_scope[v_i];
-_wh_created_at := a_created[v_i];
-_wh_user_id := coalesce(_wh_metadata ->> 'user_id', _wh_scope ->> 'user_id');
-_wh_tenant_id := coalesce(_wh_scope ->> 'tenant_id', _wh_metadata ->> 'tenant_id');
+    // Bind only what the handlers use: every assignment costs, per event.
+    let used: BTreeSet<Param> = perspective
+        .compiled_handlers()
+        .iter()
+        .flat_map(|(_, stmts)| stmts.iter().flat_map(|st| st.params()))
+        .collect();
+    let mut bind = String::new();
+    for (param, line) in [
+        (Param::EventId, "_wh_event_id := a_event_ids[v_i];"),
+        (
+            Param::StreamVersion,
+            "_wh_stream_version := a_versions[v_i];",
+        ),
+        (Param::EventType, "_wh_event_type := a_types[v_i];"),
+        (Param::Data, "_wh_data := a_data[v_i];"),
+        (Param::Metadata, "_wh_metadata := a_metadata[v_i];"),
+        (Param::Scope, "_wh_scope := a_scope[v_i];"),
+        (Param::CreatedAt, "_wh_created_at := a_created[v_i];"),
+    ] {
+        if used.contains(&param) {
+            bind.push_str(line);
+            bind.push('\n');
+        }
+    }
+    // The identity is always needed: set_config for row-level security and current_setting().
+    bind.push_str(
+        "\
+_wh_user_id := coalesce(a_metadata[v_i] ->> 'user_id', a_scope[v_i] ->> 'user_id');
+_wh_tenant_id := coalesce(a_scope[v_i] ->> 'tenant_id', a_metadata[v_i] ->> 'tenant_id');
 -- Consecutive events usually share an identity: set it only when it changes.
 IF v_set_user IS DISTINCT FROM coalesce(_wh_user_id, '') THEN
   v_set_user := set_config('perspective.user_id', coalesce(_wh_user_id, ''), true);
 END IF;
 IF v_set_tenant IS DISTINCT FROM coalesce(_wh_tenant_id, '') THEN
   v_set_tenant := set_config('perspective.tenant_id', coalesce(_wh_tenant_id, ''), true);
-END IF;";
+END IF;",
+    );
+    let data_column = if used.contains(&Param::Data) {
+        "array_agg(e.event_data ORDER BY x.ord)"
+    } else {
+        "NULL::jsonb[]"
+    };
+    let created_column = if used.contains(&Param::CreatedAt) {
+        "array_agg(e.created_at ORDER BY x.ord)"
+    } else {
+        "NULL::timestamptz[]"
+    };
     let apply_one = format!("{bind}\n{dispatch}");
 
     let body = format!(
@@ -175,9 +207,9 @@ BEGIN
 
   -- The events themselves are read here, next to the data, rather than shipped through the
   -- worker and parsed again.
-  SELECT array_agg(e.event_type ORDER BY x.ord), array_agg(e.event_data ORDER BY x.ord),
+  SELECT array_agg(e.event_type ORDER BY x.ord), {data_column},
          array_agg(e.metadata ORDER BY x.ord), array_agg(e.scope ORDER BY x.ord),
-         array_agg(e.created_at ORDER BY x.ord)
+         {created_column}
     INTO a_types, a_data, a_metadata, a_scope, a_created
   FROM unnest(a_event_ids) WITH ORDINALITY AS x(id, ord)
   JOIN {schema}.wh_event_store e ON e.event_id = x.id;
@@ -324,8 +356,16 @@ mod tests {
         let config = shop();
         let sql = create_apply_function("shop", &config.perspectives[0]);
         assert!(sql.starts_with("CREATE OR REPLACE FUNCTION shop.wh_apply_order_summary("));
-        assert!(sql.contains("IF _wh_event_type = 'OrderPlaced' THEN"));
-        assert!(sql.contains("ELSIF _wh_event_type = 'OrderShipped' THEN"));
+        assert!(sql.contains("IF a_types[v_i] = 'OrderPlaced' THEN"));
+        assert!(sql.contains("ELSIF a_types[v_i] = 'OrderShipped' THEN"));
+        assert!(
+            sql.contains("_wh_data := a_data[v_i];"),
+            "handlers use :data"
+        );
+        assert!(
+            !sql.contains("_wh_scope := a_scope[v_i];"),
+            "no handler uses :scope"
+        );
         assert!(sql.contains("WHERE order_id = _wh_stream_id"));
         assert!(!sql.contains(":stream_id"), "no named parameter is left");
     }
