@@ -9,6 +9,7 @@
 //! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
 //! - [`apply_sql`]: compiles a perspective's handlers into its server-side apply function
 //! - [`append`]: JSON-lines event input (the `append` command)
+//! - [`rebuild`]: rebuild a perspective from the event store
 //! - [`status`]: read-only lag / failure / dead-letter queries
 //! - [`db`]: connections and human-readable database errors
 
@@ -25,5 +26,6 @@ pub mod http;
 pub mod metrics;
 pub mod migrate;
 pub mod migrations;
+pub mod rebuild;
 pub mod sql_params;
 pub mod status;

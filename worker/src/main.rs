@@ -101,6 +101,13 @@ enum Command {
         #[command(flatten)]
         runtime: RuntimeArgs,
     },
+    /// Rebuild a perspective from the event store: for every stream, run its `reset`, drop its
+    /// cursor and queue all its events again (running workers re-apply them). Needs `reset`.
+    Rebuild {
+        /// The perspective to rebuild.
+        #[arg(long, value_name = "NAME")]
+        perspective: String,
+    },
     /// Inspect and replay dead-lettered events.
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
@@ -230,6 +237,38 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let url = database_url(&cli)?;
     match &cli.command {
         Command::Run { .. } | Command::Demo { .. } => unreachable!("handled above"),
+        Command::Rebuild { perspective } => {
+            let mut conn = db::connect(url, "perspective-worker rebuild")
+                .await
+                .context("connecting to PostgreSQL")?;
+            let started = Instant::now();
+            let report = perspective_worker::rebuild::rebuild(
+                &mut conn,
+                &config,
+                perspective,
+                |done, total| {
+                    if done % 1000 == 0 || done == total {
+                        eprintln!("rebuild {perspective}: {done}/{total} streams");
+                    }
+                },
+            )
+            .await
+            .map_err(|e| -> anyhow::Error {
+                match e {
+                    perspective_worker::rebuild::RebuildError::UnknownPerspective(_)
+                    | perspective_worker::rebuild::RebuildError::NoReset(_) => {
+                        InvalidInput(e.to_string()).into()
+                    }
+                    other => other.into(),
+                }
+            })?;
+            println!(
+                "rebuild of {perspective}: {} stream(s) reset, {} event(s) queued in {:.2}s; running workers apply them",
+                report.streams,
+                report.work_rows,
+                started.elapsed().as_secs_f64()
+            );
+        }
         Command::DeadLetters(cmd) => {
             let mut conn = db::connect(url, "perspective-worker dead-letters")
                 .await

@@ -707,3 +707,54 @@ async fn drained_streams_left_pinned_are_retired_so_the_doorbell_rings_again() {
         assert_eq!((n.channel(), n.payload()), (channel.as_str(), ""), "{how}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebuild_replays_a_perspective_from_the_event_store_while_workers_run() {
+    let schema = unique_schema("rebuild");
+    let yaml = recording_yaml(&schema, FAST).replacen(
+        "    handlers:",
+        "    reset: DELETE FROM seen_p1 WHERE stream_id = :stream_id\n    handlers:",
+        1,
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 6, 2, 5).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    assert_exactly_once(&schema, 5).await;
+
+    // Damage the model, then rebuild it from the store while the engine keeps running.
+    let mut conn = connect().await;
+    sqlx::query(&format!("UPDATE {schema}.seen_p1 SET versions = '{{42}}'"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let file = std::env::temp_dir().join(format!("{schema}.yaml"));
+    std::fs::write(&file, &yaml).unwrap();
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["rebuild", "--perspective", "p1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("5 stream(s) reset, 30 event(s) queued"));
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 5).await;
+
+    // p2 has no reset: refused, naming the reason.
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["rebuild", "--perspective", "p2"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has no `reset`"));
+}
