@@ -49,7 +49,7 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v2";
+const FORMAT_VERSION: &str = "apply-v3";
 
 fn variable(p: Param) -> String {
     format!("_wh_{}", p.name())
@@ -291,6 +291,20 @@ BEGIN
              processed_at = now()
        WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname};
     END IF;
+    IF p_notify_applied AND v_applied > 0 THEN
+      -- Serialise this check per stream, so of two perspectives finishing the same event at the
+      -- same time the second one sees the first one's cursor (it runs after that commit).
+      PERFORM pg_advisory_xact_lock(hashtext('{schema}.wh_applied'), hashtext(p_stream_id::text));
+      PERFORM pg_notify('{schema}_applied', x.id::text)
+      FROM unnest(a_event_ids, a_versions, a_types) AS x(id, version, type)
+      WHERE x.version > v_last AND x.version <= v_new_last
+        AND NOT EXISTS (
+          SELECT 1 FROM {schema}.wh_perspective_subscriptions s
+          LEFT JOIN {schema}.wh_perspective_cursors c
+                 ON c.stream_id = p_stream_id AND c.perspective_name = s.perspective_name
+          WHERE s.event_type = x.type AND s.perspective_name <> {pname}
+            AND coalesce(c.last_version, 0) < x.version);
+    END IF;
     IF v_failed IS NOT NULL THEN
       UPDATE {schema}.wh_perspective_events w
          SET error = v_err, instance_id = NULL, lease_expiry = NULL,
@@ -320,7 +334,8 @@ END
         "CREATE OR REPLACE FUNCTION {schema}.{function}(
     p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[], p_versions bigint[],
     p_instant boolean, p_debug boolean, p_force boolean,
-    p_retry_base_ms double precision, p_retry_max_ms double precision)
+    p_retry_base_ms double precision, p_retry_max_ms double precision,
+    p_notify_applied boolean DEFAULT false)
 RETURNS TABLE (o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text,
                o_done_work_ids bigint[])
 LANGUAGE plpgsql

@@ -163,6 +163,8 @@ pub struct WorkerOptions {
     /// Longest retry delay after a handler fails, in ms (default 300000).
     #[schemars(range(min = 1))]
     pub failure_retry_max_milliseconds: u64,
+    /// NOTIFY `<schema>_applied` with the event id once every subscribed perspective applied an event (read-your-writes; default false).
+    pub notify_applied: bool,
     /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty).
     pub instance_metadata: BTreeMap<String, String>,
 }
@@ -190,6 +192,7 @@ impl Default for WorkerOptions {
             heartbeat_interval_seconds: 10,
             failure_retry_base_milliseconds: 1000,
             failure_retry_max_milliseconds: 300_000,
+            notify_applied: false,
             instance_metadata: BTreeMap::new(),
         }
     }

@@ -758,3 +758,52 @@ async fn rebuild_replays_a_perspective_from_the_event_store_while_workers_run() 
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("has no `reset`"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn applied_notification_fires_once_per_event_after_every_perspective() {
+    let schema = unique_schema("applied");
+    let mut config = parse_config(&recording_yaml(&schema, FAST));
+    config.worker.notify_applied = true;
+    migrate_config(&config).await;
+    let mut listener = sqlx::postgres::PgListener::connect(&database_url())
+        .await
+        .unwrap();
+    listener.listen(&format!("{schema}_applied")).await.unwrap();
+    let engine = RunningEngine::start(&config).await;
+    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 4, 2, 3).await;
+    let mut conn = connect().await;
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < 20 {
+        let n = tokio::time::timeout(Duration::from_secs(20), listener.recv())
+            .await
+            .expect("all 20 notified")
+            .unwrap();
+        let id: Uuid = n.payload().parse().unwrap();
+        assert!(seen.insert(id), "event {id} notified twice");
+        // Read-your-writes: when the notification arrives, both perspectives show the event.
+        let (stream, version): (Uuid, i64) = sqlx::query_as(&format!(
+            "SELECT stream_id, stream_version FROM {schema}.wh_event_store WHERE event_id = $1"
+        ))
+        .bind(id)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        for p in ["p1", "p2"] {
+            let versions: Vec<i64> = sqlx::query_scalar(&format!(
+                "SELECT versions FROM {schema}.seen_{p} WHERE stream_id = $1"
+            ))
+            .bind(stream)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+            assert!(
+                versions.contains(&version),
+                "{p} has not applied {stream}@{version} yet"
+            );
+        }
+    }
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 5).await;
+}

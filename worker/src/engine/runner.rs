@@ -88,6 +88,7 @@ pub struct SqlRunner {
     functions: HashMap<String, String>,
     retry_base_ms: f64,
     retry_max_ms: f64,
+    notify_applied: bool,
 }
 
 impl SqlRunner {
@@ -101,6 +102,7 @@ impl SqlRunner {
                 .collect(),
             retry_base_ms: config.worker.failure_retry_base_milliseconds as f64,
             retry_max_ms: config.worker.failure_retry_max_milliseconds as f64,
+            notify_applied: config.worker.notify_applied,
         }
     }
 }
@@ -126,7 +128,7 @@ impl PerspectiveRunner for SqlRunner {
             let items = &group.items;
             let sql = format!(
                 "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids
-                 FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                 FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 self.schema
             );
             let row = sqlx::query(&sql)
@@ -139,6 +141,7 @@ impl PerspectiveRunner for SqlRunner {
                 .bind(mode.force)
                 .bind(self.retry_base_ms)
                 .bind(self.retry_max_ms)
+                .bind(self.notify_applied && !mode.force)
                 .fetch_one(&mut *conn)
                 .await?;
             let failed_id: Option<i64> = row.get(2);
