@@ -49,7 +49,7 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v3";
+const FORMAT_VERSION: &str = "apply-v4";
 
 fn variable(p: Param) -> String {
     format!("_wh_{}", p.name())
@@ -308,6 +308,7 @@ BEGIN
     IF v_failed IS NOT NULL THEN
       UPDATE {schema}.wh_perspective_events w
          SET error = v_err, instance_id = NULL, lease_expiry = NULL,
+             attempts = w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END,
              scheduled_for = now() + make_interval(secs =>
                least(p_retry_base_ms * power(2, greatest(w.attempts - 1, 0)), p_retry_max_ms) / 1000.0)
        WHERE w.event_work_id = a_work_ids[v_failed];
@@ -335,13 +336,123 @@ END
     p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[], p_versions bigint[],
     p_instant boolean, p_debug boolean, p_force boolean,
     p_retry_base_ms double precision, p_retry_max_ms double precision,
-    p_notify_applied boolean DEFAULT false)
+    p_notify_applied boolean DEFAULT false, p_count_failure boolean DEFAULT false)
 RETURNS TABLE (o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text,
                o_done_work_ids bigint[])
 LANGUAGE plpgsql
 -- Handler SQL names its tables as `setup` created them; resolve them the same way whoever calls.
 SET search_path TO {schema}, public
 AS {tag}{body}{tag}"
+    )
+}
+
+/// `CREATE OR REPLACE FUNCTION <schema>.wh_drain(...)`: claim and apply, in one call and one
+/// transaction, the pending work of the listed streams this instance owns — per (stream,
+/// perspective) the window above the cursor (cut at the first unavailable row), the head row
+/// dead-lettered once it has failed `p_max_attempts` times, the rest handed to the compiled apply
+/// function. No row leases are written: the rows are applied in the same transaction that
+/// selects them, under the cursor lock; failures count `attempts` instead. One row per pair out.
+pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -> String {
+    let mut dispatch = String::new();
+    for (i, p) in perspectives.iter().enumerate() {
+        let keyword = if i == 0 { "IF" } else { "ELSIF" };
+        dispatch.push_str(&format!(
+            "    {keyword} r.perspective_name = {} THEN
+      SELECT * INTO o FROM {schema}.{}(r.stream_id, v_ids, v_events, v_versions, p_instant, p_debug, false,
+                                        p_retry_base_ms, p_retry_max_ms, p_notify_applied, true);
+",
+            quote_literal(&p.name),
+            apply_function_name(&p.name)
+        ));
+    }
+    dispatch.push_str(
+        "    ELSE
+      CONTINUE;
+    END IF;",
+    );
+    format!(
+        r#"CREATE OR REPLACE FUNCTION {schema}.wh_drain(
+    p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
+    p_instant boolean, p_debug boolean, p_retry_base_ms double precision, p_retry_max_ms double precision,
+    p_notify_applied boolean, p_max_attempts integer)
+RETURNS TABLE (o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint,
+               o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[],
+               o_oldest timestamptz)
+LANGUAGE plpgsql AS $wh_drain$
+DECLARE
+  v_owned    uuid[];
+  r          record;
+  o          record;
+  v_ids      bigint[];
+  v_events   uuid[];
+  v_versions bigint[];
+  v_attempts integer[];
+  v_oldest   timestamptz;
+  v_dead     bigint[];
+  v_budget   integer := p_max_rows;
+BEGIN
+  SELECT array_agg(a.stream_id) INTO v_owned
+  FROM {schema}.wh_active_streams a
+  WHERE a.stream_id = ANY (p_stream_ids) AND a.assigned_instance_id = p_instance_id;
+  IF v_owned IS NULL THEN
+    RETURN;
+  END IF;
+  FOR r IN
+    SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
+    FROM unnest(v_owned) AS x(stream_id)
+    CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {schema}.wh_perspective_subscriptions s) sub
+    LEFT JOIN {schema}.wh_perspective_cursors c
+           ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
+    ORDER BY 1, 2
+  LOOP
+    EXIT WHEN v_budget <= 0;
+    -- Rows at or below the cursor were applied already (completion pending or lost): retire.
+    PERFORM {schema}.complete_perspective_events(ARRAY(
+      SELECT w.event_work_id FROM {schema}.wh_perspective_events w
+      WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
+        AND w.stream_version <= r.last_version AND w.processed_at IS NULL
+      OFFSET 0), p_debug);
+    SELECT array_agg(h.event_work_id ORDER BY h.stream_version), array_agg(h.event_id ORDER BY h.stream_version),
+           array_agg(h.stream_version ORDER BY h.stream_version), array_agg(h.attempts ORDER BY h.stream_version),
+           min(h.created_at)
+      INTO v_ids, v_events, v_versions, v_attempts, v_oldest
+    FROM (
+      SELECT w.*, bool_or(w.unavailable) OVER (ORDER BY w.stream_version ROWS UNBOUNDED PRECEDING) AS fenced
+      FROM (
+        SELECT w0.event_work_id, w0.event_id, w0.stream_version, w0.attempts, w0.created_at,
+               (coalesce(w0.scheduled_for > now(), false)
+                OR (w0.instance_id IS NOT NULL AND w0.instance_id <> p_instance_id AND w0.lease_expiry > now()
+                    AND EXISTS (SELECT 1 FROM {schema}.wh_service_instances i WHERE i.instance_id = w0.instance_id))
+               ) AS unavailable
+        FROM {schema}.wh_perspective_events w0
+        WHERE w0.stream_id = r.stream_id AND w0.perspective_name = r.perspective_name
+          AND w0.stream_version > r.last_version AND w0.processed_at IS NULL
+        ORDER BY w0.stream_version
+        LIMIT least(p_per_pair, v_budget)
+      ) w
+    ) h
+    WHERE NOT h.fenced;
+    CONTINUE WHEN v_ids IS NULL;
+    v_dead := '{{}}';
+    IF p_max_attempts IS NOT NULL AND v_attempts[1] >= p_max_attempts THEN
+      PERFORM {schema}.move_to_dead_letters(p_instance_id, ARRAY[v_ids[1]]);
+      v_dead := ARRAY[v_ids[1]];
+      v_ids := v_ids[2:];
+      v_events := v_events[2:];
+      v_versions := v_versions[2:];
+    END IF;
+    IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
+      RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
+                          '{{}}'::bigint[], v_dead, v_oldest;
+      CONTINUE;
+    END IF;
+    v_budget := v_budget - array_length(v_ids, 1);
+{dispatch}
+    RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
+                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest;
+  END LOOP;
+END
+$wh_drain$"#
     )
 }
 

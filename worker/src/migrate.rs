@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::{Connection, Executor, Row};
 
-use crate::apply_sql::{apply_function_name, create_apply_function, definition_hash};
+use crate::apply_sql::{
+    apply_function_name, create_apply_function, create_drain_function, definition_hash,
+};
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
 use crate::migrations::{latest_version, Migration, MIGRATIONS};
@@ -419,12 +421,15 @@ async fn setup_and_prepare(
         .map_err(db_err("recording the compiled perspective"))?;
         report.apply_functions += 1;
     }
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(MigrateError::InvalidPerspectives(ConfigError {
+    if !problems.is_empty() {
+        return Err(MigrateError::InvalidPerspectives(ConfigError {
             source: source.to_string(),
             problems,
-        }))
+        }));
     }
+    sqlx::raw_sql(&create_drain_function(schema, &config.perspectives))
+        .execute(&mut *conn)
+        .await
+        .map_err(db_err("compiling the drain function"))?;
+    Ok(())
 }

@@ -326,8 +326,8 @@ claimWorker:
     assert_eq!(dl.get::<i64, _>(1), 2);
     assert_eq!(
         dl.get::<i32, _>(2),
-        4,
-        "leased a fourth time, then dead-lettered before applying"
+        3,
+        "failed maxPerspectiveEventAttempts times, then dead-lettered"
     );
     assert!(dl
         .get::<Option<String>, _>(3)

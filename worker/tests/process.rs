@@ -64,12 +64,13 @@ async fn sigkill_with_leases_and_unflushed_completions_loses_and_repeats_nothing
 
     let a = Uuid::now_v7();
     let mut victim = spawn_worker(&path, a);
-    // Kill it once it has applied some work, still holds leases, and has applied rows whose
-    // deletion has not been flushed.
+    // Kill it once it has applied some work, still holds streams (its lease on their work)
+    // with events left to apply, and has applied rows whose deletion has not been flushed.
     let held = format!(
         "SELECT count(*) FROM {schema}.wh_perspective_events w
+         JOIN {schema}.wh_active_streams a USING (stream_id)
          JOIN {schema}.wh_perspective_cursors c USING (stream_id, perspective_name)
-         WHERE w.instance_id = '{a}' AND w.stream_version > c.last_version"
+         WHERE a.assigned_instance_id = '{a}' AND w.stream_version > c.last_version"
     );
     let unflushed = format!(
         "SELECT count(*) FROM {schema}.wh_perspective_events w

@@ -179,9 +179,125 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
     });
 }
 
-/// One claim+fetch round for `streams` and the application of everything it returned. Returns
-/// (events applied, streams worth re-fetching).
+/// One drain round for `streams`. Returns (events applied, streams worth re-fetching).
 async fn drain_once(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
+    if ctx.runner.server_side_drain() {
+        server_drain(ctx, streams).await
+    } else {
+        fetch_and_apply(ctx, streams).await
+    }
+}
+
+/// One row of `wh_drain`: what happened to one (stream, perspective).
+#[derive(sqlx::FromRow)]
+struct PairOutcome {
+    o_stream_id: Uuid,
+    o_perspective: String,
+    o_rows: i32,
+    o_applied: i32,
+    o_last_version: Option<i64>,
+    o_failed_work_id: Option<i64>,
+    o_error: Option<String>,
+    o_done_work_ids: Vec<i64>,
+    o_dead_lettered: Vec<i64>,
+    o_oldest: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Claim and apply in the database, one round trip per batch of streams (compiled SQL
+/// perspectives): no rows travel to the worker and no leases are written.
+async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
+    let per_pair = ctx.config.worker.perspective_batch_size.max(1) as i64;
+    let max_rows = (per_pair * streams.len() as i64 * ctx.config.perspectives.len() as i64)
+        .clamp(100, 2 * ROWS_PER_FETCH as i64);
+    let instant = ctx.config.worker.completion_strategy == CompletionStrategy::Instant;
+    let w = &ctx.config.worker;
+    let outcomes: Result<Vec<PairOutcome>, sqlx::Error> = sqlx::query_as(&format!(
+        "SELECT * FROM {}.wh_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        ctx.schema
+    ))
+    .bind(ctx.instance_id)
+    .bind(streams)
+    .bind(per_pair as i32)
+    .bind(max_rows as i32)
+    .bind(instant)
+    .bind(w.debug_mode)
+    .bind(w.failure_retry_base_milliseconds as f64)
+    .bind(w.failure_retry_max_milliseconds as f64)
+    .bind(w.notify_applied)
+    .bind(w.max_perspective_event_attempts.map(|m| m as i32))
+    .fetch_all(&ctx.pool)
+    .await;
+    let outcomes = match outcomes {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::warn!(error = %crate::db::describe_error(&e, None), "wh_drain failed");
+            return (0, Vec::new());
+        }
+    };
+    let mut applied = 0u64;
+    let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
+    let now = chrono::Utc::now();
+    for o in outcomes {
+        *rows_per_stream.entry(o.o_stream_id).or_default() += o.o_rows as i64;
+        let perspective = o.o_perspective.as_str();
+        if !o.o_dead_lettered.is_empty() {
+            tracing::warn!(perspective, stream_id = %o.o_stream_id, event_work_ids = ?o.o_dead_lettered, "event moved to dead letters after too many attempts");
+            ctx.metrics
+                .dead_letters
+                .with_label_values(&[perspective])
+                .inc_by(o.o_dead_lettered.len() as u64);
+            ctx.hooks.emit(HookEvent::DeadLettered {
+                perspective: o.o_perspective.clone(),
+                stream_id: o.o_stream_id,
+                event_work_ids: o.o_dead_lettered.clone(),
+            });
+        }
+        if o.o_applied > 0 {
+            applied += o.o_applied as u64;
+            ctx.metrics
+                .events_processed
+                .with_label_values(&[perspective])
+                .inc_by(o.o_applied as u64);
+            if let Some(oldest) = o.o_oldest {
+                let latency = (now - oldest).num_microseconds().unwrap_or(0) as f64 / 1e6;
+                ctx.metrics.apply_latency.observe(latency.max(0.0));
+            }
+            ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
+                perspective: o.o_perspective.clone(),
+                stream_id: o.o_stream_id,
+                event_count: o.o_applied as u32,
+                last_version: o.o_last_version.unwrap_or_default(),
+            });
+        }
+        if let Some(work_id) = o.o_failed_work_id {
+            let error = o.o_error.clone().unwrap_or_default();
+            tracing::warn!(perspective, stream_id = %o.o_stream_id, event_work_id = work_id, error = error.as_str(), "handler failed; the event will be retried with backoff");
+            ctx.metrics.failures.with_label_values(&[perspective]).inc();
+            ctx.hooks.emit(HookEvent::PerspectiveEventFailed {
+                perspective: o.o_perspective.clone(),
+                stream_id: o.o_stream_id,
+                event_work_id: work_id,
+                error,
+            });
+        }
+        if !instant && !o.o_done_work_ids.is_empty() {
+            for id in &o.o_done_work_ids {
+                let _ = ctx.completion_tx.send((*id, o.o_stream_id));
+            }
+        }
+    }
+    let min_batch = ctx.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
+    let busy = streams
+        .iter()
+        .filter(|s| rows_per_stream.get(s).copied().unwrap_or(0) >= min_batch)
+        .copied()
+        .collect();
+    (applied, busy)
+}
+
+/// One claim+fetch round for `streams` and the application of everything it returned through
+/// the runner. Returns (events applied, streams worth re-fetching).
+async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
     let per_pair = ctx.config.worker.perspective_batch_size.max(1) as i64;
     let max_rows = (per_pair * streams.len() as i64 * ctx.config.perspectives.len() as i64)
         .clamp(100, 2 * ROWS_PER_FETCH as i64);

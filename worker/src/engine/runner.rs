@@ -73,6 +73,12 @@ pub trait PerspectiveRunner: Send + Sync {
         true
     }
 
+    /// Whether the engine may claim and apply through the schema's `wh_drain` function (the
+    /// compiled SQL perspectives) instead of fetching rows and calling [`Self::apply`].
+    fn server_side_drain(&self) -> bool {
+        false
+    }
+
     fn apply<'a>(
         &'a self,
         conn: &'a mut PgConnection,
@@ -110,6 +116,10 @@ impl SqlRunner {
 impl PerspectiveRunner for SqlRunner {
     fn needs_event_payloads(&self) -> bool {
         false
+    }
+
+    fn server_side_drain(&self) -> bool {
+        true
     }
 
     fn apply<'a>(
