@@ -49,7 +49,7 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v4";
+const FORMAT_VERSION: &str = "apply-v5";
 
 fn variable(p: Param) -> String {
     format!("_wh_{}", p.name())
@@ -140,16 +140,20 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
     // The identity is always needed: set_config for row-level security and current_setting().
     bind.push_str(
         "\
-_wh_user_id := coalesce(a_metadata[v_i] ->> 'user_id', a_scope[v_i] ->> 'user_id');
-_wh_tenant_id := coalesce(a_scope[v_i] ->> 'tenant_id', a_metadata[v_i] ->> 'tenant_id');
 -- Consecutive events usually share an identity: set it only when it changes.
-IF v_set_user IS DISTINCT FROM coalesce(_wh_user_id, '') THEN
-  v_set_user := set_config('perspective.user_id', coalesce(_wh_user_id, ''), true);
+IF v_set_user IS DISTINCT FROM a_users[v_i] THEN
+  v_set_user := set_config('perspective.user_id', a_users[v_i], true);
 END IF;
-IF v_set_tenant IS DISTINCT FROM coalesce(_wh_tenant_id, '') THEN
-  v_set_tenant := set_config('perspective.tenant_id', coalesce(_wh_tenant_id, ''), true);
+IF v_set_tenant IS DISTINCT FROM a_tenants[v_i] THEN
+  v_set_tenant := set_config('perspective.tenant_id', a_tenants[v_i], true);
 END IF;",
     );
+    if used.contains(&Param::UserId) {
+        bind.push_str("\n_wh_user_id := nullif(a_users[v_i], '');");
+    }
+    if used.contains(&Param::TenantId) {
+        bind.push_str("\n_wh_tenant_id := nullif(a_tenants[v_i], '');");
+    }
     let data_column = if used.contains(&Param::Data) {
         "array_agg(e.event_data ORDER BY x.ord)"
     } else {
@@ -184,6 +188,9 @@ DECLARE
   a_data      jsonb[];
   a_metadata  jsonb[];
   a_scope     jsonb[];
+  a_users     text[];
+  a_tenants   text[];
+  v_last_i    integer;
   a_created   timestamptz[];
   v_n         integer := coalesce(array_length(p_work_ids, 1), 0);
   v_i         integer;
@@ -209,8 +216,10 @@ BEGIN
   -- worker and parsed again.
   SELECT array_agg(e.event_type ORDER BY x.ord), {data_column},
          array_agg(e.metadata ORDER BY x.ord), array_agg(e.scope ORDER BY x.ord),
-         {created_column}
-    INTO a_types, a_data, a_metadata, a_scope, a_created
+         {created_column},
+         array_agg(coalesce(e.metadata ->> 'user_id', e.scope ->> 'user_id', '') ORDER BY x.ord),
+         array_agg(coalesce(e.scope ->> 'tenant_id', e.metadata ->> 'tenant_id', '') ORDER BY x.ord)
+    INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants
   FROM unnest(a_event_ids) WITH ORDINALITY AS x(id, ord)
   JOIN {schema}.wh_event_store e ON e.event_id = x.id;
   IF coalesce(array_length(a_types, 1), 0) <> v_n THEN
@@ -244,8 +253,7 @@ BEGIN
       END IF;
 {apply_fast}
       v_applied := v_applied + 1;
-      v_new_last := greatest(v_new_last, a_versions[v_i]);
-      v_new_event := a_event_ids[v_i];
+      v_last_i := v_i;
     END LOOP;
     v_ok := true;
   EXCEPTION WHEN OTHERS THEN
@@ -261,8 +269,7 @@ BEGIN
   -- Slow path: event by event, to keep the good prefix and isolate the failing event.
   IF NOT v_ok THEN
     v_applied := 0;
-    v_new_last := v_last;
-    v_new_event := NULL;
+    v_last_i := NULL;
     FOR v_i IN 1..v_n LOOP
       CONTINUE WHEN a_versions[v_i] <= v_last;
       EXIT WHEN v_gap IS NOT NULL AND a_versions[v_i] > v_gap;
@@ -276,9 +283,13 @@ BEGIN
       END;
       EXIT WHEN v_failed IS NOT NULL;
       v_applied := v_applied + 1;
-      v_new_last := greatest(v_new_last, a_versions[v_i]);
-      v_new_event := a_event_ids[v_i];
+      v_last_i := v_i;
     END LOOP;
+  END IF;
+  -- Versions ascend, so the last event applied is the new position.
+  IF v_last_i IS NOT NULL THEN
+    v_new_last := a_versions[v_last_i];
+    v_new_event := a_event_ids[v_last_i];
   END IF;
 
   IF NOT p_force THEN
