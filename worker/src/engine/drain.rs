@@ -241,44 +241,28 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
         *rows_per_stream.entry(o.o_stream_id).or_default() += o.o_rows as i64;
         let perspective = o.o_perspective.as_str();
         if !o.o_dead_lettered.is_empty() {
-            tracing::warn!(perspective, stream_id = %o.o_stream_id, event_work_ids = ?o.o_dead_lettered, "event moved to dead letters after too many attempts");
-            ctx.metrics
-                .dead_letters
-                .with_label_values(&[perspective])
-                .inc_by(o.o_dead_lettered.len() as u64);
-            ctx.hooks.emit(HookEvent::DeadLettered {
-                perspective: o.o_perspective.clone(),
-                stream_id: o.o_stream_id,
-                event_work_ids: o.o_dead_lettered.clone(),
-            });
+            report_dead_lettered(ctx, perspective, o.o_stream_id, o.o_dead_lettered.clone());
         }
         if o.o_applied > 0 {
             applied += o.o_applied as u64;
-            ctx.metrics
-                .events_processed
-                .with_label_values(&[perspective])
-                .inc_by(o.o_applied as u64);
-            if let Some(oldest) = o.o_oldest {
-                let latency = (now - oldest).num_microseconds().unwrap_or(0) as f64 / 1e6;
-                ctx.metrics.apply_latency.observe(latency.max(0.0));
-            }
-            ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
-                perspective: o.o_perspective.clone(),
-                stream_id: o.o_stream_id,
-                event_count: o.o_applied as u32,
-                last_version: o.o_last_version.unwrap_or_default(),
-            });
+            let latency = o.o_oldest.map(|t| seconds_since(t, now));
+            report_applied(
+                ctx,
+                perspective,
+                o.o_stream_id,
+                o.o_applied as u32,
+                o.o_last_version.unwrap_or_default(),
+                latency.into_iter(),
+            );
         }
         if let Some(work_id) = o.o_failed_work_id {
-            let error = o.o_error.clone().unwrap_or_default();
-            tracing::warn!(perspective, stream_id = %o.o_stream_id, event_work_id = work_id, error = error.as_str(), "handler failed; the event will be retried with backoff");
-            ctx.metrics.failures.with_label_values(&[perspective]).inc();
-            ctx.hooks.emit(HookEvent::PerspectiveEventFailed {
-                perspective: o.o_perspective.clone(),
-                stream_id: o.o_stream_id,
-                event_work_id: work_id,
-                error,
-            });
+            report_failed(
+                ctx,
+                perspective,
+                o.o_stream_id,
+                work_id,
+                o.o_error.as_deref().unwrap_or_default(),
+            );
         }
         if !instant && !o.o_done_work_ids.is_empty() {
             for id in &o.o_done_work_ids {
@@ -364,20 +348,9 @@ async fn dead_letter_filter(ctx: &Ctx, items: Vec<WorkItem>) -> Vec<WorkItem> {
     match moved {
         Ok(_) => {
             for p in &poison {
-                tracing::warn!(
-                    perspective = %p.perspective_name, stream_id = %p.stream_id, stream_version = p.stream_version,
-                    attempts = p.attempts, error = p.error.as_deref().unwrap_or(""),
-                    "event moved to dead letters after too many attempts"
-                );
-                ctx.metrics
-                    .dead_letters
-                    .with_label_values(&[p.perspective_name.as_str()])
-                    .inc();
-                ctx.hooks.emit(HookEvent::DeadLettered {
-                    perspective: p.perspective_name.clone(),
-                    stream_id: p.stream_id,
-                    event_work_ids: vec![p.event_work_id],
-                });
+                tracing::warn!(perspective = %p.perspective_name, stream_version = p.stream_version, attempts = p.attempts,
+                    error = p.error.as_deref().unwrap_or(""), "last failure of the dead-lettered event");
+                report_dead_lettered(ctx, &p.perspective_name, p.stream_id, vec![p.event_work_id]);
             }
             good
         }
@@ -504,40 +477,24 @@ async fn apply_pair(ctx: &Ctx, chunks: Vec<Group>) -> u64 {
 fn record_outcome(ctx: &Ctx, group: &Group, o: &super::runner::ApplyOutcome, mode: ApplyMode) {
     let perspective = group.perspective.as_str();
     if o.applied > 0 {
-        ctx.metrics
-            .events_processed
-            .with_label_values(&[perspective])
-            .inc_by(o.applied as u64);
         let now = chrono::Utc::now();
         let last = o.last_version.unwrap_or(i64::MIN);
-        for i in group.items.iter().filter(|i| i.stream_version <= last) {
-            let latency = (now - i.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
-            ctx.metrics.apply_latency.observe(latency.max(0.0));
-        }
-        ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
-            perspective: group.perspective.clone(),
-            stream_id: group.stream_id,
-            event_count: o.applied,
-            last_version: last,
-        });
-    }
-    if let Some((work_id, error)) = &o.failed {
-        let version = group
+        let latencies = group
             .items
             .iter()
-            .find(|i| i.event_work_id == *work_id)
-            .map(|i| i.stream_version);
-        tracing::warn!(
-            perspective, stream_id = %group.stream_id, stream_version = version, event_work_id = work_id,
-            error = error.as_str(), "handler failed; the event will be retried with backoff"
+            .filter(|i| i.stream_version <= last)
+            .map(|i| seconds_since(i.created_at, now));
+        report_applied(
+            ctx,
+            perspective,
+            group.stream_id,
+            o.applied,
+            last,
+            latencies,
         );
-        ctx.metrics.failures.with_label_values(&[perspective]).inc();
-        ctx.hooks.emit(HookEvent::PerspectiveEventFailed {
-            perspective: group.perspective.clone(),
-            stream_id: group.stream_id,
-            event_work_id: *work_id,
-            error: error.clone(),
-        });
+    }
+    if let Some((work_id, error)) = &o.failed {
+        report_failed(ctx, perspective, group.stream_id, *work_id, error);
     }
     if !mode.instant && !o.done_work_ids.is_empty() {
         ctx.cache
@@ -548,4 +505,59 @@ fn record_outcome(ctx: &Ctx, group: &Group, o: &super::runner::ApplyOutcome, mod
             let _ = ctx.completion_tx.send((*id, group.stream_id));
         }
     }
+}
+
+/// Metrics, hook and log for events of one (stream, perspective) applied and committed;
+/// `latencies` are append-commit → applied, seconds.
+fn report_applied(
+    ctx: &Ctx,
+    perspective: &str,
+    stream_id: Uuid,
+    applied: u32,
+    last_version: i64,
+    latencies: impl Iterator<Item = f64>,
+) {
+    ctx.metrics
+        .events_processed
+        .with_label_values(&[perspective])
+        .inc_by(applied as u64);
+    for l in latencies {
+        ctx.metrics.apply_latency.observe(l.max(0.0));
+    }
+    ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
+        perspective: perspective.to_string(),
+        stream_id,
+        event_count: applied,
+        last_version,
+    });
+}
+
+/// Metrics, hook and log for a handler failure (the event will be retried with backoff).
+fn report_failed(ctx: &Ctx, perspective: &str, stream_id: Uuid, event_work_id: i64, error: &str) {
+    tracing::warn!(perspective, %stream_id, event_work_id, error, "handler failed; the event will be retried with backoff");
+    ctx.metrics.failures.with_label_values(&[perspective]).inc();
+    ctx.hooks.emit(HookEvent::PerspectiveEventFailed {
+        perspective: perspective.to_string(),
+        stream_id,
+        event_work_id,
+        error: error.to_string(),
+    });
+}
+
+/// Metrics, hook and log for work rows moved to the dead letters.
+fn report_dead_lettered(ctx: &Ctx, perspective: &str, stream_id: Uuid, event_work_ids: Vec<i64>) {
+    tracing::warn!(perspective, %stream_id, ?event_work_ids, "event moved to dead letters after too many attempts");
+    ctx.metrics
+        .dead_letters
+        .with_label_values(&[perspective])
+        .inc_by(event_work_ids.len() as u64);
+    ctx.hooks.emit(HookEvent::DeadLettered {
+        perspective: perspective.to_string(),
+        stream_id,
+        event_work_ids,
+    });
+}
+
+fn seconds_since(t: chrono::DateTime<chrono::Utc>, now: chrono::DateTime<chrono::Utc>) -> f64 {
+    (now - t).num_microseconds().unwrap_or(0) as f64 / 1e6
 }
