@@ -1,2 +1,29 @@
 //! perspective-operator: turns `PerspectiveDeployment` resources into a migration Job and a
 //! worker StatefulSet, and reports readiness, lag and dead letters as status.
+//!
+//! - [`crd`]: the custom resource (spec embeds the worker's config types) and its CRD YAML
+//! - [`validate`]: spec checks beyond the CRD schema, each naming its field
+//! - [`labels`]: names, labels and selectors of the children
+//! - builders of the desired children, pure functions: [`config_map`], [`migration_job`],
+//!   [`workers`] (StatefulSet, headless Service, PodDisruptionBudget), with [`pod`] shared
+//! - [`reconcile`]: the pipeline validate → build → server-side apply → status
+//! - [`status`] and [`conditions`]: status computed from observations, condition transitions
+//! - [`lag`]: read-only lag / dead-letter queries against the deployment's database
+//! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
+//! - [`metrics`] and [`http`]: `/metrics`, `/livez`, `/readyz`
+
+pub mod conditions;
+pub mod config_map;
+pub mod controller;
+pub mod crd;
+pub mod http;
+pub mod labels;
+pub mod lag;
+pub mod leader;
+pub mod metrics;
+pub mod migration_job;
+pub mod pod;
+pub mod reconcile;
+pub mod status;
+pub mod validate;
+pub mod workers;

@@ -1,0 +1,78 @@
+//! Runs the reconciler: watches `PerspectiveDeployment`s (reacting to spec changes, not to its
+//! own status writes) and the StatefulSets and Jobs they own, until shutdown.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::batch::v1::Job;
+use kube::api::{Api, ListParams};
+use kube::runtime::controller::Controller;
+use kube::runtime::{predicates, reflector, watcher, WatchStreamExt};
+use kube::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::crd::PerspectiveDeployment;
+use crate::labels;
+use crate::reconcile::{error_policy, reconcile, Context};
+
+/// Which namespace to watch; `None` watches all.
+pub fn deployments_api(client: Client, namespace: Option<&str>) -> Api<PerspectiveDeployment> {
+    match namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    }
+}
+
+/// Fails with a clear message when the CRD is not installed or not readable.
+pub async fn check_crd(api: &Api<PerspectiveDeployment>) -> anyhow::Result<()> {
+    match api.list(&ListParams::default().limit(1)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => anyhow::bail!(
+            "the PerspectiveDeployment CRD is not installed: run `kubectl apply --server-side -f crds/` \
+             (or `perspective-operator crd | kubectl apply --server-side -f -`)"
+        ),
+        Err(e) => Err(anyhow::anyhow!("cannot list PerspectiveDeployments: {e}")),
+    }
+}
+
+/// Reconciles until `shutdown` fires; in-flight reconciles finish first.
+pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: CancellationToken) {
+    let client = ctx.client.clone();
+    let pds = deployments_api(client.clone(), namespace.as_deref());
+    let (reader, writer) = reflector::store();
+    // Status writes bump resourceVersion but not generation: filtering on generation keeps the
+    // operator from reacting to its own status patches. Lag refreshes come from requeues.
+    let trigger = watcher(pds, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+    let children = watcher::Config::default().labels(&format!(
+        "{}={}",
+        labels::MANAGED_BY,
+        labels::FIELD_MANAGER
+    ));
+    let (sts, jobs): (Api<StatefulSet>, Api<Job>) = match &namespace {
+        Some(ns) => (
+            Api::namespaced(client.clone(), ns),
+            Api::namespaced(client, ns),
+        ),
+        None => (Api::all(client.clone()), Api::all(client)),
+    };
+    Controller::for_stream(trigger, reader)
+        .owns(sts, children.clone())
+        .owns(jobs, children)
+        .graceful_shutdown_on(shutdown.cancelled_owned())
+        .run(reconcile, error_policy, ctx)
+        .for_each(|result| async move {
+            match result {
+                Ok((object, _)) => {
+                    debug!(name = %object.name, namespace = ?object.namespace, "reconciled")
+                }
+                Err(e) => warn!(error = %e, "controller"),
+            }
+        })
+        .await;
+}

@@ -1,0 +1,291 @@
+//! The `PerspectiveDeployment` custom resource (`perspectives.dev/v1alpha1`, short name `pd`).
+//!
+//! The spec embeds the worker's own config types (`schema`, `perspectives`, `worker`,
+//! `claimWorker` are the fields of [`perspective_worker::config::Config`]), so the CRD and the
+//! worker's YAML can never drift apart; the rest of the spec says how to run the workers.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Affinity, LocalObjectReference, ResourceRequirements, Toleration,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::core::crd::merge_crds;
+use kube::{CustomResource, CustomResourceExt};
+use perspective_worker::config::{ClaimWorkerOptions, Config, PerspectiveConfig, WorkerOptions};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of the CRD.
+pub const GROUP: &str = "perspectives.dev";
+
+/// Desired state of a perspective deployment: the worker config plus how to run it.
+#[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "perspectives.dev",
+    version = "v1alpha1",
+    kind = "PerspectiveDeployment",
+    plural = "perspectivedeployments",
+    shortname = "pd",
+    category = "all",
+    namespaced,
+    status = "PerspectiveDeploymentStatus",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"string","jsonPath":".status.replicasSummary"}"#,
+    printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pendingEvents"}"#,
+    printcolumn = r#"{"name":"Lag","type":"string","jsonPath":".status.lag"}"#,
+    printcolumn = r#"{"name":"DeadLetters","type":"integer","jsonPath":".status.deadLetters"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct PerspectiveDeploymentSpec {
+    /// PostgreSQL schema holding this deployment's event store, work tables and models (lower-case, at most 40 characters).
+    pub schema: String,
+    /// The perspectives (read models) to keep up to date; at least one.
+    #[schemars(length(min = 1))]
+    pub perspectives: Vec<PerspectiveConfig>,
+    /// Tuning of the perspective worker that applies events; every field has a default.
+    #[serde(default)]
+    pub worker: WorkerOptions,
+    /// Tuning of the claim worker that polls for new work; every field has a default.
+    #[serde(default)]
+    pub claim_worker: ClaimWorkerOptions,
+
+    /// Worker image (runs `perspective-worker`); defaults to the operator's --default-worker-image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Image pull policy of the worker and migration containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
+    /// Secrets for pulling the worker image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
+    /// Number of worker pods (default 1); `kubectl scale pd/NAME --replicas=N` sets it.
+    #[serde(default = "default_replicas")]
+    #[schemars(range(min = 0))]
+    pub replicas: i32,
+    /// Stop changing the deployment's children (ConfigMap, Job, StatefulSet...); status is still reported.
+    #[serde(default)]
+    pub paused: bool,
+    /// Where the database is: a Secret holding the PostgreSQL URL (never the URL itself).
+    pub database: DatabaseSpec,
+    /// How the migration Job runs.
+    #[serde(default)]
+    pub migrations: MigrationsSpec,
+    /// Compute resources of each worker container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+    /// Node selector of the worker and migration pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    /// Tolerations of the worker and migration pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+    /// Affinity of the worker pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// Priority class of the worker pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Service account of the worker and migration pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+    /// Extra annotations on the worker pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_annotations: Option<BTreeMap<String, String>>,
+    /// Seconds a worker gets after SIGTERM to finish in-flight work and deregister (default 30).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub termination_grace_period_seconds: Option<i64>,
+}
+
+fn default_replicas() -> i32 {
+    1
+}
+
+impl PerspectiveDeploymentSpec {
+    /// The worker config this spec describes (what the ConfigMap holds).
+    pub fn worker_config(&self) -> Config {
+        Config {
+            schema: self.schema.clone(),
+            perspectives: self.perspectives.clone(),
+            worker: self.worker.clone(),
+            claim_worker: self.claim_worker.clone(),
+        }
+    }
+}
+
+/// Database connection of the deployment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DatabaseSpec {
+    /// Secret (in the deployment's namespace) and key holding the PostgreSQL URL.
+    pub secret_ref: SecretKeyRef,
+}
+
+/// A key of a Secret in the same namespace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    /// Secret name.
+    pub name: String,
+    /// Key within the Secret (default `url`).
+    #[serde(default = "default_secret_key")]
+    pub key: String,
+}
+
+fn default_secret_key() -> String {
+    "url".to_owned()
+}
+
+/// Settings of the migration Job (`perspective-worker migrate`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", default)]
+pub struct MigrationsSpec {
+    /// Pod retries of one migration Job before it counts as failed (default 2).
+    #[schemars(range(min = 0))]
+    pub backoff_limit: i32,
+    /// Seconds a migration Job may run before it is failed (default 600).
+    #[schemars(range(min = 1))]
+    pub active_deadline_seconds: i64,
+}
+
+impl Default for MigrationsSpec {
+    fn default() -> Self {
+        Self {
+            backoff_limit: 2,
+            active_deadline_seconds: 600,
+        }
+    }
+}
+
+/// Observed state, written by the operator.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PerspectiveDeploymentStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Ready, MigrationsApplied, Progressing, Degraded, ReconciliationPaused.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Worker pods that exist (the scale subresource's status replicas).
+    #[serde(default)]
+    pub replicas: i32,
+    /// Worker pods that are ready.
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// `ready/desired`, for `kubectl get`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas_summary: Option<String>,
+    /// Label selector of the worker pods (for the scale subresource).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// The migration Job of the current spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_job: Option<String>,
+    /// Failed runs of the current migration Job (retried with backoff).
+    #[serde(default)]
+    pub migration_failures: i32,
+    /// When the current migration Job last failed (to count each failure once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_migration_failure: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// Hash of the last target the migrations succeeded for (what the worker pods run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrated_hash: Option<String>,
+    /// Events not yet applied, over all perspectives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_events: Option<i64>,
+    /// Age of the oldest unapplied event in seconds, over all perspectives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_seconds: Option<i64>,
+    /// `oldestPendingSeconds` for `kubectl get` (e.g. `0s`, `42s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<String>,
+    /// Dead letters waiting for replay, over all perspectives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dead_letters: Option<i64>,
+    /// Worker instances with a recent heartbeat in the database.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub live_instances: Option<i64>,
+    /// Per perspective lag and failures, read from the database.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub perspectives: Vec<PerspectiveLag>,
+}
+
+/// Lag and failures of one perspective.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PerspectiveLag {
+    /// Perspective name.
+    pub name: String,
+    /// Work rows (events) not yet applied.
+    pub pending_events: i64,
+    /// Age of the oldest unapplied event in seconds (absent when nothing is pending).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_seconds: Option<i64>,
+    /// Streams whose last apply failed and are waiting for a retry.
+    pub failed_streams: i64,
+    /// Dead letters waiting for replay.
+    pub dead_letters: i64,
+}
+
+/// The CRD as YAML, as `perspective-operator crd` prints it and `crds/` holds it.
+pub fn crd_yaml() -> String {
+    // merge_crds checks that the one version is consistent; kept so adding v1beta1 is one line.
+    let crd = merge_crds(vec![PerspectiveDeployment::crd()], "v1alpha1")
+        .expect("a single-version CRD always merges");
+    let mut crd = serde_json::to_value(crd).expect("a CRD serializes");
+    kubernetes_int_formats(&mut crd);
+    let mut yaml = String::from(
+        "# Generated by `perspective-operator crd` from operator/src/crd.rs; do not edit.\n",
+    );
+    yaml.push_str(&serde_yaml::to_string(&crd).expect("a CRD serializes"));
+    yaml
+}
+
+/// The API server knows `int32`/`int64` only; schemars writes `uint32`/`uint64` for the worker's
+/// unsigned options. Every integer also gets the bounds of its Rust type, so a value the API
+/// server accepts always deserializes: one object that does not would break the operator's
+/// watch of all of them.
+fn kubernetes_int_formats(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            let bounds: Option<(i64, i64)> = match map.get("format").and_then(|f| f.as_str()) {
+                Some("uint32") => Some((0, i64::from(u32::MAX))),
+                // 2^53 - 1: larger bounds do not survive the API server's float parsing of schemas.
+                Some("uint64") | Some("uint") => Some((0, (1_i64 << 53) - 1)),
+                Some("int32") => Some((i64::from(i32::MIN), i64::from(i32::MAX))),
+                _ => None,
+            };
+            if let Some((min, max)) = bounds {
+                let format = if max > i64::from(i32::MAX) {
+                    "int64"
+                } else {
+                    "int32"
+                };
+                map.insert("format".into(), format.into());
+                let lower = map
+                    .get("minimum")
+                    .and_then(|v| v.as_i64())
+                    .map_or(min, |m| m.max(min));
+                let upper = map
+                    .get("maximum")
+                    .and_then(|v| v.as_i64())
+                    .map_or(max, |m| m.min(max));
+                map.insert("minimum".into(), lower.into());
+                map.insert("maximum".into(), upper.into());
+            }
+            map.values_mut().for_each(kubernetes_int_formats);
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(kubernetes_int_formats),
+        _ => {}
+    }
+}

@@ -1,0 +1,96 @@
+//! Lease-based leader election, so two or more operator replicas are safe: only the holder of
+//! the `coordination.k8s.io` Lease reconciles. Losing the lease ends the process (as client-go
+//! controllers do): a restarted replica rejoins the election with clean state, and a stale
+//! leader never keeps writing next to a new one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::Client;
+use kube_lease_manager::{LeaseManager, LeaseManagerBuilder};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+/// Election settings.
+#[derive(Debug, Clone)]
+pub struct Election {
+    pub lease_name: String,
+    pub namespace: String,
+    /// This replica's identity in the Lease (its pod name).
+    pub identity: String,
+    /// Seconds a lease stays valid without renewal; a killed leader is replaced after this.
+    pub lease_seconds: u64,
+}
+
+/// Leadership held by this process.
+pub struct Leadership {
+    /// Cancelled when the lease is lost.
+    pub lost: CancellationToken,
+    stop: CancellationToken,
+    manager: Arc<LeaseManager>,
+    renewer: JoinHandle<()>,
+}
+
+/// Waits until this replica holds the lease; `None` if `shutdown` fired first.
+pub async fn acquire(
+    client: Client,
+    election: &Election,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Leadership>> {
+    let manager = LeaseManagerBuilder::new(client, &election.lease_name)
+        .with_namespace(&election.namespace)
+        .with_identity(&election.identity)
+        .with_duration(election.lease_seconds)
+        .with_grace(election.lease_seconds.div_ceil(3).max(1))
+        .build()
+        .await?;
+    let manager = Arc::new(manager);
+    info!(lease = %election.lease_name, identity = %election.identity, "waiting for leadership");
+    loop {
+        tokio::select! {
+            held = manager.changed() => if held? { break },
+            _ = shutdown.cancelled() => return Ok(None),
+        }
+    }
+    info!(lease = %election.lease_name, identity = %election.identity, "became the leader");
+    let lost = CancellationToken::new();
+    let stop = CancellationToken::new();
+    // `changed()` renews the lease while it runs and returns when the state changes.
+    let renewer = tokio::spawn({
+        let (manager, lost, stop) = (manager.clone(), lost.clone(), stop.clone());
+        async move {
+            loop {
+                tokio::select! {
+                    held = manager.changed() => match held {
+                        Ok(true) => continue,
+                        Ok(false) => warn!("lost the leader lease"),
+                        Err(e) => warn!(error = %e, "cannot renew the leader lease"),
+                    },
+                    _ = stop.cancelled() => return,
+                }
+                lost.cancel();
+                return;
+            }
+        }
+    });
+    Ok(Some(Leadership {
+        lost,
+        stop,
+        manager,
+        renewer,
+    }))
+}
+
+impl Leadership {
+    /// Gives the lease up, so a standby takes over at once instead of after its expiry.
+    pub async fn release(self) {
+        self.stop.cancel();
+        let _ = self.renewer.await;
+        match tokio::time::timeout(Duration::from_secs(5), self.manager.release()).await {
+            Ok(Ok(())) => info!("released the leader lease"),
+            Ok(Err(e)) => warn!(error = %e, "could not release the leader lease"),
+            Err(_) => warn!("timed out releasing the leader lease"),
+        }
+    }
+}

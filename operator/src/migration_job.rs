@@ -1,0 +1,176 @@
+//! The migration Job: `perspective-worker migrate` for one migration target.
+//!
+//! The Job is named by the hash of what a migration depends on (worker image, the worker's
+//! embedded migrations, the schema and every perspective's setup, reset and handlers, which
+//! `migrate` compiles into apply functions). It is never patched: a new target is a new Job,
+//! and superseded Jobs are deleted. Worker-only options (batch sizes, intervals) are not part of
+//! the target, so changing them rolls the pods without a migration.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::ObjectMeta;
+use perspective_worker::migrations::MIGRATIONS;
+use sha2::{Digest, Sha256};
+
+use crate::crd::PerspectiveDeploymentSpec;
+use crate::labels;
+use crate::pod;
+
+/// What a migration Job is for: its hash and name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationTarget {
+    pub hash: String,
+    pub job_name: String,
+}
+
+/// The migration target of `spec` running `image`.
+pub fn target(instance: &str, spec: &PerspectiveDeploymentSpec, image: &str) -> MigrationTarget {
+    let mut h = Sha256::new();
+    // Length-prefixed fields, so no two different inputs hash alike.
+    let mut field = |bytes: &[u8]| {
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    field(b"migration-target-v1");
+    field(image.as_bytes());
+    for migration in MIGRATIONS {
+        field(migration.checksum().as_bytes());
+    }
+    field(spec.schema.as_bytes());
+    for p in &spec.perspectives {
+        field(p.name.as_bytes());
+        field(
+            serde_json::to_string(&p.ordering)
+                .unwrap_or_default()
+                .as_bytes(),
+        );
+        field(p.setup.as_deref().unwrap_or("").as_bytes());
+        field(p.reset.as_deref().unwrap_or("").as_bytes());
+        for (event_type, sql) in &p.handlers {
+            field(event_type.as_bytes());
+            field(sql.as_bytes());
+        }
+    }
+    let hash = hex::encode(h.finalize());
+    MigrationTarget {
+        job_name: labels::migration_job_name(instance, &hash),
+        hash,
+    }
+}
+
+/// The desired Job for `target`, reading its config from ConfigMap `config_map`.
+pub fn build(
+    instance: &str,
+    namespace: &str,
+    spec: &PerspectiveDeploymentSpec,
+    image: &str,
+    config_map: &str,
+    target: &MigrationTarget,
+) -> Job {
+    let labels = labels::labels(instance, labels::MIGRATION);
+    let annotations = BTreeMap::from([(labels::MIGRATION_HASH.to_owned(), target.hash.clone())]);
+    let container = pod::container("migrate", image, spec, &["migrate"], pod::base_env(spec));
+    Job {
+        metadata: ObjectMeta {
+            name: Some(target.job_name.clone()),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(labels.clone()),
+            annotations: Some(annotations.clone()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(spec.migrations.backoff_limit),
+            active_deadline_seconds: Some(spec.migrations.active_deadline_seconds),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    annotations: Some(annotations),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(pod::pod_spec(spec, config_map, container, "Never")),
+            },
+            ..JobSpec::default()
+        }),
+        ..Job::default()
+    }
+}
+
+/// Where a migration Job stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobState {
+    Running,
+    Succeeded,
+    /// The Job failed: its condition reason (e.g. `BackoffLimitExceeded`), a message built from
+    /// the condition and the failed pod's termination message, and when it failed.
+    Failed {
+        reason: String,
+        message: String,
+        at: Option<Timestamp>,
+    },
+}
+
+/// Reads a Job's state from its conditions; `pods` are its pods, for a termination message.
+pub fn state(job: &Job, pods: &[Pod]) -> JobState {
+    let conditions = job
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let true_condition = |t: &str| {
+        conditions
+            .iter()
+            .find(|c| c.type_ == t && c.status == "True")
+    };
+    if true_condition("Complete").is_some() {
+        return JobState::Succeeded;
+    }
+    match true_condition("Failed") {
+        None => JobState::Running,
+        Some(failed) => {
+            let reason = failed.reason.clone().unwrap_or_else(|| "Failed".to_owned());
+            let mut message = failed.message.clone().unwrap_or_default();
+            if let Some(log) = termination_message(pods) {
+                if !message.is_empty() {
+                    message.push_str(": ");
+                }
+                message.push_str(&log);
+            }
+            JobState::Failed {
+                reason,
+                message,
+                at: failed.last_transition_time.as_ref().map(|t| t.0),
+            }
+        }
+    }
+}
+
+/// The newest failed pod's termination message, trimmed to its last lines.
+fn termination_message(pods: &[Pod]) -> Option<String> {
+    let mut terminated: Vec<_> = pods
+        .iter()
+        .filter_map(|p| p.status.as_ref()?.container_statuses.as_ref()?.first())
+        .filter_map(|cs| cs.state.as_ref()?.terminated.as_ref())
+        .filter(|t| t.exit_code != 0)
+        .collect();
+    terminated.sort_by_key(|t| t.finished_at.as_ref().map(|f| f.0));
+    let message = terminated.last()?.message.as_ref()?.trim();
+    if message.is_empty() {
+        return None;
+    }
+    // Status messages should stay readable in `kubectl describe`: keep the end, where the error is.
+    const LIMIT: usize = 1024;
+    let start = message.len().saturating_sub(LIMIT);
+    let start = (start..message.len())
+        .find(|i| message.is_char_boundary(*i))
+        .unwrap_or(0);
+    Some(message[start..].to_owned())
+}
+
+/// Delay before a failed migration target is retried: 30 s doubling per failure, at most 10 min.
+pub fn retry_delay(failures: i32) -> std::time::Duration {
+    let exp = failures.clamp(1, 6) - 1;
+    std::time::Duration::from_secs((30u64 << exp).min(600))
+}

@@ -1,0 +1,515 @@
+//! The reconcile pipeline of one `PerspectiveDeployment`:
+//!
+//! 1. fetch and validate — the spec (worker config checks, names) and the database Secret;
+//!    an invalid spec changes no child and is reported as `Degraded`, never as an error loop;
+//! 2. build the desired children with the pure builders ([`config_map`], [`migration_job`],
+//!    [`workers`]);
+//! 3. apply them with server-side apply (one field manager, controller owner references),
+//!    gated: the StatefulSet takes a new template only after that template's migration Job
+//!    succeeded, and nothing changes while `spec.paused` is set;
+//! 4. compute and write the status ([`status::compute`]), including lag read from the database.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PropagationPolicy};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::conditions;
+use crate::config_map;
+use crate::crd::{PerspectiveDeployment, PerspectiveDeploymentStatus};
+use crate::labels::{self, FIELD_MANAGER};
+use crate::lag::LagReader;
+use crate::metrics::OperatorMetrics;
+use crate::migration_job::{self, JobState};
+use crate::status::{self, Observed};
+use crate::validate;
+use crate::workers;
+
+/// Operator-wide settings.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Worker image of deployments that do not name one.
+    pub default_worker_image: String,
+    /// How often status (lag) is refreshed when nothing else happens.
+    pub status_interval: Duration,
+}
+
+/// Shared state of all reconciles.
+pub struct Context {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub metrics: Arc<OperatorMetrics>,
+    pub options: Options,
+    pub lag: LagReader,
+}
+
+/// A reconcile that could not finish; retried with backoff by the controller.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("{0} is missing")]
+    MissingField(&'static str),
+}
+
+impl Error {
+    /// Short label for the failures metric.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Error::Kube(kube::Error::Api(_)) => "api",
+            Error::Kube(_) => "transport",
+            Error::MissingField(_) => "invalid_object",
+        }
+    }
+}
+
+/// Reconciles one deployment; the controller calls this for every change and on requeue.
+pub async fn reconcile(pd: Arc<PerspectiveDeployment>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_inner(&pd, &ctx).await;
+    ctx.metrics
+        .observe_reconcile(started.elapsed(), result.as_ref().err().map(Error::reason));
+    result
+}
+
+/// What the controller does after a failed reconcile: log, count, retry soon.
+pub fn error_policy(pd: Arc<PerspectiveDeployment>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(
+        namespace = pd.namespace().unwrap_or_default(),
+        name = pd.name_any(),
+        %error,
+        "reconcile failed; retrying"
+    );
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Action, Error> {
+    let namespace = pd
+        .namespace()
+        .ok_or(Error::MissingField("metadata.namespace"))?;
+    let name = pd.name_any();
+    let key = format!("{namespace}/{name}");
+    if pd.meta().deletion_timestamp.is_some() {
+        // Children go with the owner references; the database schema stays (documented).
+        ctx.lag.forget(&key).await;
+        return Ok(Action::await_change());
+    }
+    let spec = &pd.spec;
+    let previous = pd.status.clone().unwrap_or_default();
+    let client = ctx.client.clone();
+    let image = spec
+        .image
+        .clone()
+        .unwrap_or_else(|| ctx.options.default_worker_image.clone());
+    let config = spec.worker_config();
+    let (_, config_hash) = config_map::render(&config);
+    let target = migration_job::target(&name, spec, &image);
+    let config_map_name = labels::config_map_name(&name, &config_hash);
+
+    // 1. Validate: the spec, then the Secret it points at.
+    let mut problems = validate::problems(&name, spec);
+    let database_url = read_database_url(&client, &namespace, pd, &mut problems).await?;
+
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &namespace);
+    let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), &namespace);
+    let mut job_state = match jobs.get_opt(&target.job_name).await? {
+        Some(job) => Some(job_state(&client, &namespace, &job).await?),
+        None => None,
+    };
+    let mut statefulset = statefulsets.get_opt(&labels::workers_name(&name)).await?;
+
+    // Failures of the current Job: counted once each, retried after a growing delay.
+    let same_target = previous.migration_job.as_deref() == Some(target.job_name.as_str());
+    let mut migration_failures = if same_target {
+        previous.migration_failures
+    } else {
+        0
+    };
+    let mut last_failure = if same_target {
+        previous.last_migration_failure.clone()
+    } else {
+        None
+    };
+    let mut requeue = ctx.options.status_interval;
+
+    if problems.is_empty() && !spec.paused {
+        let owner = pd
+            .controller_owner_ref(&())
+            .ok_or(Error::MissingField("metadata.uid"))?;
+        // 2 + 3. Build and apply.
+        apply(
+            &client,
+            &namespace,
+            &owner,
+            config_map::build(&name, &namespace, &config),
+        )
+        .await?;
+
+        match &job_state {
+            None => {
+                let job = migration_job::build(
+                    &name,
+                    &namespace,
+                    spec,
+                    &image,
+                    &config_map_name,
+                    &target,
+                );
+                apply(&client, &namespace, &owner, job).await?;
+                info!(%key, job = %target.job_name, "migration Job created");
+                publish(
+                    ctx,
+                    pd,
+                    EventType::Normal,
+                    "MigrationStarted",
+                    format!("created migration Job {}", target.job_name),
+                )
+                .await;
+                job_state = Some(JobState::Running);
+            }
+            Some(JobState::Failed { message, at, .. }) => {
+                let at_time = at.map(Time);
+                if last_failure != at_time || migration_failures == 0 {
+                    migration_failures += 1;
+                    last_failure = at_time;
+                    publish(
+                        ctx,
+                        pd,
+                        EventType::Warning,
+                        "MigrationFailed",
+                        format!("migration Job {} failed: {message}", target.job_name),
+                    )
+                    .await;
+                }
+                let delay = migration_job::retry_delay(migration_failures);
+                let failed_at = at.unwrap_or_else(Timestamp::now).as_second();
+                let retry_at = failed_at + delay.as_secs() as i64;
+                let wait = Duration::from_secs(
+                    u64::try_from(retry_at - Timestamp::now().as_second()).unwrap_or(0),
+                );
+                if wait.is_zero() {
+                    // Same target, same name: the retry is the Job created anew.
+                    jobs.delete(&target.job_name, &background()).await?;
+                    publish(
+                        ctx,
+                        pd,
+                        EventType::Normal,
+                        "MigrationRetrying",
+                        format!(
+                            "deleted failed migration Job {} to run it again (failure {migration_failures})",
+                            target.job_name
+                        ),
+                    )
+                    .await;
+                    requeue = Duration::from_secs(1);
+                } else {
+                    requeue = requeue.min(wait);
+                }
+            }
+            Some(JobState::Succeeded) => {
+                if previous.migrated_hash.as_deref() != Some(target.hash.as_str()) {
+                    publish(
+                        ctx,
+                        pd,
+                        EventType::Normal,
+                        "MigrationSucceeded",
+                        format!("migration Job {} completed", target.job_name),
+                    )
+                    .await;
+                }
+            }
+            Some(JobState::Running) => {}
+        }
+        delete_superseded_jobs(&jobs, &name, &target.job_name).await?;
+
+        apply(
+            &client,
+            &namespace,
+            &owner,
+            workers::service(&name, &namespace),
+        )
+        .await?;
+        apply(
+            &client,
+            &namespace,
+            &owner,
+            workers::disruption_budget(&name, &namespace),
+        )
+        .await?;
+
+        // The StatefulSet takes the new template only once its migration succeeded; until
+        // then the running template stays and only the replica count follows the spec.
+        let desired = if job_state == Some(JobState::Succeeded) {
+            Some(workers::statefulset(
+                &name,
+                &namespace,
+                spec,
+                &image,
+                &config_map_name,
+                &config_hash,
+                &target.hash,
+            ))
+        } else {
+            statefulset
+                .as_ref()
+                .and_then(|sts| sts.spec.as_ref())
+                .filter(|s| s.replicas != Some(spec.replicas))
+                .map(|s| {
+                    workers::statefulset_with_template(
+                        &name,
+                        &namespace,
+                        spec.replicas,
+                        s.template.clone(),
+                    )
+                })
+        };
+        if let Some(desired) = desired {
+            statefulset = Some(apply(&client, &namespace, &owner, desired).await?);
+        }
+
+        let running_config = statefulset
+            .as_ref()
+            .and_then(|s| s.spec.as_ref())
+            .and_then(|s| workers::template_config_map(&s.template));
+        delete_unused_config_maps(&client, &namespace, &name, &config_map_name, running_config)
+            .await?;
+    }
+
+    // 4. Status, with the database's view once the schema exists.
+    let database = match &database_url {
+        Some(url) if job_state == Some(JobState::Succeeded) || previous.migrated_hash.is_some() => {
+            let names: Vec<String> = spec.perspectives.iter().map(|p| p.name.clone()).collect();
+            Some(
+                ctx.lag
+                    .read(
+                        &key,
+                        url,
+                        &spec.schema,
+                        &names,
+                        f64::from(spec.worker.abandon_stale_instance_threshold_seconds),
+                    )
+                    .await,
+            )
+        }
+        _ => None,
+    };
+    let observed = Observed {
+        instance: name.clone(),
+        generation: pd.meta().generation,
+        paused: spec.paused,
+        problems,
+        target,
+        config_hash,
+        job: job_state,
+        migration_failures,
+        statefulset,
+        desired_replicas: spec.replicas,
+        database,
+    };
+    let mut new_status = status::compute(&previous, &observed, Timestamp::now());
+    new_status.last_migration_failure = last_failure;
+
+    report_degraded_change(ctx, pd, &previous, &new_status).await;
+    if new_status != previous {
+        let pds: Api<PerspectiveDeployment> = Api::namespaced(client, &namespace);
+        pds.patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": new_status })),
+        )
+        .await?;
+    }
+    Ok(Action::requeue(requeue))
+}
+
+/// The database URL from the Secret named in the spec; a missing Secret or key is a problem of
+/// the spec (reported, retried on the next status interval), not a reconcile error.
+async fn read_database_url(
+    client: &Client,
+    namespace: &str,
+    pd: &PerspectiveDeployment,
+    problems: &mut Vec<String>,
+) -> Result<Option<String>, Error> {
+    let secret_ref = &pd.spec.database.secret_ref;
+    if secret_ref.name.is_empty() {
+        return Ok(None);
+    }
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let Some(secret) = secrets.get_opt(&secret_ref.name).await? else {
+        problems.push(format!(
+            "spec.database.secretRef.name: Secret {:?} not found in namespace {namespace:?}",
+            secret_ref.name
+        ));
+        return Ok(None);
+    };
+    let value = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(&secret_ref.key))
+        .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(&secret_ref.key).cloned())
+        });
+    match value {
+        Some(url) if !url.trim().is_empty() => Ok(Some(url.trim().to_owned())),
+        _ => {
+            problems.push(format!(
+                "spec.database.secretRef.key: Secret {:?} has no key {:?}",
+                secret_ref.name, secret_ref.key
+            ));
+            Ok(None)
+        }
+    }
+}
+
+/// A Job's state; for a failed Job, with its pods' termination message.
+async fn job_state(client: &Client, namespace: &str, job: &Job) -> Result<JobState, Error> {
+    let state = migration_job::state(job, &[]);
+    if !matches!(state, JobState::Failed { .. }) {
+        return Ok(state);
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let list = pods
+        .list(&ListParams::default().labels(&format!("job-name={}", job.name_any())))
+        .await?;
+    Ok(migration_job::state(job, &list.items))
+}
+
+/// Server-side apply of `object` with the operator's field manager, owned by the deployment.
+async fn apply<K>(
+    client: &Client,
+    namespace: &str,
+    owner: &OwnerReference,
+    mut object: K,
+) -> Result<K, Error>
+where
+    K: Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    object.meta_mut().owner_references = Some(vec![owner.clone()]);
+    let name = object.name_any();
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    Ok(api.patch(&name, &params, &Patch::Apply(&object)).await?)
+}
+
+fn background() -> DeleteParams {
+    DeleteParams {
+        propagation_policy: Some(PropagationPolicy::Background),
+        ..DeleteParams::default()
+    }
+}
+
+/// Deletes migration Jobs of earlier targets: a new target supersedes them.
+async fn delete_superseded_jobs(
+    jobs: &Api<Job>,
+    instance: &str,
+    current: &str,
+) -> Result<(), Error> {
+    let selector = labels::component_selector(instance, labels::MIGRATION);
+    for job in jobs
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        let name = job.name_any();
+        if name != current && job.meta().deletion_timestamp.is_none() {
+            info!(job = %name, "deleting superseded migration Job");
+            delete_ignoring_gone(jobs, &name).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes config ConfigMaps that neither the desired nor the running template reads.
+async fn delete_unused_config_maps(
+    client: &Client,
+    namespace: &str,
+    instance: &str,
+    current: &str,
+    running: Option<String>,
+) -> Result<(), Error> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let selector = labels::component_selector(instance, labels::CONFIG);
+    for cm in api
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+    {
+        let name = cm.name_any();
+        if name != current && Some(&name) != running.as_ref() {
+            delete_ignoring_gone(&api, &name).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn delete_ignoring_gone<K>(api: &Api<K>, name: &str) -> Result<(), Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A Warning event when the spec becomes invalid or its problems change.
+async fn report_degraded_change(
+    ctx: &Context,
+    pd: &PerspectiveDeployment,
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) {
+    let find = |s: &PerspectiveDeploymentStatus| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == conditions::DEGRADED && c.reason == "InvalidSpec")
+            .map(|c| c.message.clone())
+    };
+    if let Some(message) = find(new) {
+        if find(previous).as_ref() != Some(&message) {
+            warn!(name = %pd.name_any(), %message, "invalid PerspectiveDeployment");
+            publish(ctx, pd, EventType::Warning, "InvalidSpec", message).await;
+        }
+    }
+}
+
+/// Publishes a Kubernetes Event about `pd`; a failure to publish is logged, never fatal.
+async fn publish(
+    ctx: &Context,
+    pd: &PerspectiveDeployment,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    let event = Event {
+        type_,
+        reason: reason.to_owned(),
+        // The Events API caps notes at 1 kB.
+        note: Some(note.chars().take(1000).collect()),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &pd.object_ref(&())).await {
+        warn!(error = %e, reason, "could not publish event");
+    }
+}

@@ -1,0 +1,296 @@
+//! Computing a deployment's status from what the reconciler observed: a pure function, so every
+//! combination of spec problems, migration state, StatefulSet progress and database lag is
+//! unit-tested without a cluster.
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::jiff::Timestamp;
+use perspective_worker::status::Status as DbStatus;
+
+use crate::conditions::{self, Desired};
+use crate::crd::{PerspectiveDeploymentStatus, PerspectiveLag};
+use crate::labels;
+use crate::migration_job::{JobState, MigrationTarget};
+use crate::workers;
+
+/// Everything the status is computed from.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// The deployment's name.
+    pub instance: String,
+    pub generation: Option<i64>,
+    pub paused: bool,
+    /// Spec and Secret problems, each naming its field; non-empty means nothing was changed.
+    pub problems: Vec<String>,
+    pub target: MigrationTarget,
+    pub config_hash: String,
+    /// The current target's Job, if it exists.
+    pub job: Option<JobState>,
+    pub migration_failures: i32,
+    pub statefulset: Option<StatefulSet>,
+    pub desired_replicas: i32,
+    /// The database's view, when it was read (`Err` says why it could not be).
+    pub database: Option<Result<DbStatus, String>>,
+}
+
+/// How far the worker StatefulSet is.
+struct Rollout {
+    exists: bool,
+    /// Its template is the one for the current config and migration target.
+    current_template: bool,
+    /// All pods run the current template revision.
+    rolled: bool,
+    replicas: i32,
+    ready: i32,
+}
+
+fn rollout(o: &Observed) -> Rollout {
+    let Some(sts) = &o.statefulset else {
+        return Rollout {
+            exists: false,
+            current_template: false,
+            rolled: false,
+            replicas: 0,
+            ready: 0,
+        };
+    };
+    let template = sts.spec.as_ref().map(|s| &s.template);
+    let current_template = template.is_some_and(|t| {
+        workers::template_migration_hash(t).as_deref() == Some(o.target.hash.as_str())
+            && workers::template_config_hash(t).as_deref() == Some(o.config_hash.as_str())
+    });
+    let status = sts.status.clone().unwrap_or_default();
+    let observed = status.observed_generation.unwrap_or(0) >= sts.metadata.generation.unwrap_or(0);
+    let rolled = observed
+        && status.update_revision.is_some()
+        && status.current_revision == status.update_revision
+        && status.updated_replicas.unwrap_or(0) == status.replicas;
+    Rollout {
+        exists: true,
+        current_template,
+        rolled,
+        replicas: status.replicas,
+        ready: status.ready_replicas.unwrap_or(0),
+    }
+}
+
+/// The new status: `previous` updated with what was observed at `now`.
+pub fn compute(
+    previous: &PerspectiveDeploymentStatus,
+    o: &Observed,
+    now: Timestamp,
+) -> PerspectiveDeploymentStatus {
+    let r = rollout(o);
+    let mut desired = Vec::new();
+    let invalid = !o.problems.is_empty();
+    let failed = matches!(o.job, Some(JobState::Failed { .. }));
+    let migrated = matches!(o.job, Some(JobState::Succeeded));
+
+    desired.push(Desired::new(
+        conditions::RECONCILIATION_PAUSED,
+        o.paused,
+        if o.paused { "Paused" } else { "Active" },
+        if o.paused {
+            "spec.paused is true: children are not changed"
+        } else {
+            ""
+        },
+    ));
+
+    // A spec that fails validation leaves MigrationsApplied as it was: nothing ran for it.
+    if !invalid {
+        desired.push(match &o.job {
+            Some(JobState::Succeeded) => Desired::new(
+                conditions::MIGRATIONS_APPLIED,
+                true,
+                "Succeeded",
+                format!("migration Job {} completed", o.target.job_name),
+            ),
+            Some(JobState::Failed {
+                reason, message, ..
+            }) => Desired::new(
+                conditions::MIGRATIONS_APPLIED,
+                false,
+                reason,
+                format!(
+                    "migration Job {} failed ({} failure(s)): {message}",
+                    o.target.job_name, o.migration_failures
+                ),
+            ),
+            Some(JobState::Running) => Desired::new(
+                conditions::MIGRATIONS_APPLIED,
+                false,
+                "Running",
+                format!("migration Job {} is running", o.target.job_name),
+            ),
+            None => Desired::new(
+                conditions::MIGRATIONS_APPLIED,
+                false,
+                if o.paused { "Paused" } else { "Pending" },
+                format!("migration Job {} has not been created", o.target.job_name),
+            ),
+        });
+    }
+
+    let database_error = match &o.database {
+        Some(Err(e)) if migrated => Some(e.clone()),
+        _ => None,
+    };
+    let db = match &o.database {
+        Some(Ok(s)) => Some(s),
+        _ => None,
+    };
+    let dead_letters: i64 = db.map_or(0, |s| s.perspectives.iter().map(|p| p.dead_letters).sum());
+    let failed_streams: i64 =
+        db.map_or(0, |s| s.perspectives.iter().map(|p| p.failed_streams).sum());
+
+    desired.push(if invalid {
+        Desired::new(conditions::DEGRADED, true, "InvalidSpec", o.problems.join("; "))
+    } else if let Some(JobState::Failed { reason, message, .. }) = &o.job {
+        Desired::new(
+            conditions::DEGRADED,
+            true,
+            "MigrationFailed",
+            format!("{reason}: {message}"),
+        )
+    } else if let Some(e) = &database_error {
+        Desired::new(
+            conditions::DEGRADED,
+            true,
+            "DatabaseUnreachable",
+            format!("cannot read status from the database: {e}"),
+        )
+    } else if dead_letters > 0 || failed_streams > 0 {
+        Desired::new(
+            conditions::DEGRADED,
+            true,
+            "EventsFailing",
+            format!(
+                "{dead_letters} dead letter(s) waiting for replay, {failed_streams} stream(s) retrying after a failure"
+            ),
+        )
+    } else {
+        Desired::new(conditions::DEGRADED, false, "AsExpected", "")
+    });
+
+    let pods_ready = r.exists && r.replicas == o.desired_replicas && r.ready >= o.desired_replicas;
+    let (ready, ready_reason, ready_message) = if invalid {
+        (
+            false,
+            "InvalidSpec",
+            "the spec is invalid (see Degraded)".to_owned(),
+        )
+    } else if failed {
+        (
+            false,
+            "MigrationFailed",
+            "the migration failed (see MigrationsApplied)".to_owned(),
+        )
+    } else if !migrated {
+        (
+            false,
+            "MigrationPending",
+            format!("waiting for migration Job {}", o.target.job_name),
+        )
+    } else if !(r.current_template && r.rolled) {
+        (
+            false,
+            if o.paused { "Paused" } else { "RollingOut" },
+            "worker pods are not all running the current template".to_owned(),
+        )
+    } else if !pods_ready {
+        (
+            false,
+            "WaitingForPods",
+            format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+        )
+    } else {
+        (
+            true,
+            "Available",
+            format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+        )
+    };
+    desired.push(Desired::new(
+        conditions::READY,
+        ready,
+        ready_reason,
+        ready_message.clone(),
+    ));
+
+    let (progressing, p_reason, p_message) = if invalid || failed {
+        (false, "Stalled", "waiting for a spec change".to_owned())
+    } else if o.paused {
+        (false, "Paused", "reconciliation is paused".to_owned())
+    } else if !migrated {
+        (
+            true,
+            "MigrationRunning",
+            format!("migration Job {}", o.target.job_name),
+        )
+    } else if !ready {
+        (true, ready_reason, ready_message.clone())
+    } else {
+        (
+            false,
+            "Complete",
+            "the current spec is rolled out".to_owned(),
+        )
+    };
+    desired.push(Desired::new(
+        conditions::PROGRESSING,
+        progressing,
+        p_reason,
+        p_message,
+    ));
+
+    let mut status = previous.clone();
+    status.observed_generation = o.generation;
+    status.conditions = conditions::merge(&previous.conditions, &desired, o.generation, now);
+    status.replicas = r.replicas;
+    status.ready_replicas = r.ready;
+    status.replicas_summary = Some(format!("{}/{}", r.ready, o.desired_replicas));
+    status.selector = Some(labels::selector_string(&labels::worker_selector(
+        &o.instance,
+    )));
+    if !invalid {
+        status.migration_job = Some(o.target.job_name.clone());
+        status.migration_failures = o.migration_failures;
+        if migrated {
+            status.migrated_hash = Some(o.target.hash.clone());
+        }
+    }
+    if let Some(db) = db {
+        status.perspectives = db
+            .perspectives
+            .iter()
+            .map(|p| PerspectiveLag {
+                name: p.name.clone(),
+                pending_events: p.pending_events,
+                oldest_pending_seconds: p.oldest_pending_seconds.map(|s| s.floor() as i64),
+                failed_streams: p.failed_streams,
+                dead_letters: p.dead_letters,
+            })
+            .collect();
+        status.pending_events = Some(db.perspectives.iter().map(|p| p.pending_events).sum());
+        let oldest = db
+            .perspectives
+            .iter()
+            .filter_map(|p| p.oldest_pending_seconds)
+            .fold(0.0_f64, f64::max)
+            .floor() as i64;
+        status.oldest_pending_seconds = Some(oldest);
+        status.lag = Some(format_lag(oldest));
+        status.dead_letters = Some(dead_letters);
+        status.live_instances = Some(db.live_instances);
+    }
+    status
+}
+
+/// `42s`, `3m5s`, `2h0m`: short enough for a `kubectl get` column.
+pub fn format_lag(seconds: i64) -> String {
+    match seconds {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m{}s", s / 60, s % 60),
+        s => format!("{}h{}m", s / 3600, (s % 3600) / 60),
+    }
+}

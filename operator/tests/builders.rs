@@ -1,0 +1,346 @@
+//! The pure builders and the status computation, without a cluster.
+
+use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetStatus};
+use k8s_openapi::jiff::Timestamp;
+use perspective_operator::conditions;
+use perspective_operator::crd::{PerspectiveDeploymentSpec, PerspectiveDeploymentStatus};
+use perspective_operator::migration_job::{self, JobState};
+use perspective_operator::status::{compute, Observed};
+use perspective_operator::{config_map, labels, validate, workers};
+use perspective_worker::status::{PerspectiveStatus, Status};
+
+fn spec() -> PerspectiveDeploymentSpec {
+    serde_yaml::from_str(
+        r#"
+schema: shop
+replicas: 3
+database: {secretRef: {name: shop-db}}
+perspectives:
+  - name: order_summary
+    setup: CREATE TABLE IF NOT EXISTS order_summary (id uuid PRIMARY KEY)
+    handlers:
+      OrderPlaced: INSERT INTO order_summary VALUES (:stream_id)
+  - name: order_count
+    handlers:
+      OrderPlaced: SELECT 1
+"#,
+    )
+    .unwrap()
+}
+
+fn env_of(sts: &StatefulSet) -> Vec<(String, String)> {
+    let container = &sts
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0];
+    container
+        .env
+        .clone()
+        .unwrap()
+        .into_iter()
+        .map(|e| {
+            let source = match (&e.value, &e.value_from) {
+                (Some(v), _) => v.clone(),
+                (_, Some(from)) => match (&from.field_ref, &from.secret_key_ref) {
+                    (Some(f), _) => format!("field:{}", f.field_path),
+                    (_, Some(s)) => format!("secret:{}/{}", s.name, s.key),
+                    _ => "?".into(),
+                },
+                _ => String::new(),
+            };
+            (e.name, source)
+        })
+        .collect()
+}
+
+#[test]
+fn statefulset_runs_workers_with_pod_uid_identity_and_secret_url() {
+    let spec = spec();
+    let (_, config_hash) = config_map::render(&spec.worker_config());
+    let target = migration_job::target("shop", &spec, "worker:1");
+    let cm = labels::config_map_name("shop", &config_hash);
+    let sts = workers::statefulset(
+        "shop",
+        "ns",
+        &spec,
+        "worker:1",
+        &cm,
+        &config_hash,
+        &target.hash,
+    );
+    let env = env_of(&sts);
+    assert!(env.contains(&(
+        "PERSPECTIVE_INSTANCE_ID".into(),
+        "field:metadata.uid".into()
+    )));
+    assert!(env.contains(&("DATABASE_URL".into(), "secret:shop-db/url".into())));
+    assert!(env.contains(&(
+        "PERSPECTIVE_CONFIG".into(),
+        "/etc/perspective/config.yaml".into()
+    )));
+    let s = sts.spec.as_ref().unwrap();
+    assert_eq!(s.replicas, Some(3));
+    assert_eq!(s.service_name.as_deref(), Some("shop-workers"));
+    let pod = s.template.spec.as_ref().unwrap();
+    let c = &pod.containers[0];
+    assert_eq!(c.args.as_deref(), Some(&["run".to_owned()][..]));
+    assert_eq!(
+        c.readiness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/readyz")
+    );
+    assert_eq!(
+        c.liveness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/livez")
+    );
+    assert_eq!(pod.termination_grace_period_seconds, Some(30));
+    assert_eq!(
+        workers::template_config_map(&s.template).as_deref(),
+        Some(cm.as_str())
+    );
+    assert_eq!(
+        workers::template_migration_hash(&s.template),
+        Some(target.hash.clone())
+    );
+    // The URL itself is nowhere in the rendered objects.
+    let rendered = serde_json::to_string(&sts).unwrap()
+        + &serde_json::to_string(&config_map::build("shop", "ns", &spec.worker_config())).unwrap();
+    assert!(!rendered.contains("postgres://"));
+}
+
+#[test]
+fn migration_target_follows_handlers_and_image_not_worker_tuning() {
+    let base = spec();
+    let t0 = migration_job::target("shop", &base, "worker:1");
+    let mut tuned = base.clone();
+    tuned.worker.perspective_batch_size = 7;
+    assert_eq!(migration_job::target("shop", &tuned, "worker:1"), t0);
+    assert_ne!(
+        config_map::render(&tuned.worker_config()).1,
+        config_map::render(&base.worker_config()).1,
+        "worker tuning rolls the pods through the config hash"
+    );
+    let mut handler = base.clone();
+    handler.perspectives[0].handlers.insert(
+        "OrderPlaced".into(),
+        "INSERT INTO order_summary VALUES (:stream_id) ON CONFLICT DO NOTHING".into(),
+    );
+    assert_ne!(
+        migration_job::target("shop", &handler, "worker:1").job_name,
+        t0.job_name
+    );
+    assert_ne!(
+        migration_job::target("shop", &base, "worker:2").job_name,
+        t0.job_name
+    );
+    let job = migration_job::build("shop", "ns", &base, "worker:1", "cm", &t0);
+    let js = job.spec.unwrap();
+    assert_eq!(js.backoff_limit, Some(2));
+    let pod = js.template.spec.unwrap();
+    assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+    assert_eq!(
+        pod.containers[0].args.as_deref(),
+        Some(&["migrate".to_owned()][..])
+    );
+}
+
+#[test]
+fn validation_names_fields() {
+    let mut s = spec();
+    s.perspectives[1].name = "order_summary".into();
+    s.schema = "Bad Schema".into();
+    s.image = Some("has space".into());
+    let problems = validate::problems(&"x".repeat(41), &s);
+    let joined = problems.join("\n");
+    for wanted in [
+        "spec.schema",
+        "spec.perspectives[1]",
+        "metadata.name",
+        "spec.image",
+    ] {
+        assert!(joined.contains(wanted), "{wanted} not named in:\n{joined}");
+    }
+    assert!(validate::problems("shop", &spec()).is_empty());
+}
+
+fn observed(job: Option<JobState>, sts: Option<StatefulSet>) -> Observed {
+    let spec = spec();
+    let (_, config_hash) = config_map::render(&spec.worker_config());
+    Observed {
+        instance: "shop".into(),
+        generation: Some(4),
+        paused: false,
+        problems: vec![],
+        target: migration_job::target("shop", &spec, "worker:1"),
+        config_hash,
+        job,
+        migration_failures: 0,
+        statefulset: sts,
+        desired_replicas: 3,
+        database: None,
+    }
+}
+
+fn rolled_sts(o: &Observed, ready: i32) -> StatefulSet {
+    let spec = spec();
+    let mut sts = workers::statefulset(
+        "shop",
+        "ns",
+        &spec,
+        "worker:1",
+        "cm",
+        &o.config_hash,
+        &o.target.hash,
+    );
+    sts.metadata.generation = Some(2);
+    sts.status = Some(StatefulSetStatus {
+        observed_generation: Some(2),
+        replicas: 3,
+        ready_replicas: Some(ready),
+        updated_replicas: Some(3),
+        current_revision: Some("r1".into()),
+        update_revision: Some("r1".into()),
+        ..StatefulSetStatus::default()
+    });
+    sts
+}
+
+fn condition<'a>(
+    s: &'a PerspectiveDeploymentStatus,
+    t: &str,
+) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    s.conditions
+        .iter()
+        .find(|c| c.type_ == t)
+        .unwrap_or_else(|| panic!("no {t}"))
+}
+
+#[test]
+fn ready_only_when_migrated_rolled_and_pods_ready() {
+    let now = Timestamp::from_second(1_000).unwrap();
+    let mut o = observed(Some(JobState::Succeeded), None);
+    let sts = rolled_sts(&o, 3);
+    o.statefulset = Some(sts.clone());
+    let s = compute(&Default::default(), &o, now);
+    assert_eq!(condition(&s, conditions::READY).status, "True");
+    assert_eq!(condition(&s, conditions::PROGRESSING).status, "False");
+    assert_eq!(condition(&s, conditions::MIGRATIONS_APPLIED).status, "True");
+    assert_eq!(s.observed_generation, Some(4));
+    assert_eq!(s.replicas_summary.as_deref(), Some("3/3"));
+
+    o.statefulset = Some(rolled_sts(&o, 2));
+    let s2 = compute(&s, &o, now);
+    assert_eq!(condition(&s2, conditions::READY).reason, "WaitingForPods");
+
+    // A template from an older migration target: rolling, not ready.
+    let mut old = sts;
+    old.spec
+        .as_mut()
+        .unwrap()
+        .template
+        .metadata
+        .as_mut()
+        .unwrap()
+        .annotations
+        .as_mut()
+        .unwrap()
+        .insert(labels::MIGRATION_HASH.into(), "old".into());
+    o.statefulset = Some(old);
+    let s3 = compute(&s, &o, now);
+    assert_eq!(condition(&s3, conditions::READY).reason, "RollingOut");
+    assert_eq!(condition(&s3, conditions::PROGRESSING).status, "True");
+}
+
+#[test]
+fn failed_migration_is_degraded_with_the_jobs_reason() {
+    let o = observed(
+        Some(JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: "relation nope does not exist".into(),
+            at: None,
+        }),
+        None,
+    );
+    let s = compute(&Default::default(), &o, Timestamp::now());
+    let applied = condition(&s, conditions::MIGRATIONS_APPLIED);
+    assert_eq!(
+        (applied.status.as_str(), applied.reason.as_str()),
+        ("False", "BackoffLimitExceeded")
+    );
+    assert!(applied.message.contains("relation nope"));
+    let degraded = condition(&s, conditions::DEGRADED);
+    assert_eq!(
+        (degraded.status.as_str(), degraded.reason.as_str()),
+        ("True", "MigrationFailed")
+    );
+    assert_eq!(condition(&s, conditions::READY).status, "False");
+}
+
+#[test]
+fn invalid_spec_keeps_migration_condition_and_reports_fields() {
+    let now = Timestamp::now();
+    let mut o = observed(Some(JobState::Succeeded), None);
+    let before = compute(&Default::default(), &o, now);
+    o.problems = vec!["spec.database.secretRef.name: Secret \"x\" not found".into()];
+    let s = compute(&before, &o, now);
+    let degraded = condition(&s, conditions::DEGRADED);
+    assert_eq!(degraded.reason, "InvalidSpec");
+    assert!(degraded.message.contains("spec.database.secretRef.name"));
+    assert_eq!(condition(&s, conditions::MIGRATIONS_APPLIED).status, "True");
+    assert_eq!(condition(&s, conditions::READY).reason, "InvalidSpec");
+}
+
+#[test]
+fn paused_and_lag_are_reported() {
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.paused = true;
+    o.database = Some(Ok(Status {
+        schema: "shop".into(),
+        live_instances: 0,
+        perspectives: vec![
+            PerspectiveStatus {
+                name: "order_summary".into(),
+                pending_events: 5,
+                oldest_pending_seconds: Some(75.4),
+                dead_letters: 1,
+                ..Default::default()
+            },
+            PerspectiveStatus {
+                name: "order_count".into(),
+                pending_events: 2,
+                oldest_pending_seconds: Some(3.0),
+                ..Default::default()
+            },
+        ],
+        ..Default::default()
+    }));
+    let s = compute(&Default::default(), &o, Timestamp::now());
+    assert_eq!(
+        condition(&s, conditions::RECONCILIATION_PAUSED).status,
+        "True"
+    );
+    assert_eq!(s.pending_events, Some(7));
+    assert_eq!(s.oldest_pending_seconds, Some(75));
+    assert_eq!(s.lag.as_deref(), Some("1m15s"));
+    assert_eq!(s.dead_letters, Some(1));
+    assert_eq!(condition(&s, conditions::DEGRADED).reason, "EventsFailing");
+    assert_eq!(s.perspectives.len(), 2);
+}
