@@ -1,6 +1,7 @@
 # perspective-operator — the two commands of the README, plus the benchmark.
 #   make demo    embedded PostgreSQL, migrate examples/shop.yaml, append sample events, apply them, print the tables
 #   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
+#                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/)
 #   make bench   append-path and apply-path benchmarks (see BENCHMARKS.md)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -31,7 +32,7 @@ postgres:
 
 test: postgres lint
 	$(CARGO) test --workspace --no-run
-	$(PG) with $(CARGO) test --workspace
+	$(PG) with tests/e2e/with-control-plane.sh $(CARGO) test --workspace
 
 # A fresh embedded PostgreSQL each time (no DATABASE_URL), removed afterwards.
 demo: postgres

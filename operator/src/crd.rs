@@ -12,7 +12,9 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::core::crd::merge_crds;
 use kube::{CustomResource, CustomResourceExt};
-use perspective_worker::config::{ClaimWorkerOptions, Config, PerspectiveConfig, WorkerOptions};
+use perspective_worker::config::{
+    ClaimWorkerOptions, Config, PerspectiveConfig, WorkerOptions, SCHEMA_PATTERN,
+};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -45,6 +47,7 @@ pub const GROUP: &str = "perspectives.dev";
 #[serde(rename_all = "camelCase")]
 pub struct PerspectiveDeploymentSpec {
     /// PostgreSQL schema holding this deployment's event store, work tables and models (lower-case, at most 40 characters).
+    #[schemars(pattern(SCHEMA_PATTERN))]
     pub schema: String,
     /// The perspectives (read models) to keep up to date; at least one.
     #[schemars(length(min = 1))]

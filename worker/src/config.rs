@@ -25,7 +25,7 @@ pub const MAX_PERSPECTIVE_NAME_LEN: usize = 63;
 /// Longest allowed event type.
 pub const MAX_EVENT_TYPE_LEN: usize = 200;
 
-const SCHEMA_PATTERN: &str = "^[a-z_][a-z0-9_]{0,39}$";
+pub const SCHEMA_PATTERN: &str = "^[a-z_][a-z0-9_]{0,39}$";
 const PERSPECTIVE_NAME_PATTERN: &str = "^[a-z_][a-z0-9_]{0,62}$";
 const RESERVED_SCHEMAS: [&str; 3] = ["public", "pg_catalog", "information_schema"];
 

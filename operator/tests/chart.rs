@@ -1,0 +1,1017 @@
+//! The Helm chart `charts/perspective-operator`, checked with the real helm and kubectl.
+//!
+//! Offline: `helm lint --strict`, rendering (defaults, one watched namespace, options),
+//! values.schema.json rejecting bad values, and the chart's CRD being a byte-identical copy of
+//! `crds/perspectivedeployment.yaml`.
+//!
+//! Against a control plane (`cluster_*` tests; KUBECONFIG from `tests/e2e/with-control-plane.sh`
+//! or `eval "$(tests/e2e/control-plane.sh env DIR)"`): `helm install` into a fresh namespace
+//! enforcing the `restricted` Pod Security Standard, the Deployment rolls out (kwok plays the
+//! kubelet), every permission of the operator's ServiceAccount is checked with
+//! `kubectl auth can-i` (granted ones and all other verbs on the same resources), then
+//! `helm uninstall` removes the grants. Each test uses its own namespaces and release, so they
+//! run in parallel.
+
+use std::collections::BTreeSet;
+use std::env;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+const CHART_NAME: &str = "perspective-operator";
+/// Where `tests/e2e/build-bins.sh` puts helm and kubectl when they are not on PATH.
+const K8S_VERSION: &str = "v1.36.3";
+const CRD_NAME: &str = "perspectivedeployments.perspectives.dev";
+
+const READ: &[&str] = &["get", "list", "watch"];
+const READ_WRITE: &[&str] = &[
+    "get", "list", "watch", "create", "patch", "update", "delete",
+];
+/// Every verb checked on each resource the operator may touch: whatever is not granted must be
+/// denied.
+const ALL_VERBS: &[&str] = &[
+    "get",
+    "list",
+    "watch",
+    "create",
+    "update",
+    "patch",
+    "delete",
+    "deletecollection",
+];
+
+/// (API group, resource[/subresource], verbs): exactly what the operator needs in every watched
+/// namespace.
+const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
+    (
+        "perspectives.dev",
+        "perspectivedeployments",
+        &["get", "list", "watch", "patch", "update"],
+    ),
+    (
+        "perspectives.dev",
+        "perspectivedeployments/status",
+        &["get", "patch", "update"],
+    ),
+    (
+        "perspectives.dev",
+        "perspectivedeployments/finalizers",
+        &["update"],
+    ),
+    ("", "configmaps", READ_WRITE),
+    ("", "services", READ_WRITE),
+    ("", "secrets", READ),
+    ("", "pods", READ),
+    ("", "events", &["create", "patch"]),
+    ("events.k8s.io", "events", &["create", "patch"]),
+    ("apps", "statefulsets", READ_WRITE),
+    ("batch", "jobs", READ_WRITE),
+    ("policy", "poddisruptionbudgets", READ_WRITE),
+];
+
+/// Leader election, in the release namespace only.
+const LEASE_RULES: &[(&str, &str, &[&str])] = &[(
+    "coordination.k8s.io",
+    "leases",
+    &["get", "list", "watch", "create", "update", "patch"],
+)];
+
+/// Cluster-scoped things the operator must never be able to do.
+const CLUSTER_DENIED: &[(&str, &str, &str)] = &[
+    (
+        "create",
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+    ),
+    ("patch", "apiextensions.k8s.io", "customresourcedefinitions"),
+    ("list", "", "nodes"),
+    ("create", "rbac.authorization.k8s.io", "clusterrolebindings"),
+];
+
+/// Namespaced things outside its rules it must never be able to do.
+const NAMESPACE_DENIED: &[(&str, &str, &str)] = &[
+    ("create", "apps", "deployments"),
+    ("create", "rbac.authorization.k8s.io", "rolebindings"),
+    ("create", "", "serviceaccounts"),
+    ("create", "", "pods/exec"),
+];
+
+// ---------------------------------------------------------------------------------------------
+// Paths and tools
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("operator/ has a parent")
+        .to_path_buf()
+}
+
+fn chart_dir() -> PathBuf {
+    repo_root().join("charts").join(CHART_NAME)
+}
+
+/// `name` from PATH (the e2e wrapper puts the built binaries there), else from the cache that
+/// `tests/e2e/build-bins.sh` fills.
+fn tool(name: &str) -> PathBuf {
+    if let Some(found) = env::var_os("PATH")
+        .iter()
+        .flat_map(env::split_paths)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+    {
+        return found;
+    }
+    let cache = env::var_os("PERSPECTIVE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cache/perspective-operator")))
+        .expect("neither PERSPECTIVE_CACHE nor HOME is set");
+    let fallback = cache.join("k8s").join(K8S_VERSION).join("bin").join(name);
+    assert!(
+        fallback.is_file(),
+        "{name} is neither on PATH nor at {}: run tests/e2e/build-bins.sh",
+        fallback.display()
+    );
+    fallback
+}
+
+/// State helm and kubectl would otherwise keep in $HOME.
+fn state_dir() -> PathBuf {
+    match env::var_os("E2E_DIR") {
+        Some(dir) => PathBuf::from(dir).join("chart-test"),
+        None => PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("chart-test"),
+    }
+}
+
+fn helm() -> Command {
+    let state = state_dir();
+    let mut cmd = Command::new(tool("helm"));
+    // The e2e wrapper sets these; otherwise keep them out of $HOME too.
+    for (var, sub) in [
+        ("HELM_CACHE_HOME", "helm/cache"),
+        ("HELM_CONFIG_HOME", "helm/config"),
+        ("HELM_DATA_HOME", "helm/data"),
+    ] {
+        if env::var_os(var).is_none() {
+            cmd.env(var, state.join(sub));
+        }
+    }
+    cmd.env("KUBECACHEDIR", state.join("kube-cache"));
+    cmd
+}
+
+fn kubectl() -> Command {
+    let mut cmd = Command::new(tool("kubectl"));
+    cmd.env("KUBECACHEDIR", state_dir().join("kube-cache"))
+        // A hung apiserver fails the test instead of hanging it.
+        .arg("--request-timeout=30s");
+    cmd
+}
+
+fn describe(cmd: &Command) -> String {
+    let args: Vec<_> = cmd.get_args().map(OsStr::to_string_lossy).collect();
+    format!("{} {}", cmd.get_program().to_string_lossy(), args.join(" "))
+}
+
+fn output(cmd: &mut Command) -> Output {
+    cmd.output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", describe(cmd)))
+}
+
+/// Runs `cmd`, panics with its output unless it succeeds, returns stdout.
+fn ok(cmd: &mut Command) -> String {
+    let out = output(cmd);
+    assert!(
+        out.status.success(),
+        "{} failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        describe(cmd),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("stdout is UTF-8")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendering
+
+/// `helm template` with `args`, as a list of objects.
+fn render(namespace: &str, args: &[&str]) -> Vec<Value> {
+    let text = ok(helm()
+        .args(["template", "rel"])
+        .arg(chart_dir())
+        .args(["--namespace", namespace])
+        .args(args));
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| Value::deserialize(doc).expect("helm template emits valid YAML"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// Follows a dotted path of mapping keys and sequence indexes; Null when absent.
+fn at<'a>(v: &'a Value, path: &str) -> &'a Value {
+    static NULL: Value = Value::Null;
+    path.split('.')
+        .fold(v, |v, key| match key.parse::<usize>() {
+            Ok(i) => v.get(i).unwrap_or(&NULL),
+            Err(_) => v.get(key).unwrap_or(&NULL),
+        })
+}
+
+fn str_at<'a>(v: &'a Value, path: &str) -> &'a str {
+    at(v, path)
+        .as_str()
+        .unwrap_or_else(|| panic!("{path} is not a string in:\n{}", to_yaml(v)))
+}
+
+fn to_yaml(v: &Value) -> String {
+    serde_yaml::to_string(v).unwrap_or_default()
+}
+
+fn kinds(docs: &[Value]) -> BTreeSet<String> {
+    docs.iter().map(|d| str_at(d, "kind").to_string()).collect()
+}
+
+/// The single object of `kind` named `name`.
+fn object<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    let found: Vec<_> = docs
+        .iter()
+        .filter(|d| str_at(d, "kind") == kind && str_at(d, "metadata.name") == name)
+        .collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "expected one {kind} {name}, rendered kinds: {:?}",
+        kinds(docs)
+    );
+    found[0]
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_sequence()
+        .unwrap_or_else(|| panic!("not a list: {}", to_yaml(v)))
+        .iter()
+        .map(|s| s.as_str().expect("a string").to_string())
+        .collect()
+}
+
+type Grant = (String, String, String);
+
+/// A role's rules flattened into (group, resource, verb).
+fn grants_of_role(role: &Value) -> BTreeSet<Grant> {
+    let mut out = BTreeSet::new();
+    for rule in at(role, "rules").as_sequence().expect("rules") {
+        for group in strings(at(rule, "apiGroups")) {
+            for resource in strings(at(rule, "resources")) {
+                for verb in strings(at(rule, "verbs")) {
+                    out.insert((group.clone(), resource.clone(), verb));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn grants(rules: &[(&str, &str, &[&str])]) -> BTreeSet<Grant> {
+    rules
+        .iter()
+        .flat_map(|(group, resource, verbs)| {
+            verbs
+                .iter()
+                .map(move |verb| (group.to_string(), resource.to_string(), verb.to_string()))
+        })
+        .collect()
+}
+
+/// Compares a rendered role with the expected rules, naming only the differences.
+fn assert_grants(role: &Value, rules: &[(&str, &str, &[&str])]) {
+    let actual = grants_of_role(role);
+    let expected = grants(rules);
+    let missing: Vec<_> = expected.difference(&actual).collect();
+    let extra: Vec<_> = actual.difference(&expected).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "{} {}: missing {missing:?}, not needed {extra:?}",
+        str_at(role, "kind"),
+        str_at(role, "metadata.name")
+    );
+}
+
+fn assert_binding(binding: &Value, role_kind: &str, role: &str, sa: &str, sa_namespace: &str) {
+    assert_eq!(str_at(binding, "roleRef.kind"), role_kind);
+    assert_eq!(str_at(binding, "roleRef.name"), role);
+    assert_eq!(
+        str_at(binding, "roleRef.apiGroup"),
+        "rbac.authorization.k8s.io"
+    );
+    let subjects = at(binding, "subjects").as_sequence().expect("subjects");
+    assert_eq!(subjects.len(), 1, "{}", to_yaml(binding));
+    assert_eq!(str_at(&subjects[0], "kind"), "ServiceAccount");
+    assert_eq!(str_at(&subjects[0], "name"), sa);
+    assert_eq!(str_at(&subjects[0], "namespace"), sa_namespace);
+}
+
+fn operator_container(deployment: &Value) -> &Value {
+    let containers = at(deployment, "spec.template.spec.containers");
+    assert_eq!(containers.as_sequence().map(Vec::len), Some(1));
+    &containers[0]
+}
+
+fn args_of(deployment: &Value) -> Vec<String> {
+    strings(at(operator_container(deployment), "args"))
+}
+
+#[test]
+fn lint_is_clean_in_strict_mode() {
+    for extra in [&[][..], &["--set", "watchNamespace=apps"][..]] {
+        let out = ok(helm()
+            .args(["lint", "--strict"])
+            .arg(chart_dir())
+            .args(extra));
+        assert!(out.contains("0 chart(s) failed"), "{out}");
+    }
+}
+
+#[test]
+fn renders_cluster_wide_by_default() {
+    let docs = render("ops", &[]);
+    let name = "rel-perspective-operator";
+    assert_eq!(
+        kinds(&docs),
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "Role",
+            "RoleBinding",
+            "Service",
+            "ServiceAccount"
+        ]
+        .map(String::from)
+        .into(),
+    );
+    for doc in &docs {
+        let kind = str_at(doc, "kind");
+        let expected = if kind.starts_with("Cluster") {
+            None
+        } else {
+            Some("ops")
+        };
+        assert_eq!(at(doc, "metadata.namespace").as_str(), expected, "{kind}");
+        let labels = at(doc, "metadata.labels");
+        assert_eq!(
+            labels.get("app.kubernetes.io/name"),
+            Some(&Value::from(CHART_NAME)),
+            "{kind}"
+        );
+    }
+
+    let sa = object(&docs, "ServiceAccount", name);
+    assert_eq!(str_at(sa, "metadata.name"), name);
+
+    let cluster_role = object(&docs, "ClusterRole", name);
+    assert_grants(cluster_role, OPERATOR_RULES);
+    let binding = object(&docs, "ClusterRoleBinding", name);
+    assert_binding(binding, "ClusterRole", name, name, "ops");
+
+    let lease_role = object(&docs, "Role", &format!("{name}-leader-election"));
+    assert_grants(lease_role, LEASE_RULES);
+    let lease_binding = object(&docs, "RoleBinding", &format!("{name}-leader-election"));
+    assert_binding(
+        lease_binding,
+        "Role",
+        &format!("{name}-leader-election"),
+        name,
+        "ops",
+    );
+
+    let deployment = object(&docs, "Deployment", name);
+    assert_eq!(at(deployment, "spec.replicas").as_u64(), Some(2));
+    let pod = at(deployment, "spec.template.spec");
+    assert_eq!(str_at(pod, "serviceAccountName"), name);
+    assert_eq!(at(pod, "terminationGracePeriodSeconds").as_u64(), Some(30));
+    assert_eq!(
+        at(pod, "securityContext.runAsNonRoot").as_bool(),
+        Some(true)
+    );
+    assert_eq!(
+        str_at(pod, "securityContext.seccompProfile.type"),
+        "RuntimeDefault"
+    );
+
+    let c = operator_container(deployment);
+    assert_eq!(str_at(c, "image"), "perspective-operator:0.1.0");
+    assert_eq!(strings(at(c, "command")), ["perspective-operator", "run"]);
+    assert_eq!(
+        args_of(deployment),
+        [
+            "--http-addr=0.0.0.0:8080",
+            "--leader-election",
+            "--lease-name=rel-perspective-operator",
+            "--lease-namespace=ops",
+            "--default-worker-image=perspective-worker:0.1.0",
+            "--status-interval-seconds=15",
+            "--log-format=json",
+        ]
+    );
+    for (i, (var, field)) in [
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let env = at(c, &format!("env.{i}"));
+        assert_eq!(str_at(env, "name"), var);
+        assert_eq!(str_at(env, "valueFrom.fieldRef.fieldPath"), field);
+    }
+    assert_eq!(str_at(c, "ports.0.name"), "http");
+    assert_eq!(at(c, "ports.0.containerPort").as_u64(), Some(8080));
+    assert_eq!(str_at(c, "livenessProbe.httpGet.path"), "/livez");
+    assert_eq!(str_at(c, "livenessProbe.httpGet.port"), "http");
+    assert_eq!(str_at(c, "readinessProbe.httpGet.path"), "/readyz");
+    assert_eq!(str_at(c, "readinessProbe.httpGet.port"), "http");
+    let sc = at(c, "securityContext");
+    assert_eq!(at(sc, "runAsNonRoot").as_bool(), Some(true));
+    assert_eq!(at(sc, "readOnlyRootFilesystem").as_bool(), Some(true));
+    assert_eq!(at(sc, "allowPrivilegeEscalation").as_bool(), Some(false));
+    assert_eq!(strings(at(sc, "capabilities.drop")), ["ALL"]);
+    assert_eq!(str_at(sc, "seccompProfile.type"), "RuntimeDefault");
+    assert_eq!(str_at(c, "resources.requests.cpu"), "50m");
+    assert_eq!(str_at(c, "resources.requests.memory"), "64Mi");
+    assert_eq!(str_at(c, "resources.limits.memory"), "256Mi");
+
+    // The Service and the Deployment select the pods by the same labels.
+    let selector = at(deployment, "spec.selector.matchLabels");
+    let pod_labels = at(deployment, "spec.template.metadata.labels")
+        .as_mapping()
+        .expect("pod labels");
+    for (k, v) in selector.as_mapping().expect("selector") {
+        assert_eq!(pod_labels.get(k), Some(v), "pod label {k:?}");
+    }
+    let service = object(&docs, "Service", &format!("{name}-metrics"));
+    assert_eq!(at(service, "spec.selector"), selector);
+    assert_eq!(str_at(service, "spec.ports.0.name"), "http");
+    assert_eq!(at(service, "spec.ports.0.port").as_u64(), Some(8080));
+    assert_eq!(str_at(service, "spec.ports.0.targetPort"), "http");
+}
+
+#[test]
+fn renders_role_in_the_watched_namespace() {
+    let docs = render("ops", &["--set", "watchNamespace=apps"]);
+    let name = "rel-perspective-operator";
+    let found = kinds(&docs);
+    assert!(
+        !found.contains("ClusterRole") && !found.contains("ClusterRoleBinding"),
+        "nothing cluster-scoped when one namespace is watched: {found:?}"
+    );
+    let role = object(&docs, "Role", name);
+    assert_eq!(str_at(role, "metadata.namespace"), "apps");
+    assert_grants(role, OPERATOR_RULES);
+    let binding = object(&docs, "RoleBinding", name);
+    assert_eq!(str_at(binding, "metadata.namespace"), "apps");
+    assert_binding(binding, "Role", name, name, "ops");
+
+    // Leader election stays in the release namespace.
+    let lease_role = object(&docs, "Role", &format!("{name}-leader-election"));
+    assert_eq!(str_at(lease_role, "metadata.namespace"), "ops");
+    assert_grants(lease_role, LEASE_RULES);
+
+    let args = args_of(object(&docs, "Deployment", name));
+    assert!(args.contains(&"--watch-namespace=apps".into()), "{args:?}");
+    assert!(args.contains(&"--lease-namespace=ops".into()), "{args:?}");
+}
+
+#[test]
+fn renders_options() {
+    let docs = render(
+        "ops",
+        &[
+            "--set",
+            "replicaCount=1,leaderElection.enabled=false,logFormat=text",
+            "--set",
+            "image.repository=registry.example/op,image.tag=1.2.3,workerImage=registry.example/w:9",
+            // Large integers must not come out as 1e+06.
+            "--set",
+            "statusIntervalSeconds=1000000",
+            "--set",
+            "serviceAccount.create=false,serviceAccount.name=existing,metrics.service.enabled=false",
+            "--set",
+            "podLabels.team=search,podAnnotations.note=hi,nodeSelector.disk=ssd",
+            // A pod label may not steal the selector.
+            "--set",
+            "podLabels.app\\.kubernetes\\.io/instance=other",
+        ],
+    );
+    let name = "rel-perspective-operator";
+    let found = kinds(&docs);
+    for absent in ["ServiceAccount", "Service", "Role", "RoleBinding"] {
+        assert!(!found.contains(absent), "{absent} rendered: {found:?}");
+    }
+    assert_binding(
+        object(&docs, "ClusterRoleBinding", name),
+        "ClusterRole",
+        name,
+        "existing",
+        "ops",
+    );
+    let deployment = object(&docs, "Deployment", name);
+    assert_eq!(at(deployment, "spec.replicas").as_u64(), Some(1));
+    let pod = at(deployment, "spec.template");
+    assert_eq!(str_at(pod, "spec.serviceAccountName"), "existing");
+    assert_eq!(str_at(pod, "metadata.labels.team"), "search");
+    assert_eq!(
+        at(pod, "metadata.labels").get("app.kubernetes.io/instance"),
+        Some(&Value::from("rel"))
+    );
+    assert_eq!(str_at(pod, "metadata.annotations.note"), "hi");
+    assert_eq!(str_at(pod, "spec.nodeSelector.disk"), "ssd");
+    assert_eq!(
+        str_at(operator_container(deployment), "image"),
+        "registry.example/op:1.2.3"
+    );
+    assert_eq!(
+        args_of(deployment),
+        [
+            "--http-addr=0.0.0.0:8080",
+            "--default-worker-image=registry.example/w:9",
+            "--status-interval-seconds=1000000",
+            "--log-format=text",
+        ]
+    );
+}
+
+#[test]
+fn several_replicas_need_leader_election() {
+    let out = output(
+        helm()
+            .args(["template", "rel"])
+            .arg(chart_dir())
+            .args(["--set", "leaderElection.enabled=false"]),
+    );
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("needs leaderElection.enabled"), "{stderr}");
+}
+
+#[test]
+fn schema_rejects_bad_values() {
+    // (helm flags, text the error must contain: the offending key)
+    let cases: &[(&[&str], &str)] = &[
+        (&["--set", "replicaCount=abc"], "replicaCount"),
+        (&["--set", "replicaCount=-1"], "replicaCount"),
+        (&["--set", "logFormat=xml"], "logFormat"),
+        (
+            &["--set", "statusIntervalSeconds=0"],
+            "statusIntervalSeconds",
+        ),
+        (
+            &["--set-string", "statusIntervalSeconds=15"],
+            "statusIntervalSeconds",
+        ),
+        (&["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (&["--set", "leaderElection.enabled=maybe"], "enabled"),
+        (
+            &["--set", "watchNamespace=Not_A_Namespace"],
+            "watchNamespace",
+        ),
+        (&["--set", "metrics.service.port=70000"], "port"),
+        (&["--set", "workerImage="], "workerImage"),
+        (&["--set", "podLabels.team=1"], "team"),
+        // Typos are errors, not silently ignored keys.
+        (&["--set", "replicaCont=1"], "replicaCont"),
+        (&["--set", "image.tagg=1"], "tagg"),
+        (&["--set", "metrics.service.enable=false"], "enable"),
+        (&["--set", "resources.request.cpu=1"], "request"),
+    ];
+    let mut failures = Vec::new();
+    for (flags, key) in cases {
+        let out = output(
+            helm()
+                .args(["template", "rel"])
+                .arg(chart_dir())
+                .args(*flags),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            failures.push(format!("{flags:?} was accepted"));
+        } else if !stderr.contains(key) || !stderr.contains("schema") {
+            failures.push(format!("{flags:?} failed without naming {key:?}: {stderr}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn chart_crd_is_a_copy_of_the_generated_crd() {
+    let generated = repo_root().join("crds/perspectivedeployment.yaml");
+    let copy = chart_dir().join("crds/perspectivedeployment.yaml");
+    let generated_text = std::fs::read(&generated).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; generate it with `perspective-operator crd`",
+            generated.display()
+        )
+    });
+    let copy_text = std::fs::read(&copy).unwrap_or_else(|e| panic!("{}: {e}", copy.display()));
+    assert!(
+        generated_text == copy_text,
+        "charts/{CHART_NAME}/crds/perspectivedeployment.yaml differs from \
+         crds/perspectivedeployment.yaml: copy crds/perspectivedeployment.yaml into the chart \
+         (cp crds/perspectivedeployment.yaml charts/{CHART_NAME}/crds/)"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Against the control plane
+
+/// Fails (never skips) without a control plane, saying how to get one.
+fn require_cluster() {
+    let set = env::var_os("KUBECONFIG").is_some_and(|k| !k.is_empty());
+    assert!(
+        set,
+        "KUBECONFIG is not set: the cluster_* tests need the e2e control plane. Run them with \
+         `tests/e2e/with-control-plane.sh cargo test -p perspective-operator --test chart`, or \
+         start one with `tests/e2e/control-plane.sh start DIR` and \
+         `eval \"$(tests/e2e/control-plane.sh env DIR)\"` first"
+    );
+}
+
+/// A DNS-label name unique to this test in this run.
+fn unique(tag: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .subsec_nanos();
+    format!("chart-{tag}-{}-{:x}", std::process::id(), nanos & 0xfffff)
+}
+
+/// A helm release and its namespaces; uninstalled and deleted on drop, also when the test
+/// fails half-way.
+struct Release {
+    name: String,
+    namespace: String,
+    /// Other namespaces this test created.
+    extra: Vec<String>,
+}
+
+impl Release {
+    fn new(tag: &str) -> Self {
+        let name = unique(tag);
+        let release = Release {
+            namespace: name.clone(),
+            name,
+            extra: Vec::new(),
+        };
+        create_namespace(&release.namespace);
+        // The operator's pods must pass the strictest Pod Security Standard.
+        ok(kubectl().args([
+            "label",
+            "namespace",
+            &release.namespace,
+            "pod-security.kubernetes.io/enforce=restricted",
+        ]));
+        release
+    }
+
+    fn fullname(&self) -> String {
+        format!("{}-{CHART_NAME}", self.name)
+    }
+
+    fn sa(&self) -> String {
+        format!(
+            "system:serviceaccount:{}:{}",
+            self.namespace,
+            self.fullname()
+        )
+    }
+
+    fn install(&self, flags: &[&str]) -> String {
+        ok(helm()
+            .args(["install", &self.name])
+            .arg(chart_dir())
+            .args([
+                "--namespace",
+                &self.namespace,
+                "--wait=false",
+                "--timeout=2m",
+            ])
+            .args(flags))
+    }
+
+    fn uninstall(&self) {
+        ok(helm().args([
+            "uninstall",
+            &self.name,
+            "--namespace",
+            &self.namespace,
+            "--wait",
+            "--timeout=2m",
+        ]));
+    }
+}
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        // Best effort: the release may already be gone.
+        let _ = helm()
+            .args([
+                "uninstall",
+                &self.name,
+                "--namespace",
+                &self.namespace,
+                "--ignore-not-found",
+            ])
+            .output();
+        for ns in std::iter::once(&self.namespace).chain(&self.extra) {
+            let _ = kubectl()
+                .args([
+                    "delete",
+                    "namespace",
+                    ns,
+                    "--ignore-not-found",
+                    "--wait=false",
+                ])
+                .output();
+        }
+    }
+}
+
+fn create_namespace(ns: &str) {
+    ok(kubectl().args(["create", "namespace", ns]));
+    // Pods are refused until the serviceaccount controller made "default".
+    ok(kubectl().args([
+        "wait",
+        "--for=create",
+        "serviceaccount/default",
+        "--namespace",
+        ns,
+        "--timeout=60s",
+    ]));
+}
+
+/// One `kubectl auth can-i` question and the expected answer.
+#[derive(Clone, Debug)]
+struct Check {
+    verb: String,
+    /// `resource` or `resource.group`, as kubectl takes it.
+    resource: String,
+    subresource: Option<String>,
+    namespace: Option<String>,
+    allowed: bool,
+}
+
+impl Check {
+    fn new(
+        verb: &str,
+        group: &str,
+        resource: &str,
+        namespace: Option<&str>,
+        allowed: bool,
+    ) -> Self {
+        let (resource, subresource) = match resource.split_once('/') {
+            Some((r, s)) => (r, Some(s.to_string())),
+            None => (resource, None),
+        };
+        Check {
+            verb: verb.into(),
+            resource: if group.is_empty() {
+                resource.into()
+            } else {
+                format!("{resource}.{group}")
+            },
+            subresource,
+            namespace: namespace.map(String::from),
+            allowed,
+        }
+    }
+}
+
+/// For every resource in `rules`: the granted verbs allowed, all other verbs denied, in `ns`.
+fn rule_checks(rules: &[(&str, &str, &[&str])], ns: &str, granted: bool) -> Vec<Check> {
+    let mut out = Vec::new();
+    for (group, resource, verbs) in rules {
+        for verb in ALL_VERBS {
+            out.push(Check::new(
+                verb,
+                group,
+                resource,
+                Some(ns),
+                granted && verbs.contains(verb),
+            ));
+        }
+    }
+    out
+}
+
+fn denied_checks(ns: &str) -> Vec<Check> {
+    let cluster = CLUSTER_DENIED
+        .iter()
+        .map(|(verb, group, resource)| Check::new(verb, group, resource, None, false));
+    let namespaced = NAMESPACE_DENIED
+        .iter()
+        .map(|(verb, group, resource)| Check::new(verb, group, resource, Some(ns), false));
+    cluster.chain(namespaced).collect()
+}
+
+/// The answer of `kubectl auth can-i` as `user`.
+fn can_i(user: &str, check: &Check) -> bool {
+    let mut cmd = kubectl();
+    cmd.args(["auth", "can-i", &check.verb, &check.resource, "--as", user]);
+    if let Some(sub) = &check.subresource {
+        cmd.arg(format!("--subresource={sub}"));
+    }
+    if let Some(ns) = &check.namespace {
+        cmd.args(["--namespace", ns]);
+    }
+    let out = output(&mut cmd);
+    // Exit 0 = yes, 1 = no; "no" can carry a reason after it.
+    match (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).trim(),
+    ) {
+        (Some(0), "yes") => true,
+        (Some(1), answer) if answer.starts_with("no") => false,
+        (code, answer) => panic!(
+            "{} exited {code:?} with {answer:?}: {}",
+            describe(&cmd),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// The checks whose answer differs from the expected one; four kubectl processes at a time.
+fn mismatches(user: &str, checks: &[Check]) -> Vec<Check> {
+    let next = Mutex::new(checks.iter());
+    let wrong = Mutex::new(Vec::new());
+    thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| loop {
+                let Some(check) = next.lock().unwrap().next() else {
+                    break;
+                };
+                if can_i(user, check) != check.allowed {
+                    wrong.lock().unwrap().push(check.clone());
+                }
+            });
+        }
+    });
+    wrong.into_inner().unwrap()
+}
+
+/// RBAC changes reach the authorizer through its informers a moment after the write, so the
+/// answers are polled until they all match or the deadline passes.
+fn assert_permissions(user: &str, checks: &[Check]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut pending = checks.to_vec();
+    loop {
+        pending = mismatches(user, &pending);
+        if pending.is_empty() {
+            return;
+        }
+        if Instant::now() > deadline {
+            let lines: Vec<String> = pending
+                .iter()
+                .map(|c| {
+                    format!(
+                        "  {} {}{} in {}: expected {}",
+                        c.verb,
+                        c.resource,
+                        c.subresource
+                            .as_deref()
+                            .map(|s| format!("/{s}"))
+                            .unwrap_or_default(),
+                        c.namespace.as_deref().unwrap_or("(cluster)"),
+                        if c.allowed { "yes" } else { "no" }
+                    )
+                })
+                .collect();
+            panic!("wrong permissions for {user}:\n{}", lines.join("\n"));
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Checks what every installed chart must do in the cluster: CRD established, NOTES shown,
+/// Deployment rolled out in a namespace enforcing the restricted Pod Security Standard.
+fn assert_installed(release: &Release, notes: &str) {
+    assert!(
+        notes.contains("--for=condition=Ready pd/") && notes.contains("DATABASE_URL"),
+        "install notes lack the first steps:\n{notes}"
+    );
+    ok(kubectl().args([
+        "wait",
+        "--for=condition=Established",
+        &format!("crd/{CRD_NAME}"),
+        "--timeout=60s",
+    ]));
+    // The label is in force: a pod without a restricted securityContext is refused.
+    let refused = output(kubectl().args([
+        "run",
+        "unrestricted",
+        "--image=example.invalid/never-pulled:1",
+        "--restart=Never",
+        "--dry-run=server",
+        "--namespace",
+        &release.namespace,
+    ]));
+    assert!(
+        !refused.status.success()
+            && String::from_utf8_lossy(&refused.stderr).contains("PodSecurity"),
+        "namespace {} does not enforce the restricted Pod Security Standard",
+        release.namespace
+    );
+    ok(kubectl().args([
+        "rollout",
+        "status",
+        &format!("deployment/{}", release.fullname()),
+        "--namespace",
+        &release.namespace,
+        "--timeout=90s",
+    ]));
+}
+
+#[test]
+fn cluster_install_grants_exactly_the_cluster_wide_rules() {
+    require_cluster();
+    let release = Release::new("all");
+    let ns = release.namespace.as_str();
+    // Any other namespace: the ClusterRole applies there too, the lease Role does not. It
+    // need not exist for can-i.
+    let elsewhere = format!("{ns}-other");
+
+    let notes = release.install(&[]);
+    assert_installed(&release, &notes);
+
+    let mut checks = rule_checks(OPERATOR_RULES, ns, true);
+    checks.extend(rule_checks(OPERATOR_RULES, &elsewhere, true));
+    checks.extend(rule_checks(LEASE_RULES, ns, true));
+    checks.extend(rule_checks(LEASE_RULES, &elsewhere, false));
+    checks.extend(denied_checks(ns));
+    assert_permissions(&release.sa(), &checks);
+
+    release.uninstall();
+    let gone = output(kubectl().args(["get", "clusterrole", &release.fullname()]));
+    assert!(
+        !gone.status.success(),
+        "ClusterRole survived helm uninstall"
+    );
+    let revoked: Vec<Check> = [
+        ("get", "", "secrets"),
+        ("get", "coordination.k8s.io", "leases"),
+    ]
+    .iter()
+    .map(|(verb, group, resource)| Check::new(verb, group, resource, Some(ns), false))
+    .collect();
+    assert_permissions(&release.sa(), &revoked);
+}
+
+#[test]
+fn cluster_install_watching_one_namespace_grants_only_there() {
+    require_cluster();
+    let mut release = Release::new("one");
+    let ns = release.namespace.clone();
+    let watched = format!("{ns}-apps");
+    // Registered first so that it is deleted even if creating it fails half-way.
+    release.extra.push(watched.clone());
+    create_namespace(&watched);
+
+    let notes = release.install(&["--set", &format!("watchNamespace={watched}")]);
+    assert_installed(&release, &notes);
+    let args = ok(kubectl().args([
+        "get",
+        "deployment",
+        &release.fullname(),
+        "--namespace",
+        &ns,
+        "-o",
+        "jsonpath={.spec.template.spec.containers[0].args}",
+    ]));
+    assert!(
+        args.contains(&format!("--watch-namespace={watched}")),
+        "{args}"
+    );
+
+    let mut checks = rule_checks(OPERATOR_RULES, &watched, true);
+    // Not even in its own namespace, and nowhere else.
+    checks.extend(rule_checks(OPERATOR_RULES, &ns, false));
+    checks.extend(rule_checks(OPERATOR_RULES, &format!("{ns}-other"), false));
+    checks.extend(rule_checks(LEASE_RULES, &ns, true));
+    checks.extend(rule_checks(LEASE_RULES, &watched, false));
+    checks.extend(denied_checks(&watched));
+    assert_permissions(&release.sa(), &checks);
+
+    release.uninstall();
+    let revoked = vec![Check::new(
+        "get",
+        "",
+        "secrets",
+        Some(watched.as_str()),
+        false,
+    )];
+    assert_permissions(&release.sa(), &revoked);
+}

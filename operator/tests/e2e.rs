@@ -1,0 +1,1035 @@
+//! The operator against a real control plane (etcd, kube-apiserver, kube-controller-manager,
+//! kube-scheduler, kwok) and a real PostgreSQL: the operator runs as a process, and the pod
+//! runner runs every pod it creates (migration Jobs, worker StatefulSet pods) as a local
+//! `perspective-worker` process with the env the operator rendered.
+//!
+//! Run through `tests/pg/pg.sh with tests/e2e/with-control-plane.sh cargo test -p
+//! perspective-operator --test e2e` (as `make test` does).
+
+mod support;
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, ListParams};
+use kube::{Client, ResourceExt};
+use perspective_operator::crd::PerspectiveDeployment;
+use serde_json::Value;
+use sqlx::{Connection, PgConnection};
+use support::pod_runner::PodRunner;
+use support::{e2e, fresh_namespace, poll};
+
+const LONG: Duration = Duration::from_secs(120);
+
+// --- helpers -------------------------------------------------------------------------------
+
+fn database_url() -> String {
+    std::env::var("TEST_DATABASE_URL").expect(
+        "TEST_DATABASE_URL is not set: run through `tests/pg/pg.sh with tests/e2e/with-control-plane.sh cargo test ...`",
+    )
+}
+
+async fn db() -> PgConnection {
+    PgConnection::connect(&database_url())
+        .await
+        .expect("connect to the test PostgreSQL")
+}
+
+fn unique_schema(prefix: &str) -> String {
+    format!("{prefix}_{}", &uuid_like()[..12])
+}
+
+fn uuid_like() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    format!("{:016x}{:016x}", h.finish(), std::process::id())
+}
+
+/// Runs kubectl (from PATH, as the e2e wrapper sets it up) with optional stdin.
+fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl on PATH (run via tests/e2e/with-control-plane.sh)");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().unwrap()
+}
+
+fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl(args, stdin);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn install_crd() {
+    let crds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds");
+    kubectl_ok(
+        &["apply", "--server-side", "-f", crds.to_str().unwrap()],
+        None,
+    );
+    kubectl_ok(
+        &[
+            "wait",
+            "--for=condition=Established",
+            "crd/perspectivedeployments.perspectives.dev",
+            "--timeout=60s",
+        ],
+        None,
+    );
+}
+
+fn worker_binary() -> PathBuf {
+    // target/debug/deps/e2e-HASH -> target/debug/perspective-worker (built by `cargo test --workspace`).
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("perspective-worker");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first (`cargo build -p perspective-worker`; `make test` does)",
+        path.display()
+    );
+    path
+}
+
+/// A running operator process, killed on drop.
+struct Operator {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Operator {
+    fn start(dir: &std::path::Path, namespace: &str, name: &str, extra: &[&str]) -> Operator {
+        let log = dir.join(format!("{namespace}_{name}.log"));
+        let file = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_perspective-operator"));
+        cmd.args([
+            "run",
+            "--http-addr=127.0.0.1:0",
+            "--watch-namespace",
+            namespace,
+            "--status-interval-seconds=1",
+            "--default-worker-image=perspective-worker:e2e",
+            "--log-format=json",
+            "--identity",
+            name,
+        ])
+        .args(extra)
+        .env("RUST_LOG", "info,perspective_operator=debug")
+        .stdout(file.try_clone().unwrap())
+        .stderr(file);
+        let child = cmd.spawn().expect("start perspective-operator");
+        eprintln!(
+            "[e2e] operator {name} pid {} log {}",
+            child.id(),
+            log.display()
+        );
+        Operator { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The HTTP address the operator logged.
+    fn http_addr(&self) -> Option<String> {
+        let log = self.log();
+        let at = log.find("\"addr\":\"127.0.0.1:")?;
+        let rest = &log[at + 8..];
+        Some(rest[..rest.find('"')?].to_owned())
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A test's world: namespace, database Secret, schema, operator, pod runner.
+struct World {
+    client: Client,
+    ns: String,
+    schema: String,
+    dir: PathBuf,
+    runner: Option<PodRunner>,
+    operators: Vec<Operator>,
+}
+
+impl World {
+    async fn new(prefix: &str, operators: &[(&str, &[&str])]) -> World {
+        let env = e2e().await;
+        install_crd();
+        let ns = fresh_namespace(&env.client, &format!("{prefix}-"))
+            .await
+            .unwrap();
+        let schema = unique_schema(prefix);
+        kubectl_ok(
+            &[
+                "-n",
+                &ns,
+                "create",
+                "secret",
+                "generic",
+                "shop-db",
+                &format!("--from-literal=url={}", database_url()),
+            ],
+            None,
+        );
+        let dir = env.dir.join("e2e").join(&ns);
+        std::fs::create_dir_all(&dir).unwrap();
+        let runner = PodRunner::start(
+            env.client.clone(),
+            &ns,
+            HashMap::from([("perspective-worker".to_owned(), worker_binary())]),
+            vec![
+                // Every "pod" shares loopback: each worker picks its own free port.
+                ("PERSPECTIVE_HTTP_ADDR".to_owned(), "127.0.0.1:0".to_owned()),
+                ("RUST_LOG".to_owned(), "info,sqlx=warn".to_owned()),
+            ],
+            dir.join("pods"),
+        )
+        .await
+        .unwrap();
+        let operators = operators
+            .iter()
+            .map(|(name, extra)| Operator::start(&dir, &ns, name, extra))
+            .collect();
+        World {
+            client: env.client,
+            ns,
+            schema,
+            dir,
+            runner: Some(runner),
+            operators,
+        }
+    }
+
+    fn runner(&self) -> &PodRunner {
+        self.runner.as_ref().unwrap()
+    }
+
+    fn pds(&self) -> Api<PerspectiveDeployment> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    fn apply(&self, yaml: &str) {
+        kubectl_ok(
+            &["-n", &self.ns, "apply", "--server-side", "-f", "-"],
+            Some(yaml),
+        );
+    }
+
+    async fn pd(&self, name: &str) -> PerspectiveDeployment {
+        self.pds().get(name).await.unwrap()
+    }
+
+    /// Waits until condition `type_` of `name` has `status` (and, if given, `reason`) for the
+    /// current generation.
+    async fn wait_condition(
+        &self,
+        name: &str,
+        type_: &str,
+        status: &str,
+        reason: Option<&str>,
+    ) -> PerspectiveDeployment {
+        let what = format!("{name}: {type_}={status} {reason:?}");
+        let result = poll(&what, LONG, || async {
+            let pd = self.pds().get(name).await?;
+            let st = pd.status.clone().unwrap_or_default();
+            let fresh = st.observed_generation == pd.metadata.generation;
+            let ok = st.conditions.iter().any(|c| {
+                c.type_ == type_ && c.status == status && reason.is_none_or(|r| c.reason == r)
+            });
+            Ok((fresh && ok).then_some(pd))
+        })
+        .await;
+        match result {
+            Ok(pd) => pd,
+            Err(e) => {
+                let pd = self.pds().get(name).await.ok();
+                panic!(
+                    "{e:#}\nstatus: {:#?}\noperator logs:\n{}",
+                    pd.and_then(|p| p.status),
+                    self.operators
+                        .iter()
+                        .map(|o| tail(&o.log(), 4000).to_owned())
+                        .collect::<Vec<_>>()
+                        .join("\n---\n")
+                )
+            }
+        }
+    }
+
+    async fn statefulset(&self, name: &str) -> Option<StatefulSet> {
+        Api::<StatefulSet>::namespaced(self.client.clone(), &self.ns)
+            .get_opt(name)
+            .await
+            .unwrap()
+    }
+
+    async fn jobs(&self) -> Vec<Job> {
+        Api::<Job>::namespaced(self.client.clone(), &self.ns)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+    }
+
+    async fn shutdown(mut self) {
+        for o in &mut self.operators {
+            o.kill();
+        }
+        if let Some(r) = self.runner.take() {
+            r.shutdown().await;
+        }
+        let _ = support::delete_namespace(&self.client, &self.ns).await;
+        let mut conn = db().await;
+        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema))
+            .execute(&mut conn)
+            .await;
+    }
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let start = s.len().saturating_sub(n);
+    let start = (start..s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(0);
+    &s[start..]
+}
+
+/// A deployment with two perspectives; `version` goes into order_summary rows (a handler change),
+/// `extra` is appended to the spec (indented by the caller).
+fn pd_yaml(name: &str, schema: &str, replicas: i32, version: &str, extra: &str) -> String {
+    format!(
+        r#"apiVersion: perspectives.dev/v1alpha1
+kind: PerspectiveDeployment
+metadata:
+  name: {name}
+spec:
+  schema: {schema}
+  replicas: {replicas}
+  database:
+    secretRef: {{name: shop-db}}
+  worker:
+    heartbeatIntervalSeconds: 2
+    abandonStaleInstanceThresholdSeconds: 10
+  perspectives:
+    - name: order_summary
+      setup: |
+        CREATE TABLE IF NOT EXISTS order_summary (
+          order_id uuid PRIMARY KEY, total numeric NOT NULL, version text NOT NULL)
+      handlers:
+        OrderPlaced: |
+          INSERT INTO order_summary (order_id, total, version)
+          VALUES (:stream_id, (:data->>'total')::numeric, '{version}')
+    - name: order_count
+      setup: |
+        CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);
+        INSERT INTO order_count VALUES (1, 0) ON CONFLICT DO NOTHING
+      handlers:
+        OrderPlaced: UPDATE order_count SET n = n + 1 WHERE id = 1
+{extra}"#
+    )
+}
+
+async fn append_orders(conn: &mut PgConnection, schema: &str, n: usize) {
+    for i in 0..n {
+        sqlx::query(&format!(
+            "SELECT * FROM {schema}.append_events(gen_random_uuid(), 0, \
+             jsonb_build_array(jsonb_build_object('event_type', 'OrderPlaced', 'event_data', jsonb_build_object('total', $1::int))))"
+        ))
+        .bind(i as i32 + 1)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    }
+}
+
+/// Waits until `sql` (one bigint) returns `want`.
+async fn wait_sql(conn: &mut PgConnection, what: &str, sql: &str, want: i64) {
+    let mut last: Option<String>;
+    let deadline = tokio::time::Instant::now() + LONG;
+    loop {
+        match sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(&mut *conn)
+            .await
+        {
+            Ok(v) if v == want => return,
+            other => last = Some(format!("{other:?}")),
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out waiting for {what}: `{sql}` last gave {last:?}, want {want}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn schema_exists(conn: &mut PgConnection, schema: &str) -> bool {
+    sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+        .bind(schema)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap()
+}
+
+fn template_annotation(sts: &StatefulSet, key: &str) -> Option<String> {
+    sts.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(key)
+        .cloned()
+}
+
+// --- tests ---------------------------------------------------------------------------------
+
+/// Acceptance 1, 2, 3, 6, 7, 8: install, create, materialize, change a handler, pause, scale,
+/// lag, delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_of_a_deployment() {
+    let w = World::new("life", &[("op", &[])]).await;
+    // Discovery may lag the CRD's establishment by a moment.
+    let explain = poll("kubectl explain pd.spec.perspectives", LONG, || async {
+        let out = kubectl(&["explain", "pd.spec.perspectives"], None);
+        Ok(out
+            .status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned()))
+    })
+    .await
+    .unwrap();
+    for field in ["handlers", "ordering", "setup", "reset", "name"] {
+        assert!(
+            explain.contains(field),
+            "kubectl explain lacks {field}:\n{explain}"
+        );
+    }
+
+    // 2. Create: migration Job first, then 3 workers with distinct instance ids.
+    w.apply(&pd_yaml("shop", &w.schema, 3, "v1", ""));
+    let ready = kubectl(
+        &[
+            "-n",
+            &w.ns,
+            "wait",
+            "--for=condition=Ready",
+            "pd/shop",
+            "--timeout=120s",
+        ],
+        None,
+    );
+    assert!(
+        ready.status.success(),
+        "kubectl wait Ready failed: {}",
+        String::from_utf8_lossy(&ready.stderr)
+    );
+    let mut conn = db().await;
+    assert!(
+        schema_exists(&mut conn, &w.schema).await,
+        "the migration Job created the schema"
+    );
+    let jobs = w.jobs().await;
+    assert_eq!(jobs.len(), 1, "one migration Job");
+    let first_job = jobs[0].name_any();
+    let sts = w
+        .statefulset("shop")
+        .await
+        .expect("StatefulSet after the migration");
+    assert_eq!(sts.spec.as_ref().unwrap().replicas, Some(3));
+    let workers = w
+        .runner()
+        .wait_running("3 worker processes", LONG, |r| {
+            r.iter()
+                .filter(|p| p.owner_kind.as_deref() == Some("StatefulSet"))
+                .count()
+                == 3
+        })
+        .await
+        .unwrap();
+    let uids: BTreeSet<String> = workers
+        .iter()
+        .filter(|p| p.owner_kind.as_deref() == Some("StatefulSet"))
+        .map(|p| p.uid.clone())
+        .collect();
+    assert_eq!(uids.len(), 3);
+    // Each worker registered under its own pod uid (PERSPECTIVE_INSTANCE_ID from metadata.uid).
+    let instances_sql = format!(
+        "SELECT count(*) FROM {}.wh_service_instances WHERE instance_id::text = ANY(ARRAY[{}])",
+        w.schema,
+        uids.iter()
+            .map(|u| format!("'{u}'"))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    wait_sql(
+        &mut conn,
+        "3 registered worker instances",
+        &instances_sql,
+        3,
+    )
+    .await;
+
+    append_orders(&mut conn, &w.schema, 20).await;
+    let summary_v1 = format!(
+        "SELECT count(*) FROM {}.order_summary WHERE version = 'v1'",
+        w.schema
+    );
+    wait_sql(&mut conn, "20 orders materialized", &summary_v1, 20).await;
+    wait_sql(
+        &mut conn,
+        "order count",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        20,
+    )
+    .await;
+
+    // 3. Change a handler: a new Job (new name) runs, then the template rolls.
+    let old_hash = template_annotation(&sts, "perspectives.dev/migration-hash").unwrap();
+    w.apply(&pd_yaml("shop", &w.schema, 3, "v2", ""));
+    let pd = w.wait_condition("shop", "Ready", "True", None).await;
+    let st = pd.status.clone().unwrap();
+    assert_eq!(st.observed_generation, pd.metadata.generation);
+    assert_eq!(pd.metadata.generation, Some(2));
+    let new_job = st.migration_job.clone().unwrap();
+    assert_ne!(new_job, first_job, "a new migration target is a new Job");
+    let sts = w.statefulset("shop").await.unwrap();
+    let new_hash = template_annotation(&sts, "perspectives.dev/migration-hash").unwrap();
+    assert_ne!(new_hash, old_hash);
+    assert_eq!(Some(new_hash), st.migrated_hash);
+    poll("superseded Job deleted", LONG, || async {
+        let names: Vec<String> = w.jobs().await.iter().map(|j| j.name_any()).collect();
+        Ok((!names.contains(&first_job)).then_some(()))
+    })
+    .await
+    .unwrap();
+    append_orders(&mut conn, &w.schema, 5).await;
+    let summary_v2 = format!(
+        "SELECT count(*) FROM {}.order_summary WHERE version = 'v2'",
+        w.schema
+    );
+    wait_sql(
+        &mut conn,
+        "new orders through the new handler",
+        &summary_v2,
+        5,
+    )
+    .await;
+
+    // 6. Pause: children frozen (a replica change waits), unpause resumes.
+    w.apply(&pd_yaml("shop", &w.schema, 2, "v2", "  paused: true\n"));
+    w.wait_condition("shop", "ReconciliationPaused", "True", Some("Paused"))
+        .await;
+    assert_eq!(
+        w.statefulset("shop").await.unwrap().spec.unwrap().replicas,
+        Some(3),
+        "paused: StatefulSet untouched"
+    );
+    w.apply(&pd_yaml("shop", &w.schema, 2, "v2", ""));
+    w.wait_condition("shop", "ReconciliationPaused", "False", None)
+        .await;
+    w.wait_condition("shop", "Ready", "True", None).await;
+    assert_eq!(
+        w.statefulset("shop").await.unwrap().spec.unwrap().replicas,
+        Some(2)
+    );
+
+    // 8. Lag: no workers (scale subresource), appended events show as pending in `kubectl get`.
+    kubectl_ok(&["-n", &w.ns, "scale", "pd/shop", "--replicas=0"], None);
+    w.runner()
+        .wait_running("no worker processes", LONG, |r| {
+            r.iter()
+                .all(|p| p.owner_kind.as_deref() != Some("StatefulSet"))
+        })
+        .await
+        .unwrap();
+    append_orders(&mut conn, &w.schema, 4).await;
+    poll("pending events and lag in kubectl get", LONG, || async {
+        let out = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop", "-o", "json"], None);
+        let v: Value = serde_json::from_str(&out)?;
+        let pending = v["status"]["pendingEvents"].as_i64().unwrap_or(0);
+        let oldest = v["status"]["oldestPendingSeconds"].as_i64().unwrap_or(0);
+        let per = v["status"]["perspectives"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let per_ok = per.iter().all(|p| p["pendingEvents"].as_i64() == Some(4));
+        Ok((pending == 8 && oldest >= 1 && per.len() == 2 && per_ok).then_some(()))
+    })
+    .await
+    .unwrap();
+    let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
+    assert!(
+        table.contains("PENDING") && table.contains("LAG") && table.contains("DEADLETTERS"),
+        "{table}"
+    );
+    let row = table.lines().nth(1).unwrap().to_owned();
+    assert!(
+        row.split_whitespace().any(|c| c == "8"),
+        "pending 8 shown: {table}"
+    );
+    kubectl_ok(&["-n", &w.ns, "scale", "pd/shop", "--replicas=1"], None);
+    wait_sql(
+        &mut conn,
+        "backlog applied",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        29,
+    )
+    .await;
+    poll("lag back to zero", LONG, || async {
+        let st = w.pd("shop").await.status.unwrap_or_default();
+        Ok((st.pending_events == Some(0)).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // 7. Delete: children garbage-collected, the schema stays.
+    kubectl_ok(&["-n", &w.ns, "delete", "pd", "shop"], None);
+    poll("children garbage-collected", LONG, || async {
+        let lp = ListParams::default().labels("app.kubernetes.io/instance=shop");
+        let n = Api::<StatefulSet>::namespaced(w.client.clone(), &w.ns)
+            .list(&lp)
+            .await?
+            .items
+            .len()
+            + Api::<Job>::namespaced(w.client.clone(), &w.ns)
+                .list(&lp)
+                .await?
+                .items
+                .len()
+            + Api::<ConfigMap>::namespaced(w.client.clone(), &w.ns)
+                .list(&lp)
+                .await?
+                .items
+                .len()
+            + Api::<Service>::namespaced(w.client.clone(), &w.ns)
+                .list(&lp)
+                .await?
+                .items
+                .len()
+            + Api::<PodDisruptionBudget>::namespaced(w.client.clone(), &w.ns)
+                .list(&lp)
+                .await?
+                .items
+                .len()
+            + Api::<Pod>::namespaced(w.client.clone(), &w.ns)
+                .list(&lp)
+                .await?
+                .items
+                .len();
+        Ok((n == 0).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert!(
+        schema_exists(&mut conn, &w.schema).await,
+        "deleting the CR leaves the schema"
+    );
+    wait_sql(
+        &mut conn,
+        "models intact",
+        &format!("SELECT count(*) FROM {}.order_summary", w.schema),
+        29,
+    )
+    .await;
+    w.shutdown().await;
+}
+
+/// Acceptance 4: a failing migration keeps the old template; fixing the spec recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_migration_keeps_the_running_workers() {
+    let w = World::new("fail", &[("op", &[])]).await;
+    let no_retry = "  migrations:\n    backoffLimit: 0\n";
+    w.apply(&pd_yaml("shop", &w.schema, 1, "v1", no_retry));
+    w.wait_condition("shop", "Ready", "True", None).await;
+    let good_hash = template_annotation(
+        &w.statefulset("shop").await.unwrap(),
+        "perspectives.dev/migration-hash",
+    );
+    let worker_uid = w
+        .runner()
+        .wait_running("a worker", LONG, |r| {
+            r.iter()
+                .any(|p| p.owner_kind.as_deref() == Some("StatefulSet"))
+        })
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|p| p.owner_kind.as_deref() == Some("StatefulSet"))
+        .unwrap()
+        .uid;
+
+    // A setup that fails at migrate time (valid config, broken SQL).
+    let broken = pd_yaml("shop", &w.schema, 1, "v1", no_retry).replace(
+        "CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);",
+        "CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);\n        CREATE TABLE IF NOT EXISTS broken (n no_such_type);",
+    );
+    w.apply(&broken);
+    let pd = w
+        .wait_condition(
+            "shop",
+            "MigrationsApplied",
+            "False",
+            Some("BackoffLimitExceeded"),
+        )
+        .await;
+    let degraded = w
+        .wait_condition("shop", "Degraded", "True", Some("MigrationFailed"))
+        .await;
+    let message = degraded
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "Degraded")
+        .unwrap()
+        .message;
+    assert!(
+        message.contains("no_such_type"),
+        "the Job's error reaches the status: {message}"
+    );
+    assert_eq!(
+        pd.status
+            .unwrap()
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .unwrap()
+            .status,
+        "False"
+    );
+    let sts = w.statefulset("shop").await.unwrap();
+    assert_eq!(
+        template_annotation(&sts, "perspectives.dev/migration-hash"),
+        good_hash,
+        "old template kept"
+    );
+    assert!(
+        w.runner().running().iter().any(|p| p.uid == worker_uid),
+        "the old worker keeps running"
+    );
+    let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
+    assert!(
+        events.contains("MigrationFailed") && events.contains("MigrationStarted"),
+        "events recorded"
+    );
+
+    // Fix: a new target, a new Job, and the workers roll.
+    w.apply(&pd_yaml("shop", &w.schema, 1, "v3", no_retry));
+    w.wait_condition("shop", "MigrationsApplied", "True", None)
+        .await;
+    w.wait_condition("shop", "Degraded", "False", None).await;
+    w.wait_condition("shop", "Ready", "True", None).await;
+    let sts = w.statefulset("shop").await.unwrap();
+    assert_ne!(
+        template_annotation(&sts, "perspectives.dev/migration-hash"),
+        good_hash
+    );
+    let mut conn = db().await;
+    append_orders(&mut conn, &w.schema, 3).await;
+    wait_sql(
+        &mut conn,
+        "orders through the fixed deployment",
+        &format!(
+            "SELECT count(*) FROM {}.order_summary WHERE version = 'v3'",
+            w.schema
+        ),
+        3,
+    )
+    .await;
+    w.shutdown().await;
+}
+
+/// Acceptance 5: invalid specs are rejected by the API server or reported as Degraded with the
+/// field named, without touching a valid deployment in the same namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_specs_are_rejected_or_reported() {
+    let w = World::new("bad", &[("op", &[])]).await;
+    w.apply(&pd_yaml("good", &w.schema, 1, "v1", ""));
+    w.wait_condition("good", "Ready", "True", None).await;
+    let good_sts = w.statefulset("good").await.unwrap();
+
+    let valid = pd_yaml("bad", &w.schema, 1, "v1", "");
+    // (what, spec, Err(substring of kubectl's error) | Ok(substring of the Degraded message))
+    let cases: Vec<(&str, String, Result<&str, &str>)> = vec![
+        (
+            "bad perspective name",
+            valid.replace("name: order_count", "name: Order-Count"),
+            Err("spec.perspectives[1].name"),
+        ),
+        (
+            "bad schema identifier",
+            valid.replace(&format!("schema: {}", w.schema), "schema: \"shop;drop\""),
+            Err("spec.schema"),
+        ),
+        (
+            "unknown option",
+            valid.replace(
+                "abandonStaleInstanceThresholdSeconds: 10",
+                "abandonStaleInstanceThresholdSeconds: 10\n    bogusOption: 1",
+            ),
+            Err("bogusOption"),
+        ),
+        (
+            "wrong type",
+            valid.replace(
+                "abandonStaleInstanceThresholdSeconds: 10",
+                "abandonStaleInstanceThresholdSeconds: ten",
+            ),
+            Err("abandonStaleInstanceThresholdSeconds"),
+        ),
+        (
+            "negative replicas",
+            valid.replace("replicas: 1", "replicas: -1"),
+            Err("spec.replicas"),
+        ),
+        (
+            "unknown completion strategy",
+            valid.replace(
+                "abandonStaleInstanceThresholdSeconds: 10",
+                "completionStrategy: Sometimes",
+            ),
+            Err("completionStrategy"),
+        ),
+        (
+            "missing Secret",
+            valid.replace("name: shop-db", "name: no-such-secret"),
+            Ok("spec.database.secretRef.name"),
+        ),
+        (
+            "missing Secret key",
+            valid.replace(
+                "secretRef: {name: shop-db}",
+                "secretRef: {name: shop-db, key: nope}",
+            ),
+            Ok("spec.database.secretRef.key"),
+        ),
+        (
+            "duplicate perspective",
+            valid.replace("name: order_count", "name: order_summary"),
+            Ok("spec.perspectives[1]"),
+        ),
+        (
+            "unknown handler parameter",
+            valid.replace("WHERE id = 1", "WHERE id = :no_such_param"),
+            Ok("no_such_param"),
+        ),
+        (
+            "parameter in setup",
+            valid.replace(
+                "ON CONFLICT DO NOTHING",
+                "ON CONFLICT DO NOTHING; SELECT :stream_id",
+            ),
+            Ok("setup"),
+        ),
+        (
+            "name too long",
+            valid.replace("name: bad\n", &format!("name: {}\n", "b".repeat(45))),
+            Ok("metadata.name"),
+        ),
+    ];
+    for (what, yaml, expected) in &cases {
+        let out = kubectl(
+            &["-n", &w.ns, "apply", "--server-side", "-f", "-"],
+            Some(yaml),
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        match expected {
+            Err(field) => {
+                assert!(!out.status.success(), "{what}: accepted by the API server");
+                assert!(
+                    stderr.contains(field),
+                    "{what}: error does not name {field}: {stderr}"
+                );
+            }
+            Ok(field) => {
+                assert!(out.status.success(), "{what}: rejected: {stderr}");
+                let name = yaml
+                    .lines()
+                    .find_map(|l| l.strip_prefix("  name: "))
+                    .unwrap()
+                    .to_owned();
+                let pd = w
+                    .wait_condition(&name, "Degraded", "True", Some("InvalidSpec"))
+                    .await;
+                let message = pd
+                    .status
+                    .unwrap()
+                    .conditions
+                    .into_iter()
+                    .find(|c| c.type_ == "Degraded")
+                    .unwrap()
+                    .message;
+                assert!(
+                    message.contains(field),
+                    "{what}: Degraded message does not name {field}: {message}"
+                );
+                let lp =
+                    ListParams::default().labels(&format!("app.kubernetes.io/instance={name}"));
+                assert!(
+                    Api::<Job>::namespaced(w.client.clone(), &w.ns)
+                        .list(&lp)
+                        .await
+                        .unwrap()
+                        .items
+                        .is_empty(),
+                    "{what}: a Job was created"
+                );
+                assert!(
+                    w.statefulset(&name).await.is_none(),
+                    "{what}: a StatefulSet was created"
+                );
+                kubectl_ok(&["-n", &w.ns, "delete", "pd", &name, "--wait=true"], None);
+            }
+        }
+    }
+    // The valid neighbour never changed and stayed Ready.
+    let after = w.statefulset("good").await.unwrap();
+    assert_eq!(after.metadata.generation, good_sts.metadata.generation);
+    let pd = w.pd("good").await;
+    assert!(pd
+        .status
+        .unwrap()
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True"));
+    let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
+    assert!(
+        events.contains("InvalidSpec"),
+        "validation errors are Events too"
+    );
+    w.shutdown().await;
+}
+
+/// Acceptance 9: two operator replicas, only the leader reconciles; killing it hands over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_election_hands_over() {
+    let mut w = World::new("lead", &[]).await;
+    let ns = w.ns.clone();
+    let args: Vec<String> = vec![
+        "--leader-election".into(),
+        "--lease-namespace".into(),
+        ns.clone(),
+        "--lease-seconds=4".into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "op-a", &args));
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "op-b", &args));
+    let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
+    let holder = poll("a leader", LONG, || async {
+        Ok(leases
+            .get_opt("perspective-operator")
+            .await?
+            .and_then(|l| l.spec?.holder_identity))
+    })
+    .await
+    .unwrap();
+    assert!(holder == "op-a" || holder == "op-b", "holder {holder}");
+    w.apply(&pd_yaml("shop", &w.schema, 1, "v1", ""));
+    w.wait_condition("shop", "Ready", "True", None).await;
+
+    // Only the leader reconciled.
+    let reconciles = |o: &Operator| -> anyhow::Result<f64> {
+        let addr = o.http_addr().context("no HTTP address logged yet")?;
+        let body = http_get(&addr, "/metrics")?;
+        Ok(body
+            .lines()
+            .find_map(|l| l.strip_prefix("perspective_operator_reconciles_total "))
+            .map_or(0.0, |v| v.trim().parse().unwrap_or(0.0)))
+    };
+    let (leader_idx, standby_idx) = if holder == "op-a" { (0, 1) } else { (1, 0) };
+    poll("standby serving metrics", LONG, || async {
+        Ok(w.operators[standby_idx].http_addr())
+    })
+    .await
+    .unwrap();
+    assert!(
+        reconciles(&w.operators[leader_idx]).unwrap() > 0.0,
+        "the leader reconciled"
+    );
+    assert_eq!(
+        reconciles(&w.operators[standby_idx]).unwrap(),
+        0.0,
+        "the standby did not reconcile"
+    );
+
+    // Kill the leader (no lease release): the standby takes over after expiry and reconciles.
+    w.operators[leader_idx].kill();
+    let standby = if holder == "op-a" { "op-b" } else { "op-a" };
+    poll("the standby takes the lease", LONG, || async {
+        let h = leases
+            .get_opt("perspective-operator")
+            .await?
+            .and_then(|l| l.spec?.holder_identity);
+        Ok((h.as_deref() == Some(standby)).then_some(()))
+    })
+    .await
+    .unwrap();
+    w.apply(&pd_yaml("shop", &w.schema, 2, "v1", ""));
+    w.wait_condition("shop", "Ready", "True", None).await;
+    assert_eq!(
+        w.statefulset("shop").await.unwrap().spec.unwrap().replicas,
+        Some(2)
+    );
+    assert!(reconciles(&w.operators[standby_idx]).unwrap() > 0.0);
+    w.shutdown().await;
+}
+
+/// A minimal HTTP/1.0 GET against one of our own loopback processes.
+fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body)?;
+    if !body.starts_with("HTTP/1.0 200") && !body.starts_with("HTTP/1.1 200") {
+        bail!("GET {path}: {}", body.lines().next().unwrap_or(""));
+    }
+    Ok(body)
+}
