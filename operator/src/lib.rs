@@ -10,13 +10,12 @@
 //! - [`status`] and [`conditions`]: status computed from observations, condition transitions
 //! - [`lag`]: read-only lag / dead-letter queries against the deployment's database
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
-//! - [`metrics`] and [`http`]: `/metrics`, `/livez`, `/readyz`
+//! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 
 pub mod conditions;
 pub mod config_map;
 pub mod controller;
 pub mod crd;
-pub mod http;
 pub mod labels;
 pub mod lag;
 pub mod leader;

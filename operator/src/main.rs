@@ -117,14 +117,15 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .context("cannot configure a Kubernetes client (KUBECONFIG or in-cluster)")?;
     let metrics = Arc::new(OperatorMetrics::new());
     let readiness = Readiness::new("connecting to the API server");
-    let bound = perspective_operator::http::serve(
+    // The worker's endpoints: /livez, /readyz (ready once the API server answered; a standby
+    // replica is ready too, so rollouts do not wait on leadership) and /metrics.
+    let (bound, _server) = perspective_worker::http::serve(
         args.http_addr,
         readiness.clone(),
         metrics.clone(),
         shutdown.clone(),
     )
-    .await
-    .with_context(|| format!("cannot listen on {}", args.http_addr))?;
+    .await?;
     info!(addr = %bound, "serving /livez /readyz /metrics");
 
     let api = controller::deployments_api(client.clone(), args.watch_namespace.as_deref());

@@ -84,6 +84,12 @@ impl OperatorMetrics {
     }
 }
 
+impl perspective_worker::http::MetricsSource for OperatorMetrics {
+    fn render(&self) -> String {
+        OperatorMetrics::render(self)
+    }
+}
+
 impl Default for OperatorMetrics {
     fn default() -> Self {
         Self::new()

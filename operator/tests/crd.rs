@@ -92,3 +92,22 @@ fn walk(schema: &serde_json::Value, path: &str, problems: &mut Vec<String>) {
         walk(extra, &format!("{path}{{}}"), problems);
     }
 }
+
+#[test]
+fn example_deployment_is_valid_and_matches_the_worker_example() {
+    let example: perspective_operator::crd::PerspectiveDeployment =
+        serde_yaml::from_str(&repo_file("examples/shop-deployment.yaml"))
+            .expect("examples/shop-deployment.yaml parses as a PerspectiveDeployment");
+    let problems = perspective_operator::validate::problems("shop", &example.spec);
+    assert!(problems.is_empty(), "{problems:#?}");
+    let worker = perspective_worker::config::Config::from_yaml_str(
+        &repo_file("examples/shop.yaml"),
+        "examples/shop.yaml",
+    )
+    .unwrap();
+    assert_eq!(
+        example.spec.worker_config(),
+        worker,
+        "the example's spec drifted from examples/shop.yaml"
+    );
+}

@@ -792,6 +792,22 @@ async fn invalid_specs_are_rejected_or_reported() {
     w.wait_condition("good", "Ready", "True", None).await;
     let good_sts = w.statefulset("good").await.unwrap();
 
+    // The documented example passes the API server's validation as it is.
+    let example =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/shop-deployment.yaml");
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "apply",
+            "--server-side",
+            "--dry-run=server",
+            "-f",
+            example.to_str().unwrap(),
+        ],
+        None,
+    );
+
     let valid = pd_yaml("bad", &w.schema, 1, "v1", "");
     // (what, spec, Err(substring of kubectl's error) | Ok(substring of the Degraded message))
     let cases: Vec<(&str, String, Result<&str, &str>)> = vec![

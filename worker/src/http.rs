@@ -105,14 +105,27 @@ impl std::fmt::Debug for Readiness {
     }
 }
 
+/// Anything that renders Prometheus text: the worker's metrics, and the operator's, which
+/// serves the same three endpoints.
+pub trait MetricsSource: Send + Sync {
+    /// The metrics in the Prometheus text exposition format.
+    fn render(&self) -> String;
+}
+
+impl MetricsSource for WorkerMetrics {
+    fn render(&self) -> String {
+        WorkerMetrics::render(self)
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     readiness: Readiness,
-    metrics: Arc<WorkerMetrics>,
+    metrics: Arc<dyn MetricsSource>,
 }
 
 /// The endpoint router, for embedding in another server or testing without a socket.
-pub fn router(readiness: Readiness, metrics: Arc<WorkerMetrics>) -> Router {
+pub fn router<M: MetricsSource + 'static>(readiness: Readiness, metrics: Arc<M>) -> Router {
     Router::new()
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
@@ -146,10 +159,10 @@ async fn metrics_handler(State(state): State<AppState>) -> Response {
 /// Binds `addr` and serves the endpoints until `shutdown` is cancelled, then finishes the
 /// requests in flight and returns. Returns the bound address (the real port when `addr` asked
 /// for port 0) and the server task.
-pub async fn serve(
+pub async fn serve<M: MetricsSource + 'static>(
     addr: SocketAddr,
     readiness: Readiness,
-    metrics: Arc<WorkerMetrics>,
+    metrics: Arc<M>,
     shutdown: CancellationToken,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), std::io::Error> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
