@@ -92,21 +92,40 @@ fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Installs the CRD once per test process (tests run in parallel) and waits until it is served.
 fn install_crd() {
+    static INSTALLED: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+    let mut installed = INSTALLED.lock().unwrap_or_else(|p| p.into_inner());
+    if *installed {
+        return;
+    }
     let crds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds");
     kubectl_ok(
         &["apply", "--server-side", "-f", crds.to_str().unwrap()],
         None,
     );
-    kubectl_ok(
-        &[
-            "wait",
-            "--for=condition=Established",
-            "crd/perspectivedeployments.perspectives.dev",
-            "--timeout=60s",
-        ],
-        None,
-    );
+    // `kubectl wait` fails outright while the new CRD has no conditions yet: poll instead.
+    let deadline = std::time::Instant::now() + LONG;
+    loop {
+        let out = kubectl(
+            &[
+                "get",
+                "crd/perspectivedeployments.perspectives.dev",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+            ],
+            None,
+        );
+        if String::from_utf8_lossy(&out.stdout).trim() == "True" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the CRD was not Established in time"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    *installed = true;
 }
 
 fn worker_binary() -> PathBuf {
@@ -479,6 +498,21 @@ async fn lifecycle_of_a_deployment() {
         .statefulset("shop")
         .await
         .expect("StatefulSet after the migration");
+    let completed = jobs[0]
+        .status
+        .as_ref()
+        .and_then(|s| s.completion_time.clone())
+        .expect("Job completed");
+    let created = sts.metadata.creation_timestamp.clone().unwrap();
+    assert!(
+        completed.0 <= created.0,
+        "the StatefulSet ({created:?}) waited for the migration ({completed:?})"
+    );
+    let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
+    assert!(
+        events.contains("MigrationStarted") && events.contains("MigrationSucceeded"),
+        "migration events recorded"
+    );
     assert_eq!(sts.spec.as_ref().unwrap().replicas, Some(3));
     let workers = w
         .runner()
@@ -1033,6 +1067,37 @@ async fn leader_election_hands_over() {
         Some(2)
     );
     assert!(reconciles(&w.operators[standby_idx]).unwrap() > 0.0);
+
+    // A graceful stop (SIGTERM) exits 0 and gives the lease up for the next replica.
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "op-c", &args));
+    let pid = w.operators[standby_idx].child.id();
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    let deadline = std::time::Instant::now() + LONG;
+    let status = loop {
+        if let Some(status) = w.operators[standby_idx].child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leader did not exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        status.success(),
+        "SIGTERM exit status {status:?}: {}",
+        w.operators[standby_idx].log()
+    );
+    poll("op-c takes the lease", LONG, || async {
+        let h = leases
+            .get_opt("perspective-operator")
+            .await?
+            .and_then(|l| l.spec?.holder_identity);
+        Ok((h.as_deref() == Some("op-c")).then_some(()))
+    })
+    .await
+    .unwrap();
     w.shutdown().await;
 }
 
