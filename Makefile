@@ -3,6 +3,7 @@
 #   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
 #                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/)
 #   make bench   append-path and apply-path benchmarks (see BENCHMARKS.md)
+#   make images  the worker and operator container images, built with buildah
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
@@ -12,7 +13,7 @@ CARGO ?= cargo
 PG := tests/pg/pg.sh
 WORKER := $(CARGO_TARGET_DIR)/debug/perspective-worker
 
-.PHONY: all build lint fmt test unit integration demo bench postgres clean-cache
+.PHONY: all build lint fmt test unit integration demo bench images postgres clean-cache
 
 all: build
 
@@ -46,6 +47,10 @@ bench: postgres
 	$(CARGO) build --release -p perspective-worker
 	tests/bench/append.sh
 	tests/bench/apply.sh
+
+# Container images (buildah, no Docker engine): perspective-worker and perspective-operator.
+images:
+	images/build.sh
 
 clean-cache:
 	rm -rf $(CARGO_TARGET_DIR)
