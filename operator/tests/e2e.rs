@@ -25,7 +25,7 @@ use kube::{Client, ResourceExt};
 use perspective_operator::crd::PerspectiveDeployment;
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
-use support::pod_runner::PodRunner;
+use support::pod_runner::{PodRunner, ProcState};
 use support::{e2e, fresh_namespace, poll};
 
 const LONG: Duration = Duration::from_secs(120);
@@ -613,10 +613,20 @@ async fn lifecycle_of_a_deployment() {
 
     // 8. Lag: no workers (scale subresource), appended events show as pending in `kubectl get`.
     kubectl_ok(&["-n", &w.ns, "scale", "pd/shop", "--replicas=0"], None);
+    // Not only "not running": a worker that got SIGTERM finishes its in-flight work first.
     w.runner()
-        .wait_running("no worker processes", LONG, |r| {
-            r.iter()
-                .all(|p| p.owner_kind.as_deref() != Some("StatefulSet"))
+        .wait_for("no worker process alive", LONG, |pods| {
+            pods.iter()
+                .filter(|p| p.owner_kind.as_deref() == Some("StatefulSet"))
+                .all(|p| {
+                    !matches!(
+                        p.state,
+                        ProcState::Running { .. }
+                            | ProcState::Stopping { .. }
+                            | ProcState::Starting
+                    )
+                })
+                .then_some(())
         })
         .await
         .unwrap();
