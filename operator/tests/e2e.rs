@@ -153,6 +153,16 @@ struct Operator {
 
 impl Operator {
     fn start(dir: &std::path::Path, namespace: &str, name: &str, extra: &[&str]) -> Operator {
+        Self::start_with_env(dir, namespace, name, extra, &[])
+    }
+
+    fn start_with_env(
+        dir: &std::path::Path,
+        namespace: &str,
+        name: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Operator {
         let log = dir.join(format!("{namespace}_{name}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_perspective-operator"));
@@ -169,6 +179,7 @@ impl Operator {
         ])
         .args(extra)
         .env("RUST_LOG", "info,perspective_operator=debug")
+        .envs(env.iter().copied())
         .stdout(file.try_clone().unwrap())
         .stderr(file);
         let child = cmd.spawn().expect("start perspective-operator");
@@ -1123,4 +1134,95 @@ fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
         bail!("GET {path}: {}", body.lines().next().unwrap_or(""));
     }
     Ok(body)
+}
+
+/// The operator running with exactly the Helm chart's RBAC (a namespace-scoped install,
+/// impersonating the chart's ServiceAccount) reconciles a deployment to Ready and leads.
+/// (Impersonating a ServiceAccount without those grants instead fails with `forbidden`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_works_with_the_charts_rbac() {
+    let mut w = World::new("rbac", &[]).await;
+    let ns = w.ns.clone();
+    let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/perspective-operator");
+    let out = Command::new("helm")
+        .args([
+            "install",
+            "po",
+            chart.to_str().unwrap(),
+            "-n",
+            &ns,
+            "--wait=false",
+        ])
+        .args(["--set", &format!("watchNamespace={ns}")])
+        .args([
+            "--set",
+            "replicaCount=0",
+            "--set",
+            "serviceAccount.name=po-operator",
+        ])
+        .output()
+        .expect("helm on PATH (run via tests/e2e/with-control-plane.sh)");
+    assert!(
+        out.status.success(),
+        "helm install: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A kubeconfig that acts as the chart's ServiceAccount.
+    let admin: serde_yaml::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(std::env::var("KUBECONFIG").unwrap()).unwrap(),
+    )
+    .unwrap();
+    let mut as_sa = admin.clone();
+    for user in as_sa["users"].as_sequence_mut().unwrap() {
+        user["user"]["as"] = format!("system:serviceaccount:{ns}:po-operator").into();
+    }
+    let kubeconfig = w.dir.join("kubeconfig-chart-rbac");
+    std::fs::write(&kubeconfig, serde_yaml::to_string(&as_sa).unwrap()).unwrap();
+    let args = [
+        "--leader-election",
+        "--lease-namespace",
+        ns.as_str(),
+        "--lease-name",
+        "po",
+    ];
+    w.operators.push(Operator::start_with_env(
+        &w.dir,
+        &ns,
+        "op-rbac",
+        &args,
+        &[("KUBECONFIG", kubeconfig.to_str().unwrap())],
+    ));
+
+    w.apply(&pd_yaml("shop", &w.schema, 2, "v1", ""));
+    w.wait_condition("shop", "Ready", "True", None).await;
+    let mut conn = db().await;
+    append_orders(&mut conn, &w.schema, 5).await;
+    wait_sql(
+        &mut conn,
+        "orders materialized",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        5,
+    )
+    .await;
+    let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
+    let holder = leases
+        .get("po")
+        .await
+        .unwrap()
+        .spec
+        .and_then(|s| s.holder_identity);
+    assert_eq!(holder.as_deref(), Some("op-rbac"));
+    let log = w.operators[0].log();
+    assert!(
+        !log.contains("forbidden"),
+        "the chart's RBAC lacks a permission:\n{}",
+        tail(&log, 4000)
+    );
+    let events = kubectl_ok(&["-n", &ns, "get", "events", "-o", "json"], None);
+    assert!(
+        events.contains("MigrationSucceeded"),
+        "events published with the chart's RBAC"
+    );
+    w.shutdown().await;
 }
