@@ -360,6 +360,21 @@ impl World {
     }
 }
 
+/// How many `K` in the world's namespace match `lp`.
+async fn count<K>(w: &World, lp: &ListParams) -> anyhow::Result<usize>
+where
+    K: kube::Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    Ok(Api::<K>::namespaced(w.client.clone(), &w.ns)
+        .list(lp)
+        .await?
+        .items
+        .len())
+}
+
 fn tail(s: &str, n: usize) -> &str {
     let start = s.len().saturating_sub(n);
     let start = (start..s.len())
@@ -685,36 +700,12 @@ async fn lifecycle_of_a_deployment() {
     kubectl_ok(&["-n", &w.ns, "delete", "pd", "shop"], None);
     poll("children garbage-collected", LONG, || async {
         let lp = ListParams::default().labels("app.kubernetes.io/instance=shop");
-        let n = Api::<StatefulSet>::namespaced(w.client.clone(), &w.ns)
-            .list(&lp)
-            .await?
-            .items
-            .len()
-            + Api::<Job>::namespaced(w.client.clone(), &w.ns)
-                .list(&lp)
-                .await?
-                .items
-                .len()
-            + Api::<ConfigMap>::namespaced(w.client.clone(), &w.ns)
-                .list(&lp)
-                .await?
-                .items
-                .len()
-            + Api::<Service>::namespaced(w.client.clone(), &w.ns)
-                .list(&lp)
-                .await?
-                .items
-                .len()
-            + Api::<PodDisruptionBudget>::namespaced(w.client.clone(), &w.ns)
-                .list(&lp)
-                .await?
-                .items
-                .len()
-            + Api::<Pod>::namespaced(w.client.clone(), &w.ns)
-                .list(&lp)
-                .await?
-                .items
-                .len();
+        let n = count::<StatefulSet>(&w, &lp).await?
+            + count::<Job>(&w, &lp).await?
+            + count::<ConfigMap>(&w, &lp).await?
+            + count::<Service>(&w, &lp).await?
+            + count::<PodDisruptionBudget>(&w, &lp).await?
+            + count::<Pod>(&w, &lp).await?;
         Ok((n == 0).then_some(()))
     })
     .await
