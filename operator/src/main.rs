@@ -61,6 +61,9 @@ struct RunArgs {
     /// How often each deployment's status (lag, dead letters) is refreshed from its database.
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     status_interval_seconds: u64,
+    /// Seconds before a failed migration Job is run again; doubles with each failure, up to 20×.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    migration_retry_seconds: u64,
     /// Only the holder of a coordination.k8s.io Lease reconciles (for more than one replica).
     #[arg(long)]
     leader_election: bool,
@@ -173,6 +176,7 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         options: Options {
             default_worker_image: args.default_worker_image,
             status_interval: Duration::from_secs(args.status_interval_seconds),
+            migration_retry_base: Duration::from_secs(args.migration_retry_seconds),
         },
         lag: LagReader::default(),
     });

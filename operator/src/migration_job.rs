@@ -169,8 +169,9 @@ fn termination_message(pods: &[Pod]) -> Option<String> {
     Some(message[start..].to_owned())
 }
 
-/// Delay before a failed migration target is retried: 30 s doubling per failure, at most 10 min.
-pub fn retry_delay(failures: i32) -> std::time::Duration {
+/// Delay before a failed migration target is retried: `base` doubling per failure, at most
+/// 20 × `base` (30 s … 10 min with the default base of 30 s).
+pub fn retry_delay(failures: i32, base: std::time::Duration) -> std::time::Duration {
     let exp = failures.clamp(1, 6) - 1;
-    std::time::Duration::from_secs((30u64 << exp).min(600))
+    (base * (1u32 << exp)).min(base * 20)
 }

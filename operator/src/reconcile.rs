@@ -43,6 +43,8 @@ pub struct Options {
     pub default_worker_image: String,
     /// How often status (lag) is refreshed when nothing else happens.
     pub status_interval: Duration,
+    /// Delay before a failed migration Job runs again, doubled per failure (20 × at most).
+    pub migration_retry_base: Duration,
 }
 
 /// Shared state of all reconciles.
@@ -192,7 +194,10 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
                     )
                     .await;
                 }
-                let delay = migration_job::retry_delay(migration_failures);
+                let delay = migration_job::retry_delay(
+                    migration_failures,
+                    ctx.options.migration_retry_base,
+                );
                 let failed_at = at.unwrap_or_else(Timestamp::now).as_second();
                 let retry_at = failed_at + delay.as_secs() as i64;
                 let wait = Duration::from_secs(

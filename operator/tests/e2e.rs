@@ -1217,3 +1217,75 @@ async fn operator_works_with_the_charts_rbac() {
     );
     w.shutdown().await;
 }
+
+/// A migration that fails for a reason outside the spec (here: a table it needs does not exist
+/// yet) is retried with backoff — the same Job name run again — and succeeds once the cause is
+/// gone, without any change to the resource.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_migration_is_retried_with_backoff() {
+    let w = World::new("retry", &[("op", &["--migration-retry-seconds=1"])]).await;
+    let dep = format!("{}_dep", w.schema);
+    let yaml = pd_yaml(
+        "shop",
+        &w.schema,
+        1,
+        "v1",
+        "  migrations:\n    backoffLimit: 0\n",
+    )
+    .replace(
+        "INSERT INTO order_count VALUES (1, 0) ON CONFLICT DO NOTHING",
+        &format!("INSERT INTO order_count SELECT 1, 0 FROM {dep}.ready ON CONFLICT DO NOTHING"),
+    );
+    w.apply(&yaml);
+    let failed = w
+        .wait_condition(
+            "shop",
+            "MigrationsApplied",
+            "False",
+            Some("BackoffLimitExceeded"),
+        )
+        .await;
+    let job = failed.status.clone().unwrap().migration_job.unwrap();
+    assert!(failed.status.unwrap().migration_failures >= 1);
+
+    let mut conn = db().await;
+    sqlx::query(&format!("CREATE SCHEMA {dep}"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::query(&format!("CREATE TABLE {dep}.ready AS SELECT 1 AS ok"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let pd = w.wait_condition("shop", "Ready", "True", None).await;
+    let st = pd.status.unwrap();
+    assert_eq!(
+        st.migration_job.as_deref(),
+        Some(job.as_str()),
+        "the same target, run again"
+    );
+    assert!(
+        st.migration_failures >= 1,
+        "failures are counted: {}",
+        st.migration_failures
+    );
+    assert_eq!(pd.metadata.generation, Some(1), "no spec change was needed");
+    let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
+    assert!(
+        events.contains("MigrationRetrying"),
+        "the retry is an Event"
+    );
+    append_orders(&mut conn, &w.schema, 2).await;
+    wait_sql(
+        &mut conn,
+        "orders applied",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        2,
+    )
+    .await;
+    sqlx::query(&format!("DROP SCHEMA {dep} CASCADE"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    w.shutdown().await;
+}
