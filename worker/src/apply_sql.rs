@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 
 use sha2::{Digest, Sha256};
 
-use crate::config::PerspectiveConfig;
+use crate::config::{Ordering, PerspectiveConfig};
 use crate::sql_params::{Param, ParsedStatement};
 
 /// Name of the apply function of `perspective` (always a valid identifier of at most 63 bytes).
@@ -49,7 +49,30 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v6";
+const FORMAT_VERSION: &str = "apply-v7";
+
+/// Result columns of the apply functions and of `wh_drain`, spelled as `pg_get_function_result`
+/// prints them.
+const APPLY_RESULT: &str = "o_applied integer, o_last_version bigint, o_failed_work_id bigint, \
+    o_error text, o_done_work_ids bigint[], o_rewound boolean";
+const DRAIN_RESULT: &str =
+    "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, \
+    o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], \
+    o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean";
+
+/// SQL that drops `function(args)` only when an older binary created it with other result
+/// columns (CREATE OR REPLACE cannot change those); otherwise it is replaced in place and keeps
+/// its identity, so a second `migrate` changes nothing.
+fn drop_if_result_differs(function: &str, args: &str, result: &str) -> String {
+    format!(
+        "DO $wh_drop$ BEGIN
+  IF to_regprocedure('{function}({args})') IS NOT NULL
+     AND pg_get_function_result(to_regprocedure('{function}({args})')) <> 'TABLE({result})' THEN
+    DROP FUNCTION {function}({args});
+  END IF;
+END $wh_drop$;"
+    )
+}
 
 fn variable(p: Param) -> String {
     format!("_wh_{}", p.name())
@@ -176,6 +199,68 @@ END IF;",
     };
     let apply_one = format!("{bind}\n{dispatch}");
 
+    // ordering: eventId — a group holding an event older (by id) than the last one applied, or
+    // out of id order, rewinds the stream: reset its share of the model and replay all of its
+    // events up to the group's end in event-id order, in the same transaction.
+    let event_id_order = perspective.ordering == Ordering::EventId;
+    let handled_types = perspective
+        .handlers
+        .keys()
+        .map(|t| quote_literal(t))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let rewind_detect = if event_id_order {
+        format!(
+            r#"
+  IF NOT p_force THEN
+    v_prev := v_last_event;
+    FOR v_i IN 1..v_n LOOP
+      CONTINUE WHEN a_versions[v_i] <= v_last;
+      IF v_prev IS NOT NULL AND a_event_ids[v_i] < v_prev THEN
+        v_rewound := true;
+        v_trigger := a_event_ids[v_i];
+        EXIT;
+      END IF;
+      v_prev := a_event_ids[v_i];
+    END LOOP;
+  END IF;
+  IF v_rewound THEN
+    SELECT array_agg(e.event_id ORDER BY e.event_id), array_agg(e.stream_version ORDER BY e.event_id),
+           array_agg(e.event_type ORDER BY e.event_id), {data_column_r},
+           {metadata_column_r}, {scope_column_r}, {created_column_r},
+           array_agg(coalesce(e.metadata ->> 'user_id', e.scope ->> 'user_id', '') ORDER BY e.event_id),
+           array_agg(coalesce(e.scope ->> 'tenant_id', e.metadata ->> 'tenant_id', '') ORDER BY e.event_id)
+      INTO a_event_ids, a_versions, a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants
+    FROM {schema}.wh_event_store e
+    WHERE e.stream_id = p_stream_id AND e.stream_version <= g_versions[v_n]
+      AND e.event_type IN ({handled_types});
+    v_n := coalesce(array_length(a_event_ids, 1), 0);
+    v_last := 0;
+  END IF;"#,
+            data_column_r = data_column.replace("x.ord", "e.event_id"),
+            metadata_column_r = metadata_column.replace("x.ord", "e.event_id"),
+            scope_column_r = scope_column.replace("x.ord", "e.event_id"),
+            created_column_r = created_column.replace("x.ord", "e.event_id"),
+        )
+    } else {
+        String::new()
+    };
+    let reset_sql = perspective
+        .compiled_reset()
+        .unwrap_or_default()
+        .iter()
+        .map(|stmt| format!("{};", render_statement(stmt)))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let rewind_reset = if event_id_order {
+        format!(
+            "    IF v_rewound THEN\n{}\n    END IF;\n",
+            indent(&reset_sql, 6)
+        )
+    } else {
+        String::new()
+    };
+
     let body = format!(
         r#"
 #variable_conflict use_column
@@ -213,12 +298,19 @@ DECLARE
   v_new_last  bigint;
   v_new_event uuid;
   v_done      bigint[] := '{{}}';
+  -- The group as claimed (a rewind replaces the event arrays with the whole stream's).
+  g_versions  bigint[]      := p_versions;
+  v_last0     bigint;
+  v_last_event uuid;
+  v_prev      uuid;
+  v_rewound   boolean := false;
+  v_trigger   uuid;
   -- What perspective.user_id / tenant_id are currently set to in this transaction (NULL: unknown).
   v_set_user   text;
   v_set_tenant text;
 BEGIN
   IF v_n = 0 THEN
-    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[];
+    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[], false;
     RETURN;
   END IF;
 
@@ -241,12 +333,14 @@ BEGIN
   -- The cursor row lock serialises every apply of this (stream, perspective), in any process.
   INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name)
   VALUES (p_stream_id, {pname}) ON CONFLICT DO NOTHING;
-  SELECT c.last_version INTO v_last FROM {schema}.wh_perspective_cursors c
+  SELECT c.last_version, c.last_event_id INTO v_last, v_last_event FROM {schema}.wh_perspective_cursors c
   WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname}
   FOR UPDATE;
   v_new_last := v_last;
+  v_last0 := v_last;
+{rewind_detect}
 
-  IF NOT p_force THEN
+  IF NOT p_force AND NOT v_rewound THEN
     -- A pending row of this pair that is not in the group but sorts inside it: apply only
     -- what comes before it.
     SELECT min(w.stream_version) INTO v_gap FROM {schema}.wh_perspective_events w
@@ -257,7 +351,7 @@ BEGIN
 
   -- Fast path: the whole group in one subtransaction.
   BEGIN
-    FOR v_i IN 1..v_n LOOP
+{rewind_reset}    FOR v_i IN 1..v_n LOOP
       IF NOT p_force THEN
         CONTINUE WHEN a_versions[v_i] <= v_last;
         EXIT WHEN v_gap IS NOT NULL AND a_versions[v_i] > v_gap;
@@ -272,13 +366,21 @@ BEGIN
       RAISE;
     END IF;
     v_ok := false;
+    IF v_rewound THEN
+      -- A replay is all or nothing (a prefix would be out of order): the group's first new
+      -- row carries the failure, retried with backoff like any other.
+      v_err := 'rewind of the stream failed: ' || SQLERRM;
+      SELECT min(i) INTO v_failed FROM generate_subscripts(g_versions, 1) AS i WHERE g_versions[i] > v_last0;
+      v_applied := 0;
+      v_last_i := NULL;
+    END IF;
     -- The rollback also undid the settings made inside the block.
     v_set_user := NULL;
     v_set_tenant := NULL;
   END;
 
   -- Slow path: event by event, to keep the good prefix and isolate the failing event.
-  IF NOT v_ok THEN
+  IF NOT v_ok AND NOT v_rewound THEN
     v_applied := 0;
     v_last_i := NULL;
     FOR v_i IN 1..v_n LOOP
@@ -297,8 +399,12 @@ BEGIN
       v_last_i := v_i;
     END LOOP;
   END IF;
-  -- Versions ascend, so the last event applied is the new position.
-  IF v_last_i IS NOT NULL THEN
+  -- Versions ascend, so the last event applied is the new position (after a rewind: the
+  -- group's end, and the greatest event id, which was applied last).
+  IF v_rewound AND v_ok THEN
+    v_new_last := g_versions[array_length(g_versions, 1)];
+    v_new_event := a_event_ids[v_n];
+  ELSIF v_last_i IS NOT NULL THEN
     v_new_last := a_versions[v_last_i];
     v_new_event := a_event_ids[v_last_i];
   END IF;
@@ -310,7 +416,12 @@ BEGIN
              last_event_id = coalesce(v_new_event, c.last_event_id),
              status = CASE WHEN v_failed IS NULL THEN 2 ELSE 4 END,
              error = v_err,
-             processed_at = now()
+             processed_at = now(),
+             rewind_trigger_event_id = CASE WHEN v_rewound AND v_ok THEN v_trigger ELSE c.rewind_trigger_event_id END,
+             rewind_flagged_at = CASE WHEN v_rewound AND v_ok THEN now() ELSE c.rewind_flagged_at END,
+             rewind_first_flagged_at = CASE WHEN v_rewound AND v_ok
+                                            THEN coalesce(c.rewind_first_flagged_at, now())
+                                            ELSE c.rewind_first_flagged_at END
        WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname};
     END IF;
     IF p_notify_applied AND v_applied > 0 THEN
@@ -319,7 +430,7 @@ BEGIN
       PERFORM pg_advisory_xact_lock(hashtext('{schema}.wh_applied'), hashtext(p_stream_id::text));
       PERFORM pg_notify('{schema}_applied', x.id::text)
       FROM unnest(a_event_ids, a_versions, a_types) AS x(id, version, type)
-      WHERE x.version > v_last AND x.version <= v_new_last
+      WHERE x.version > v_last0 AND x.version <= v_new_last
         AND NOT EXISTS (
           SELECT 1 FROM {schema}.wh_perspective_subscriptions s
           LEFT JOIN {schema}.wh_perspective_cursors c
@@ -338,7 +449,7 @@ BEGIN
     -- Rows at or below the cursor are done, applied now or earlier (redelivered).
     SELECT coalesce(array_agg(a_work_ids[i]), '{{}}') INTO v_done
     FROM generate_subscripts(a_work_ids, 1) AS i
-    WHERE a_versions[i] <= v_new_last;
+    WHERE g_versions[i] <= v_new_last;
     IF p_instant AND cardinality(v_done) > 0 THEN
       PERFORM {schema}.complete_perspective_events(v_done, p_debug);
     END IF;
@@ -346,21 +457,28 @@ BEGIN
 
   RETURN QUERY SELECT v_applied, v_new_last,
                       CASE WHEN v_failed IS NULL THEN NULL ELSE a_work_ids[v_failed] END,
-                      v_err, v_done;
+                      v_err, v_done, v_rewound AND v_ok;
 END
 "#,
+        rewind_detect = rewind_detect,
+        rewind_reset = rewind_reset,
         apply_fast = indent(&apply_one, 6),
         apply_slow = indent(&apply_one, 8),
     );
     let tag = dollar_tag(&body);
+    let drop_older = drop_if_result_differs(
+        &format!("{schema}.{function}"),
+        "uuid, bigint[], uuid[], bigint[], boolean, boolean, boolean, double precision, double precision, boolean, boolean",
+        APPLY_RESULT,
+    );
     format!(
-        "CREATE OR REPLACE FUNCTION {schema}.{function}(
+        "{drop_older}
+CREATE OR REPLACE FUNCTION {schema}.{function}(
     p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[], p_versions bigint[],
     p_instant boolean, p_debug boolean, p_force boolean,
     p_retry_base_ms double precision, p_retry_max_ms double precision,
     p_notify_applied boolean DEFAULT false, p_count_failure boolean DEFAULT false)
-RETURNS TABLE (o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text,
-               o_done_work_ids bigint[])
+RETURNS TABLE ({APPLY_RESULT})
 LANGUAGE plpgsql
 -- Handler SQL names its tables as `setup` created them; resolve them the same way whoever calls.
 SET search_path TO {schema}, public
@@ -375,6 +493,11 @@ AS {tag}{body}{tag}"
 /// function. No row leases are written: the rows are applied in the same transaction that
 /// selects them, under the cursor lock; failures count `attempts` instead. One row per pair out.
 pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -> String {
+    let drop_older = drop_if_result_differs(
+        &format!("{schema}.wh_drain"),
+        "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer",
+        DRAIN_RESULT,
+    );
     let mut dispatch = String::new();
     for (i, p) in perspectives.iter().enumerate() {
         let keyword = if i == 0 { "IF" } else { "ELSIF" };
@@ -393,13 +516,12 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
     END IF;",
     );
     format!(
-        r#"CREATE OR REPLACE FUNCTION {schema}.wh_drain(
+        r#"{drop_older}
+CREATE OR REPLACE FUNCTION {schema}.wh_drain(
     p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
     p_instant boolean, p_debug boolean, p_retry_base_ms double precision, p_retry_max_ms double precision,
     p_notify_applied boolean, p_max_attempts integer)
-RETURNS TABLE (o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint,
-               o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[],
-               o_oldest timestamptz)
+RETURNS TABLE ({DRAIN_RESULT})
 LANGUAGE plpgsql AS $wh_drain$
 DECLARE
   v_owned    uuid[];
@@ -465,13 +587,13 @@ BEGIN
     END IF;
     IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
-                          '{{}}'::bigint[], v_dead, v_oldest;
+                          '{{}}'::bigint[], v_dead, v_oldest, false;
       CONTINUE;
     END IF;
     v_budget := v_budget - array_length(v_ids, 1);
 {dispatch}
     RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
-                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest;
+                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound;
   END LOOP;
 END
 $wh_drain$"#
@@ -503,7 +625,8 @@ mod tests {
     fn handlers_become_static_sql_with_variables() {
         let config = shop();
         let sql = create_apply_function("shop", &config.perspectives[0]);
-        assert!(sql.starts_with("CREATE OR REPLACE FUNCTION shop.wh_apply_order_summary("));
+        assert!(sql.starts_with("DO $wh_drop$"));
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION shop.wh_apply_order_summary("));
         assert!(sql.contains("IF a_types[v_i] = 'OrderPlaced' THEN"));
         assert!(sql.contains("ELSIF a_types[v_i] = 'OrderShipped' THEN"));
         assert!(

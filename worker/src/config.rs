@@ -482,6 +482,12 @@ impl PerspectiveConfig {
             // An empty reset would let a rewind replay events on top of the old model.
             check_apply_sql(reset, "reset", &format!("{label}.reset"), problems);
         }
+        if self.ordering == Ordering::EventId && self.reset.is_none() {
+            problems.push(Problem::new(
+                format!("{label}.reset"),
+                "ordering: eventId needs a reset: a late event rewinds the stream (reset, then replay in event-id order)",
+            ));
+        }
         if self.handlers.is_empty() {
             problems.push(Problem::new(
                 format!("{label}.handlers"),
@@ -926,10 +932,19 @@ claimWorker:
     }
 
     #[test]
-    fn ordering_event_id_is_accepted() {
-        let text = MINIMAL.replace("    handlers:", "    ordering: eventId\n    handlers:");
+    fn ordering_event_id_is_accepted_with_a_reset() {
+        let text = MINIMAL.replace(
+            "    handlers:",
+            "    ordering: eventId\n    reset: DELETE FROM t WHERE id = :stream_id\n    handlers:",
+        );
         let config = parse(&text).unwrap();
         assert_eq!(config.perspectives[0].ordering, Ordering::EventId);
+        let without = MINIMAL.replace("    handlers:", "    ordering: eventId\n    handlers:");
+        let err = parse(&without).unwrap_err().to_string();
+        assert!(
+            err.contains(".reset: ordering: eventId needs a reset"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use perspective_worker::config::Config;
 use perspective_worker::engine::{
     ApplyMode, Group, HookEvent, PerspectiveRunner, SqlRunner, WorkItem,
 };
@@ -806,4 +807,119 @@ async fn applied_notification_fires_once_per_event_after_every_perspective() {
     wait_drained(&schema, Duration::from_secs(30)).await;
     engine.stop().await;
     assert_exactly_once(&schema, 5).await;
+}
+
+/// `ordering: eventId`: an event that arrives after a newer one (by event id) rewinds the
+/// stream — reset, then replay in event-id order — in the apply transaction; a commit-ordered
+/// perspective of the same events keeps commit order and is never rewound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_event_rewinds_an_event_id_ordered_perspective() {
+    let schema = unique_schema("rewind");
+    let mut yaml = format!("schema: {schema}\nperspectives:\n");
+    for (name, ordering) in [("by_id", "eventId"), ("by_commit", "commit")] {
+        yaml.push_str(&format!(
+            "  - name: {name}
+    ordering: {ordering}
+    setup: CREATE TABLE IF NOT EXISTS seen_{name} (stream_id uuid PRIMARY KEY, labels text[] NOT NULL)
+    reset: DELETE FROM seen_{name} WHERE stream_id = :stream_id
+    handlers:
+      A: INSERT INTO seen_{name} AS s VALUES (:stream_id, ARRAY[:data->>'n']) ON CONFLICT (stream_id) DO UPDATE SET labels = s.labels || (:data->>'n')
+"
+        ));
+    }
+    yaml.push_str(FAST);
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let mut conn = connect().await;
+    let stream = Uuid::now_v7();
+    let other = Uuid::now_v7();
+    // Event ids chosen so that their order differs from the order of appending.
+    let id = |n: u32| Uuid::parse_str(&format!("00000000-0000-7000-8000-{n:012}")).unwrap();
+    let append = |stream: Uuid, n: u32| {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            sqlx::query(&format!(
+                "INSERT INTO {schema}.wh_event_store (event_id, stream_id, event_type, event_data)
+                 VALUES ($1, $2, 'A', jsonb_build_object('n', $3::text))"
+            ))
+            .bind(id(n))
+            .bind(stream)
+            .bind(n.to_string())
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        }
+    };
+    let labels = |name: &'static str, stream: Uuid| {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            sqlx::query_scalar::<_, Vec<String>>(&format!(
+                "SELECT labels FROM {schema}.seen_{name} WHERE stream_id = $1"
+            ))
+            .bind(stream)
+            .fetch_optional(&mut conn)
+            .await
+            .unwrap()
+            .unwrap_or_default()
+        }
+    };
+    let wait_labels = |name: &'static str, stream: Uuid, want: &'static [&'static str]| {
+        let labels = &labels;
+        async move {
+            wait_until(
+                &format!("{name} = {want:?}"),
+                Duration::from_secs(30),
+                || async { labels(name, stream).await == want },
+            )
+            .await
+        }
+    };
+
+    append(stream, 10).await;
+    append(stream, 30).await;
+    append(other, 40).await;
+    wait_labels("by_id", stream, &["10", "30"]).await;
+    wait_labels("by_commit", stream, &["10", "30"]).await;
+    assert_eq!(engine.metrics.rewinds.get(), 0);
+
+    // 20 is older than 30, which was applied already: by_id rewinds, by_commit appends.
+    append(stream, 20).await;
+    wait_labels("by_id", stream, &["10", "20", "30"]).await;
+    wait_labels("by_commit", stream, &["10", "30", "20"]).await;
+    // A later event continues normally after the rewind, and other streams are untouched.
+    append(stream, 50).await;
+    wait_labels("by_id", stream, &["10", "20", "30", "50"]).await;
+    wait_labels("by_commit", stream, &["10", "30", "20", "50"]).await;
+    wait_labels("by_id", other, &["40"]).await;
+    assert_eq!(engine.metrics.rewinds.get(), 1, "exactly one rewind");
+    let trigger: Option<Uuid> = sqlx::query_scalar(&format!(
+        "SELECT rewind_trigger_event_id FROM {schema}.wh_perspective_cursors
+         WHERE stream_id = $1 AND perspective_name = 'by_id'"
+    ))
+    .bind(stream)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        trigger,
+        Some(id(20)),
+        "the cursor records what triggered the rewind"
+    );
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+
+    // eventId ordering without a reset is refused up front.
+    let no_reset = yaml.replacen(
+        "    reset: DELETE FROM seen_by_id WHERE stream_id = :stream_id\n",
+        "",
+        1,
+    );
+    let err = Config::from_yaml_str(&no_reset, "test.yaml").unwrap_err();
+    assert!(
+        err.to_string().contains("perspectives[0] (by_id).reset"),
+        "{err}"
+    );
 }

@@ -201,6 +201,7 @@ struct PairOutcome {
     o_done_work_ids: Vec<i64>,
     o_dead_lettered: Vec<i64>,
     o_oldest: Option<chrono::DateTime<chrono::Utc>>,
+    o_rewound: bool,
 }
 
 /// Claim and apply in the database, one round trip per batch of streams (compiled SQL
@@ -240,6 +241,9 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
     for o in outcomes {
         *rows_per_stream.entry(o.o_stream_id).or_default() += o.o_rows as i64;
         let perspective = o.o_perspective.as_str();
+        if o.o_rewound {
+            report_rewound(ctx, perspective, o.o_stream_id);
+        }
         if !o.o_dead_lettered.is_empty() {
             report_dead_lettered(ctx, perspective, o.o_stream_id, o.o_dead_lettered.clone());
         }
@@ -476,6 +480,9 @@ async fn apply_pair(ctx: &Ctx, chunks: Vec<Group>) -> u64 {
 
 fn record_outcome(ctx: &Ctx, group: &Group, o: &super::runner::ApplyOutcome, mode: ApplyMode) {
     let perspective = group.perspective.as_str();
+    if o.rewound {
+        report_rewound(ctx, perspective, group.stream_id);
+    }
     if o.applied > 0 {
         let now = chrono::Utc::now();
         let last = o.last_version.unwrap_or(i64::MIN);
@@ -560,4 +567,10 @@ fn report_dead_lettered(ctx: &Ctx, perspective: &str, stream_id: Uuid, event_wor
 
 fn seconds_since(t: chrono::DateTime<chrono::Utc>, now: chrono::DateTime<chrono::Utc>) -> f64 {
     (now - t).num_microseconds().unwrap_or(0) as f64 / 1e6
+}
+
+/// A late event rewound a stream (ordering `eventId`): counted and logged.
+fn report_rewound(ctx: &Ctx, perspective: &str, stream_id: Uuid) {
+    ctx.metrics.rewinds.inc();
+    tracing::info!(%perspective, %stream_id, "late event: stream rewound and replayed in event-id order");
 }

@@ -61,6 +61,9 @@ pub struct ApplyOutcome {
     pub failed: Option<(i64, String)>,
     /// Work rows at or below the cursor (applied now or earlier): ready to be completed.
     pub done_work_ids: Vec<i64>,
+    /// The stream was rewound (ordering `eventId`: a late event made the runner reset the
+    /// stream's share of the model and replay its events in event-id order).
+    pub rewound: bool,
 }
 
 /// Applies groups of events to perspectives. The model change and the cursor advance must
@@ -137,7 +140,7 @@ impl PerspectiveRunner for SqlRunner {
             };
             let items = &group.items;
             let sql = format!(
-                "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids
+                "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids, o_rewound
                  FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 self.schema
             );
@@ -161,6 +164,7 @@ impl PerspectiveRunner for SqlRunner {
                 last_version: row.get(1),
                 failed: failed_id.map(|id| (id, error.unwrap_or_default())),
                 done_work_ids: row.get(4),
+                rewound: row.get(5),
             })
         })
     }
