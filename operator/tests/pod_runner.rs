@@ -308,7 +308,12 @@ async fn statefulset_processes_follow_scale_and_restart() -> anyhow::Result<()> 
         })
         .await?;
     for p in &running {
-        let cmdline = std::fs::read(format!("/proc/{}/cmdline", p.pid))?;
+        // /proc/PID/cmdline can read empty for a moment right after the spawn.
+        let cmdline = support::poll(&format!("cmdline of pid {}", p.pid), TIMEOUT, || async {
+            let c = std::fs::read(format!("/proc/{}/cmdline", p.pid))?;
+            Ok((!c.is_empty()).then_some(c))
+        })
+        .await?;
         assert_eq!(cmdline, b"sleep\x001000\x00", "pid {} of {}", p.pid, p.name);
     }
 
