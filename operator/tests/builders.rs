@@ -353,3 +353,20 @@ fn failed_migrations_are_retried_with_a_growing_delay() {
         .collect();
     assert_eq!(delays, [30, 60, 120, 240, 480, 600, 600, 600]);
 }
+
+#[test]
+fn an_unreachable_database_degrades_without_touching_readiness() {
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    o.database = Some(Err("connection refused".into()));
+    let s = compute(&Default::default(), &o, Timestamp::now());
+    let degraded = condition(&s, conditions::DEGRADED);
+    assert_eq!(
+        (degraded.status.as_str(), degraded.reason.as_str()),
+        ("True", "DatabaseUnreachable")
+    );
+    assert!(degraded.message.contains("connection refused"));
+    // The workers run; only the status view is missing.
+    assert_eq!(condition(&s, conditions::READY).status, "True");
+    assert_eq!(s.pending_events, None, "no made-up lag");
+}

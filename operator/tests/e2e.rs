@@ -1289,3 +1289,54 @@ async fn failed_migration_is_retried_with_backoff() {
         .unwrap();
     w.shutdown().await;
 }
+
+/// A deployment whose Secret does not exist yet is reported (Degraded, the field named, nothing
+/// created) and recovers by itself once the Secret appears — no spec change needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_secret_is_reported_until_it_exists() {
+    let w = World::new("secret", &[("op", &[])]).await;
+    w.apply(&pd_yaml("shop", &w.schema, 1, "v1", "").replace("name: shop-db", "name: later-db"));
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("InvalidSpec"))
+        .await;
+    let message = pd
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == "Degraded")
+        .unwrap()
+        .message;
+    assert!(
+        message.contains("spec.database.secretRef.name") && message.contains("later-db"),
+        "{message}"
+    );
+    assert!(
+        w.jobs().await.is_empty(),
+        "nothing runs without the database URL"
+    );
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "create",
+            "secret",
+            "generic",
+            "later-db",
+            &format!("--from-literal=url={}", database_url()),
+        ],
+        None,
+    );
+    w.wait_condition("shop", "Ready", "True", None).await;
+    w.wait_condition("shop", "Degraded", "False", None).await;
+    let mut conn = db().await;
+    append_orders(&mut conn, &w.schema, 3).await;
+    wait_sql(
+        &mut conn,
+        "orders applied",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        3,
+    )
+    .await;
+    w.shutdown().await;
+}
