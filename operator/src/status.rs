@@ -203,11 +203,31 @@ pub fn compute(
             "WaitingForPods",
             format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
         )
+    } else if let Some(live) = db
+        .map(|d| d.live_instances)
+        .filter(|live| *live < i64::from(o.desired_replicas))
+    {
+        // Pods can look ready before their workers heartbeat: trust the database too. (When it
+        // cannot be read, Degraded says so and readiness rests on the pods alone.)
+        (
+            false,
+            "WaitingForWorkers",
+            format!(
+                "{live}/{} workers registered in the database",
+                o.desired_replicas
+            ),
+        )
     } else {
         (
             true,
             "Available",
-            format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+            match db {
+                Some(d) => format!(
+                    "{}/{} worker pods ready, {} workers registered",
+                    r.ready, o.desired_replicas, d.live_instances
+                ),
+                None => format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+            },
         )
     };
     desired.push(Desired::new(

@@ -370,3 +370,29 @@ fn an_unreachable_database_degrades_without_touching_readiness() {
     assert_eq!(condition(&s, conditions::READY).status, "True");
     assert_eq!(s.pending_events, None, "no made-up lag");
 }
+
+#[test]
+fn ready_waits_for_workers_to_register_in_the_database() {
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    let db = |live: i64| Status {
+        schema: "shop".into(),
+        live_instances: live,
+        ..Default::default()
+    };
+    o.database = Some(Ok(db(2)));
+    let s = compute(&Default::default(), &o, Timestamp::now());
+    let ready = condition(&s, conditions::READY);
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "WaitingForWorkers")
+    );
+    assert!(
+        ready.message.contains("2/3 workers registered"),
+        "{}",
+        ready.message
+    );
+    o.database = Some(Ok(db(3)));
+    let s = compute(&s, &o, Timestamp::now());
+    assert_eq!(condition(&s, conditions::READY).status, "True");
+}
