@@ -49,16 +49,17 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v7";
+const FORMAT_VERSION: &str = "apply-v8";
 
 /// Result columns of the apply functions and of `wh_drain`, spelled as `pg_get_function_result`
 /// prints them.
 const APPLY_RESULT: &str = "o_applied integer, o_last_version bigint, o_failed_work_id bigint, \
-    o_error text, o_done_work_ids bigint[], o_rewound boolean";
+    o_error text, o_done_work_ids bigint[], o_rewound boolean, o_completed_event_ids uuid[]";
 const DRAIN_RESULT: &str =
     "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, \
     o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], \
-    o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean";
+    o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean, \
+    o_completed_event_ids uuid[]";
 
 /// SQL that drops `function(args)` only when an older binary created it with other result
 /// columns (CREATE OR REPLACE cannot change those); otherwise it is replaced in place and keeps
@@ -305,12 +306,14 @@ DECLARE
   v_prev      uuid;
   v_rewound   boolean := false;
   v_trigger   uuid;
+  -- Events every subscribed perspective has now applied (lifecycle complete).
+  v_completed uuid[] := '{{}}';
   -- What perspective.user_id / tenant_id are currently set to in this transaction (NULL: unknown).
   v_set_user   text;
   v_set_tenant text;
 BEGIN
   IF v_n = 0 THEN
-    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[], false;
+    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[], false, '{{}}'::uuid[];
     RETURN;
   END IF;
 
@@ -428,7 +431,7 @@ BEGIN
       -- Serialise this check per stream, so of two perspectives finishing the same event at the
       -- same time the second one sees the first one's cursor (it runs after that commit).
       PERFORM pg_advisory_xact_lock(hashtext('{schema}.wh_applied'), hashtext(p_stream_id::text));
-      PERFORM pg_notify('{schema}_applied', x.id::text)
+      SELECT coalesce(array_agg(x.id ORDER BY x.version), '{{}}') INTO v_completed
       FROM unnest(a_event_ids, a_versions, a_types) AS x(id, version, type)
       WHERE x.version > v_last0 AND x.version <= v_new_last
         AND NOT EXISTS (
@@ -437,6 +440,7 @@ BEGIN
                  ON c.stream_id = p_stream_id AND c.perspective_name = s.perspective_name
           WHERE s.event_type = x.type AND s.perspective_name <> {pname}
             AND coalesce(c.last_version, 0) < x.version);
+      PERFORM pg_notify('{schema}_applied', c::text) FROM unnest(v_completed) AS c;
     END IF;
     IF v_failed IS NOT NULL THEN
       UPDATE {schema}.wh_perspective_events w
@@ -457,7 +461,7 @@ BEGIN
 
   RETURN QUERY SELECT v_applied, v_new_last,
                       CASE WHEN v_failed IS NULL THEN NULL ELSE a_work_ids[v_failed] END,
-                      v_err, v_done, v_rewound AND v_ok;
+                      v_err, v_done, v_rewound AND v_ok, v_completed;
 END
 "#,
         rewind_detect = rewind_detect,
@@ -587,13 +591,14 @@ BEGIN
     END IF;
     IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
-                          '{{}}'::bigint[], v_dead, v_oldest, false;
+                          '{{}}'::bigint[], v_dead, v_oldest, false, '{{}}'::uuid[];
       CONTINUE;
     END IF;
     v_budget := v_budget - array_length(v_ids, 1);
 {dispatch}
     RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
-                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound;
+                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound,
+                        o.o_completed_event_ids;
   END LOOP;
 END
 $wh_drain$"#

@@ -923,3 +923,107 @@ async fn a_late_event_rewinds_an_event_id_ordered_perspective() {
         "{err}"
     );
 }
+
+/// Collects `PostAllPerspectives` / `PostLifecycle` hook events until `n` events completed both.
+async fn collect_lifecycle(
+    rxs: &mut [tokio::sync::broadcast::Receiver<HookEvent>],
+    n: usize,
+) -> std::collections::HashMap<Uuid, Vec<&'static str>> {
+    let mut stages: std::collections::HashMap<Uuid, Vec<&'static str>> = Default::default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stages.values().filter(|s| s.len() >= 2).count() < n {
+        assert!(Instant::now() < deadline, "lifecycle stages: {stages:?}");
+        for rx in rxs.iter_mut() {
+            while let Ok(ev) = rx.try_recv() {
+                match ev {
+                    HookEvent::PostAllPerspectives { event_id, .. } => stages
+                        .entry(event_id)
+                        .or_default()
+                        .push("PostAllPerspectives"),
+                    HookEvent::PostLifecycle { event_id, .. } => {
+                        stages.entry(event_id).or_default().push("PostLifecycle")
+                    }
+                    _ => {}
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stages
+}
+
+/// Lifecycle stages: with two instances and two perspectives, every event gets
+/// PostAllPerspectives then PostLifecycle exactly once, recorded in `wh_lifecycle_completions`;
+/// events whose record was lost (a crash between apply and record) fire again at startup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifecycle_stages_fire_once_per_event_and_orphans_are_reconciled() {
+    let schema = unique_schema("lifecycle");
+    let mut config = parse_config(&recording_yaml(&schema, FAST));
+    config.worker.notify_applied = true;
+    migrate_config(&config).await;
+    let a = RunningEngine::start(&config).await;
+    let b = RunningEngine::start(&config).await;
+    let mut rxs = vec![a.hooks.subscribe(), b.hooks.subscribe()];
+    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 4, 2, 3).await;
+    let stages = collect_lifecycle(&mut rxs, 20).await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    // Nothing more arrived for an event already complete.
+    for rx in rxs.iter_mut() {
+        while let Ok(ev) = rx.try_recv() {
+            assert!(
+                !matches!(
+                    ev,
+                    HookEvent::PostAllPerspectives { .. } | HookEvent::PostLifecycle { .. }
+                ),
+                "a stage fired twice: {ev:?}"
+            );
+        }
+    }
+    assert_eq!(stages.len(), 20);
+    for (event, s) in &stages {
+        assert_eq!(
+            s,
+            &["PostAllPerspectives", "PostLifecycle"],
+            "event {event}"
+        );
+    }
+    let mut conn = connect().await;
+    let recorded: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_lifecycle_completions"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(recorded, 20);
+    a.stop().await;
+    b.stop().await;
+
+    // Lose 5 records, as if the worker had died right after applying: the next start fires
+    // exactly those again.
+    let lost: Vec<Uuid> = sqlx::query_scalar(&format!(
+        "DELETE FROM {schema}.wh_lifecycle_completions
+         WHERE event_id IN (SELECT event_id FROM {schema}.wh_lifecycle_completions ORDER BY event_id LIMIT 5)
+         RETURNING event_id"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let options = perspective_worker::engine::EngineOptions::new(config.clone(), database_url());
+    let mut rx = vec![options.hooks.subscribe()];
+    let c = RunningEngine::start_with(options).await;
+    let again = collect_lifecycle(&mut rx, 5).await;
+    let mut again_ids: Vec<Uuid> = again.keys().copied().collect();
+    let mut lost_sorted = lost.clone();
+    again_ids.sort();
+    lost_sorted.sort();
+    assert_eq!(again_ids, lost_sorted, "exactly the orphans fire again");
+    let recorded: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_lifecycle_completions"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(recorded, 20);
+    c.stop().await;
+}

@@ -202,6 +202,7 @@ struct PairOutcome {
     o_dead_lettered: Vec<i64>,
     o_oldest: Option<chrono::DateTime<chrono::Utc>>,
     o_rewound: bool,
+    o_completed_event_ids: Vec<Uuid>,
 }
 
 /// Claim and apply in the database, one round trip per batch of streams (compiled SQL
@@ -238,12 +239,14 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
     let mut applied = 0u64;
     let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
     let now = chrono::Utc::now();
+    let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
     for o in outcomes {
         *rows_per_stream.entry(o.o_stream_id).or_default() += o.o_rows as i64;
         let perspective = o.o_perspective.as_str();
         if o.o_rewound {
             report_rewound(ctx, perspective, o.o_stream_id);
         }
+        completed.extend(o.o_completed_event_ids.iter().map(|e| (o.o_stream_id, *e)));
         if !o.o_dead_lettered.is_empty() {
             report_dead_lettered(ctx, perspective, o.o_stream_id, o.o_dead_lettered.clone());
         }
@@ -275,6 +278,7 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
         }
     }
     let min_batch = ctx.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
+    super::lifecycle::fire(ctx, &completed).await;
     let busy = streams
         .iter()
         .filter(|s| rows_per_stream.get(s).copied().unwrap_or(0) >= min_batch)
@@ -455,6 +459,12 @@ async fn apply_pair(ctx: &Ctx, chunks: Vec<Group>) -> u64 {
             Ok(o) => {
                 applied += o.applied as u64;
                 record_outcome(ctx, group, &o, mode);
+                let completed: Vec<(Uuid, Uuid)> = o
+                    .completed_event_ids
+                    .iter()
+                    .map(|e| (group.stream_id, *e))
+                    .collect();
+                super::lifecycle::fire(ctx, &completed).await;
                 if o.failed.is_some() {
                     break;
                 }

@@ -39,6 +39,12 @@ pub enum HookEvent {
     CompletionsFlushed { count: usize },
     /// A claim poll finished; `streams` is how many streams it offered.
     ClaimPolled { streams: usize },
+    /// Lifecycle (with `notifyApplied`): every subscribed perspective has applied this event.
+    /// Fired once per event, by the worker that applied the last perspective.
+    PostAllPerspectives { stream_id: Uuid, event_id: Uuid },
+    /// Lifecycle: the event's processing is complete; fired right after `PostAllPerspectives`,
+    /// then recorded in `wh_lifecycle_completions` (orphans are fired again at startup).
+    PostLifecycle { stream_id: Uuid, event_id: Uuid },
 }
 
 /// Shared hook state of one engine.

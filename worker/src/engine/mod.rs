@@ -9,13 +9,15 @@
 //!   one claim+fetch round trip per batch, groups applied through the [`PerspectiveRunner`];
 //! - [`completion`]: the Batched completion flush worker and the settler that retires drained
 //!   streams;
-//! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers.
+//! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
+//! - [`lifecycle`]: PostAllPerspectives / PostLifecycle once per event, orphan reconciliation.
 
 pub mod claim;
 pub mod completion;
 pub mod drain;
 pub mod heartbeat;
 pub mod hooks;
+pub mod lifecycle;
 pub mod listener;
 pub mod runner;
 
@@ -221,6 +223,9 @@ impl Engine {
             .map_err(|e| db("registering the instance", e))?;
         tracing::info!(instance_id = %ctx.instance_id, schema = %ctx.schema, "worker instance registered");
 
+        if ctx.config.worker.notify_applied {
+            lifecycle::reconcile_orphans(&ctx).await;
+        }
         let mut tasks = Vec::new();
         tasks.push(tokio::spawn(listener::run(ctx.clone())));
         tasks.push(tokio::spawn(heartbeat::run(ctx.clone())));

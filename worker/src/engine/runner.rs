@@ -64,6 +64,9 @@ pub struct ApplyOutcome {
     /// The stream was rewound (ordering `eventId`: a late event made the runner reset the
     /// stream's share of the model and replay its events in event-id order).
     pub rewound: bool,
+    /// Events that every subscribed perspective has now applied (only with `notifyApplied`):
+    /// their lifecycle stages are due.
+    pub completed_event_ids: Vec<Uuid>,
 }
 
 /// Applies groups of events to perspectives. The model change and the cursor advance must
@@ -140,7 +143,8 @@ impl PerspectiveRunner for SqlRunner {
             };
             let items = &group.items;
             let sql = format!(
-                "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids, o_rewound
+                "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids, o_rewound,
+                        o_completed_event_ids
                  FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 self.schema
             );
@@ -165,6 +169,7 @@ impl PerspectiveRunner for SqlRunner {
                 failed: failed_id.map(|id| (id, error.unwrap_or_default())),
                 done_work_ids: row.get(4),
                 rewound: row.get(5),
+                completed_event_ids: row.get(6),
             })
         })
     }
