@@ -28,6 +28,10 @@ perspectives:
     .unwrap()
 }
 
+fn probe_path(probe: &Option<k8s_openapi::api::core::v1::Probe>) -> Option<&str> {
+    probe.as_ref()?.http_get.as_ref()?.path.as_deref()
+}
+
 fn env_of(sts: &StatefulSet) -> Vec<(String, String)> {
     let container = &sts
         .spec
@@ -89,28 +93,8 @@ fn statefulset_runs_workers_with_pod_uid_identity_and_secret_url() {
     let pod = s.template.spec.as_ref().unwrap();
     let c = &pod.containers[0];
     assert_eq!(c.args.as_deref(), Some(&["run".to_owned()][..]));
-    assert_eq!(
-        c.readiness_probe
-            .as_ref()
-            .unwrap()
-            .http_get
-            .as_ref()
-            .unwrap()
-            .path
-            .as_deref(),
-        Some("/readyz")
-    );
-    assert_eq!(
-        c.liveness_probe
-            .as_ref()
-            .unwrap()
-            .http_get
-            .as_ref()
-            .unwrap()
-            .path
-            .as_deref(),
-        Some("/livez")
-    );
+    assert_eq!(probe_path(&c.readiness_probe), Some("/readyz"));
+    assert_eq!(probe_path(&c.liveness_probe), Some("/livez"));
     assert_eq!(pod.termination_grace_period_seconds, Some(30));
     assert_eq!(
         workers::template_config_map(&s.template).as_deref(),

@@ -375,6 +375,17 @@ where
         .len())
 }
 
+/// Condition `type_` of `pd`'s status (the test fails if it is missing).
+fn condition(
+    pd: &PerspectiveDeployment,
+    type_: &str,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    pd.status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_).cloned())
+        .unwrap_or_else(|| panic!("{} has no {type_} condition", pd.name_any()))
+}
+
 fn tail(s: &str, n: usize) -> &str {
     let start = s.len().saturating_sub(n);
     let start = (start..s.len())
@@ -765,28 +776,12 @@ async fn failed_migration_keeps_the_running_workers() {
     let degraded = w
         .wait_condition("shop", "Degraded", "True", Some("MigrationFailed"))
         .await;
-    let message = degraded
-        .status
-        .unwrap()
-        .conditions
-        .into_iter()
-        .find(|c| c.type_ == "Degraded")
-        .unwrap()
-        .message;
+    let message = condition(&degraded, "Degraded").message;
     assert!(
         message.contains("no_such_type"),
         "the Job's error reaches the status: {message}"
     );
-    assert_eq!(
-        pd.status
-            .unwrap()
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Ready")
-            .unwrap()
-            .status,
-        "False"
-    );
+    assert_eq!(condition(&pd, "Ready").status, "False");
     let sts = w.statefulset("shop").await.unwrap();
     assert_eq!(
         template_annotation(&sts, "perspectives.dev/migration-hash"),
@@ -957,14 +952,7 @@ async fn invalid_specs_are_rejected_or_reported() {
                 let pd = w
                     .wait_condition(&name, "Degraded", "True", Some("InvalidSpec"))
                     .await;
-                let message = pd
-                    .status
-                    .unwrap()
-                    .conditions
-                    .into_iter()
-                    .find(|c| c.type_ == "Degraded")
-                    .unwrap()
-                    .message;
+                let message = condition(&pd, "Degraded").message;
                 assert!(
                     message.contains(field),
                     "{what}: Degraded message does not name {field}: {message}"
@@ -1299,14 +1287,7 @@ async fn a_missing_secret_is_reported_until_it_exists() {
     let pd = w
         .wait_condition("shop", "Degraded", "True", Some("InvalidSpec"))
         .await;
-    let message = pd
-        .status
-        .unwrap()
-        .conditions
-        .into_iter()
-        .find(|c| c.type_ == "Degraded")
-        .unwrap()
-        .message;
+    let message = condition(&pd, "Degraded").message;
     assert!(
         message.contains("spec.database.secretRef.name") && message.contains("later-db"),
         "{message}"
