@@ -49,7 +49,7 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v8";
+const FORMAT_VERSION: &str = "apply-v9";
 
 /// Result columns of the apply functions and of `wh_drain`, spelled as `pg_get_function_result`
 /// prints them.
@@ -59,18 +59,21 @@ const DRAIN_RESULT: &str =
     "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, \
     o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], \
     o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean, \
-    o_completed_event_ids uuid[]";
+    o_completed_event_ids uuid[], o_more boolean";
 
-/// SQL that drops `function(args)` only when an older binary created it with other result
-/// columns (CREATE OR REPLACE cannot change those); otherwise it is replaced in place and keeps
-/// its identity, so a second `migrate` changes nothing.
-fn drop_if_result_differs(function: &str, args: &str, result: &str) -> String {
+/// SQL that drops every function `schema.name` an older binary created with other argument
+/// types or other result columns (CREATE OR REPLACE can change neither, and a stale overload
+/// would linger); the current one is replaced in place and keeps its identity, so a second
+/// `migrate` changes nothing.
+fn drop_if_shape_differs(schema: &str, name: &str, args: &str, result: &str) -> String {
     format!(
-        "DO $wh_drop$ BEGIN
-  IF to_regprocedure('{function}({args})') IS NOT NULL
-     AND pg_get_function_result(to_regprocedure('{function}({args})')) <> 'TABLE({result})' THEN
-    DROP FUNCTION {function}({args});
-  END IF;
+        "DO $wh_drop$ DECLARE f regprocedure; BEGIN
+  FOR f IN SELECT p.oid::regprocedure FROM pg_proc p
+           WHERE p.pronamespace = to_regnamespace('{schema}') AND p.proname = '{name}'
+             AND (oidvectortypes(p.proargtypes) <> '{args}'
+                  OR pg_get_function_result(p.oid) <> 'TABLE({result})') LOOP
+    EXECUTE 'DROP FUNCTION ' || f;
+  END LOOP;
 END $wh_drop$;"
     )
 }
@@ -290,6 +293,9 @@ DECLARE
   a_created   timestamptz[];
   v_n         integer := coalesce(array_length(p_work_ids, 1), 0);
   v_i         integer;
+  -- The slice of the group to apply: past the cursor, before a gap.
+  v_start     integer := 1;
+  v_end       integer;
   v_last      bigint;
   v_gap       bigint;
   v_ok        boolean := false;
@@ -334,36 +340,57 @@ BEGIN
   END IF;
 
   -- The cursor row lock serialises every apply of this (stream, perspective), in any process.
-  INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name)
-  VALUES (p_stream_id, {pname}) ON CONFLICT DO NOTHING;
+  -- The row usually exists; a first apply creates it (a concurrent creator makes the INSERT wait
+  -- for its commit, and the second SELECT, a new snapshot, then sees and locks its row).
   SELECT c.last_version, c.last_event_id INTO v_last, v_last_event FROM {schema}.wh_perspective_cursors c
   WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname}
   FOR UPDATE;
+  IF NOT FOUND THEN
+    INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name)
+    VALUES (p_stream_id, {pname}) ON CONFLICT DO NOTHING;
+    SELECT c.last_version, c.last_event_id INTO v_last, v_last_event FROM {schema}.wh_perspective_cursors c
+    WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname}
+    FOR UPDATE;
+  END IF;
   v_new_last := v_last;
   v_last0 := v_last;
 {rewind_detect}
 
-  IF NOT p_force AND NOT v_rewound THEN
+  IF NOT p_force AND NOT v_rewound AND NOT p_contiguous THEN
     -- A pending row of this pair that is not in the group but sorts inside it: apply only
-    -- what comes before it.
+    -- what comes before it. (wh_drain passes p_contiguous: its group is every visible row past
+    -- the cursor up to the first unavailable one, and appends to a stream commit in version
+    -- order, so no such row can exist.)
     SELECT min(w.stream_version) INTO v_gap FROM {schema}.wh_perspective_events w
     WHERE w.stream_id = p_stream_id AND w.perspective_name = {pname} AND w.processed_at IS NULL
       AND w.stream_version > v_last AND w.stream_version <= a_versions[v_n]
       AND NOT (w.event_work_id = ANY (a_work_ids));
   END IF;
+  v_end := v_n; -- (a rewind changed v_n)
+  IF NOT p_force THEN
+    -- A group is in version order (a rewound one is the replay from version 1), so what is at
+    -- or below the cursor is a prefix and what sorts past a gap a suffix: cut them off once
+    -- here rather than testing every event in the loops.
+    WHILE v_start <= v_n AND a_versions[v_start] <= v_last LOOP
+      v_start := v_start + 1;
+    END LOOP;
+    IF v_gap IS NOT NULL THEN
+      WHILE v_end >= v_start AND a_versions[v_end] > v_gap LOOP
+        v_end := v_end - 1;
+      END LOOP;
+    END IF;
+  END IF;
 
   -- Fast path: the whole group in one subtransaction.
   BEGIN
-{rewind_reset}    FOR v_i IN 1..v_n LOOP
-      IF NOT p_force THEN
-        CONTINUE WHEN a_versions[v_i] <= v_last;
-        EXIT WHEN v_gap IS NOT NULL AND a_versions[v_i] > v_gap;
-      END IF;
+{rewind_reset}    FOR v_i IN v_start..v_end LOOP
 {apply_fast}
-      v_applied := v_applied + 1;
-      v_last_i := v_i;
     END LOOP;
     v_ok := true;
+    IF v_end >= v_start THEN
+      v_applied := v_end - v_start + 1;
+      v_last_i := v_end;
+    END IF;
   EXCEPTION WHEN OTHERS THEN
     IF p_force THEN
       RAISE;
@@ -386,9 +413,7 @@ BEGIN
   IF NOT v_ok AND NOT v_rewound THEN
     v_applied := 0;
     v_last_i := NULL;
-    FOR v_i IN 1..v_n LOOP
-      CONTINUE WHEN a_versions[v_i] <= v_last;
-      EXIT WHEN v_gap IS NOT NULL AND a_versions[v_i] > v_gap;
+    FOR v_i IN v_start..v_end LOOP
       BEGIN
 {apply_slow}
       EXCEPTION WHEN OTHERS THEN
@@ -451,9 +476,13 @@ BEGIN
        WHERE w.event_work_id = a_work_ids[v_failed];
     END IF;
     -- Rows at or below the cursor are done, applied now or earlier (redelivered).
-    SELECT coalesce(array_agg(a_work_ids[i]), '{{}}') INTO v_done
-    FROM generate_subscripts(a_work_ids, 1) AS i
-    WHERE g_versions[i] <= v_new_last;
+    IF v_new_last >= g_versions[cardinality(g_versions)] THEN
+      v_done := a_work_ids;
+    ELSE
+      SELECT coalesce(array_agg(a_work_ids[i]), '{{}}') INTO v_done
+      FROM generate_subscripts(a_work_ids, 1) AS i
+      WHERE g_versions[i] <= v_new_last;
+    END IF;
     IF p_instant AND cardinality(v_done) > 0 THEN
       PERFORM {schema}.complete_perspective_events(v_done, p_debug);
     END IF;
@@ -470,9 +499,10 @@ END
         apply_slow = indent(&apply_one, 8),
     );
     let tag = dollar_tag(&body);
-    let drop_older = drop_if_result_differs(
-        &format!("{schema}.{function}"),
-        "uuid, bigint[], uuid[], bigint[], boolean, boolean, boolean, double precision, double precision, boolean, boolean",
+    let drop_older = drop_if_shape_differs(
+        schema,
+        &function,
+        "uuid, bigint[], uuid[], bigint[], boolean, boolean, boolean, double precision, double precision, boolean, boolean, boolean",
         APPLY_RESULT,
     );
     format!(
@@ -481,7 +511,8 @@ CREATE OR REPLACE FUNCTION {schema}.{function}(
     p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[], p_versions bigint[],
     p_instant boolean, p_debug boolean, p_force boolean,
     p_retry_base_ms double precision, p_retry_max_ms double precision,
-    p_notify_applied boolean DEFAULT false, p_count_failure boolean DEFAULT false)
+    p_notify_applied boolean DEFAULT false, p_count_failure boolean DEFAULT false,
+    p_contiguous boolean DEFAULT false)
 RETURNS TABLE ({APPLY_RESULT})
 LANGUAGE plpgsql
 -- Handler SQL names its tables as `setup` created them; resolve them the same way whoever calls.
@@ -497,8 +528,9 @@ AS {tag}{body}{tag}"
 /// function. No row leases are written: the rows are applied in the same transaction that
 /// selects them, under the cursor lock; failures count `attempts` instead. One row per pair out.
 pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -> String {
-    let drop_older = drop_if_result_differs(
-        &format!("{schema}.wh_drain"),
+    let drop_older = drop_if_shape_differs(
+        schema,
+        "wh_drain",
         "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer",
         DRAIN_RESULT,
     );
@@ -508,7 +540,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
         dispatch.push_str(&format!(
             "    {keyword} r.perspective_name = {} THEN
       SELECT * INTO o FROM {schema}.{}(r.stream_id, v_ids, v_events, v_versions, p_instant, p_debug, false,
-                                        p_retry_base_ms, p_retry_max_ms, p_notify_applied, true);
+                                        p_retry_base_ms, p_retry_max_ms, p_notify_applied, true, true);
 ",
             quote_literal(&p.name),
             apply_function_name(&p.name)
@@ -519,6 +551,17 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
       CONTINUE;
     END IF;",
     );
+    // Whether the pair has due work past `version` (one index probe).
+    let due_after = |version: &str| {
+        format!(
+            "EXISTS (SELECT 1 FROM {schema}.wh_perspective_events w
+                       WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
+                         AND w.stream_version > {version} AND w.processed_at IS NULL
+                         AND (w.scheduled_for IS NULL OR w.scheduled_for <= now()))"
+        )
+    };
+    let more_after_cursor = due_after("r.last_version");
+    let more_after_applied = due_after("coalesce(o.o_last_version, r.last_version)");
     format!(
         r#"{drop_older}
 CREATE OR REPLACE FUNCTION {schema}.wh_drain(
@@ -538,6 +581,8 @@ DECLARE
   v_oldest   timestamptz;
   v_dead     bigint[];
   v_budget   integer := p_max_rows;
+  v_retire   bigint[];
+  v_more     boolean;
 BEGIN
   SELECT array_agg(a.stream_id) INTO v_owned
   FROM {schema}.wh_active_streams a
@@ -553,13 +598,21 @@ BEGIN
            ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
     ORDER BY 1, 2
   LOOP
-    EXIT WHEN v_budget <= 0;
+    IF v_budget <= 0 THEN
+      -- Not reached in this call: say so, so the worker comes back for it.
+      RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
+                          '{{}}'::bigint[], '{{}}'::bigint[], NULL::timestamptz, false, '{{}}'::uuid[], true;
+      CONTINUE;
+    END IF;
     -- Rows at or below the cursor were applied already (completion pending or lost): retire.
-    PERFORM {schema}.complete_perspective_events(ARRAY(
+    v_retire := ARRAY(
       SELECT w.event_work_id FROM {schema}.wh_perspective_events w
       WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
         AND w.stream_version <= r.last_version AND w.processed_at IS NULL
-      OFFSET 0), p_debug);
+      OFFSET 0);
+    IF cardinality(v_retire) > 0 THEN
+      PERFORM {schema}.complete_perspective_events(v_retire, p_debug);
+    END IF;
     SELECT array_agg(h.event_work_id ORDER BY h.stream_version), array_agg(h.event_id ORDER BY h.stream_version),
            array_agg(h.stream_version ORDER BY h.stream_version), array_agg(h.attempts ORDER BY h.stream_version),
            min(h.created_at)
@@ -591,14 +644,17 @@ BEGIN
     END IF;
     IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
-                          '{{}}'::bigint[], v_dead, v_oldest, false, '{{}}'::uuid[];
+                          '{{}}'::bigint[], v_dead, v_oldest, false, '{{}}'::uuid[],
+                          {more_after_cursor};
       CONTINUE;
     END IF;
     v_budget := v_budget - array_length(v_ids, 1);
 {dispatch}
+    -- A new statement, so a new snapshot: also sees rows appended while this call ran.
+    v_more := {more_after_applied};
     RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
                         o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound,
-                        o.o_completed_event_ids;
+                        o.o_completed_event_ids, v_more;
   END LOOP;
 END
 $wh_drain$"#

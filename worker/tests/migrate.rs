@@ -97,6 +97,51 @@ async fn second_migrate_changes_nothing() {
     assert_eq!(recorded, expected);
 }
 
+/// An older binary's compiled functions with another argument list (or other result columns)
+/// would linger beside the new ones as overloads: migrate drops them and keeps only the current
+/// shape.
+#[tokio::test]
+async fn migrate_drops_apply_functions_of_an_older_shape() {
+    let (schema, config) = migrated_schema("shape").await;
+    let mut conn = connect().await;
+    // What an earlier format left behind: one argument fewer, one result column fewer.
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION {schema}.wh_apply_alpha(p_stream_id uuid, p_work_ids bigint[], p_event_ids uuid[],
+             p_versions bigint[], p_instant boolean, p_debug boolean, p_force boolean,
+             p_retry_base_ms double precision, p_retry_max_ms double precision,
+             p_notify_applied boolean DEFAULT false, p_count_failure boolean DEFAULT false)
+         RETURNS TABLE (o_applied integer) LANGUAGE sql AS 'SELECT 0';
+         DROP FUNCTION {schema}.wh_drain;
+         CREATE FUNCTION {schema}.wh_drain(p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer,
+             p_max_rows integer, p_instant boolean, p_debug boolean, p_retry_base_ms double precision,
+             p_retry_max_ms double precision, p_notify_applied boolean, p_max_attempts integer)
+         RETURNS TABLE (o_stream_id uuid) LANGUAGE sql AS 'SELECT NULL::uuid';
+         UPDATE {schema}.wh_perspectives SET definition_hash = 'older';"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .unwrap();
+    let shapes: Vec<(String, String)> = sqlx::query_as(
+        "SELECT p.proname::text, pg_get_function_result(p.oid) FROM pg_proc p
+         WHERE p.pronamespace = $1::regnamespace AND p.proname IN ('wh_apply_alpha', 'wh_drain')
+         ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        shapes.len(),
+        2,
+        "one function each, no overload left: {shapes:?}"
+    );
+    assert!(shapes[0].1.contains("o_completed_event_ids"), "{shapes:?}");
+    assert!(shapes[1].1.contains("o_more"), "{shapes:?}");
+}
+
 #[tokio::test]
 async fn three_concurrent_migrate_processes_apply_each_migration_once() {
     let schema = unique_schema("conc");

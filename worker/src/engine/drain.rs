@@ -137,7 +137,11 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
     let max_iterations = ctx.config.worker.drain_loop_max_iterations.max(1);
     while !current.is_empty() && iterations < max_iterations {
         iterations += 1;
-        let (applied, busy) = drain_once(ctx, &current).await;
+        let Round {
+            applied,
+            busy,
+            flushing,
+        } = drain_once(ctx, &current).await;
         applied_total += applied;
         // A stream signalled again while we drained it gets another pass.
         let reruns: Vec<Uuid> = {
@@ -157,8 +161,13 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
                 next.push(s);
             }
         }
-        // Streams we stop looking at may be drained: try to retire them (see `settle`).
-        for s in current.iter().filter(|s| !next.contains(s)) {
+        // Streams we stop looking at may be drained: try to retire them (see `settle`). Those
+        // with completions queued are settled by the flush worker once they are deleted
+        // (retiring before would fail and only bring them back here).
+        for s in current
+            .iter()
+            .filter(|s| !next.contains(s) && !flushing.contains(s))
+        {
             let _ = ctx.settle_tx.send(*s);
         }
         current = next;
@@ -179,8 +188,19 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
     });
 }
 
-/// One drain round for `streams`. Returns (events applied, streams worth re-fetching).
-async fn drain_once(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
+/// What one drain round did.
+#[derive(Default)]
+struct Round {
+    /// Events applied.
+    applied: u64,
+    /// Streams worth re-fetching.
+    busy: Vec<Uuid>,
+    /// Streams whose applied rows went to the completion flush worker (which settles them).
+    flushing: HashSet<Uuid>,
+}
+
+/// One drain round for `streams`.
+async fn drain_once(ctx: &Ctx, streams: &[Uuid]) -> Round {
     if ctx.runner.server_side_drain() {
         server_drain(ctx, streams).await
     } else {
@@ -203,11 +223,14 @@ struct PairOutcome {
     o_oldest: Option<chrono::DateTime<chrono::Utc>>,
     o_rewound: bool,
     o_completed_event_ids: Vec<Uuid>,
+    /// Due work is left past what this call applied (or the call's row budget ran out first),
+    /// seen by a statement after the apply.
+    o_more: bool,
 }
 
 /// Claim and apply in the database, one round trip per batch of streams (compiled SQL
 /// perspectives): no rows travel to the worker and no leases are written.
-async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
+async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
     let per_pair = ctx.config.worker.perspective_batch_size.max(1) as i64;
     let max_rows = (per_pair * streams.len() as i64 * ctx.config.perspectives.len() as i64)
         .clamp(100, 2 * ROWS_PER_FETCH as i64);
@@ -233,15 +256,20 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
         Ok(o) => o,
         Err(e) => {
             tracing::warn!(error = %crate::db::describe_error(&e, None), "wh_drain failed");
-            return (0, Vec::new());
+            return Round::default();
         }
     };
     let mut applied = 0u64;
     let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
+    let mut more: HashSet<Uuid> = HashSet::new();
+    let mut flushing: HashSet<Uuid> = HashSet::new();
     let now = chrono::Utc::now();
     let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
     for o in outcomes {
         *rows_per_stream.entry(o.o_stream_id).or_default() += o.o_rows as i64;
+        if o.o_more {
+            more.insert(o.o_stream_id);
+        }
         let perspective = o.o_perspective.as_str();
         if o.o_rewound {
             report_rewound(ctx, perspective, o.o_stream_id);
@@ -272,6 +300,7 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
             );
         }
         if !instant && !o.o_done_work_ids.is_empty() {
+            flushing.insert(o.o_stream_id);
             for id in &o.o_done_work_ids {
                 let _ = ctx.completion_tx.send((*id, o.o_stream_id));
             }
@@ -279,17 +308,28 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
     }
     let min_batch = ctx.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
     super::lifecycle::fire(ctx, &completed).await;
+    // The drain loop's rule (a stream that yielded at least drainLoopRefetchMinBatch rows is
+    // fetched again), except that the database has just said whether anything is left: a
+    // refetch that would find nothing is skipped, and the stream goes to the settler instead.
+    // A pair the row budget did not reach (0 rows, more) is always fetched again.
     let busy = streams
         .iter()
-        .filter(|s| rows_per_stream.get(s).copied().unwrap_or(0) >= min_batch)
+        .filter(|s| {
+            let rows = rows_per_stream.get(s).copied().unwrap_or(0);
+            more.contains(s) && (rows >= min_batch || rows == 0)
+        })
         .copied()
         .collect();
-    (applied, busy)
+    Round {
+        applied,
+        busy,
+        flushing,
+    }
 }
 
 /// One claim+fetch round for `streams` and the application of everything it returned through
 /// the runner. Returns (events applied, streams worth re-fetching).
-async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
+async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> Round {
     let per_pair = ctx.config.worker.perspective_batch_size.max(1) as i64;
     let max_rows = (per_pair * streams.len() as i64 * ctx.config.perspectives.len() as i64)
         .clamp(100, 2 * ROWS_PER_FETCH as i64);
@@ -310,7 +350,7 @@ async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
         Ok(items) => items,
         Err(e) => {
             tracing::warn!(error = %crate::db::describe_error(&e, None), "claim_and_fetch failed");
-            return (0, Vec::new());
+            return Round::default();
         }
     };
     let mut per_stream: BTreeMap<Uuid, usize> = streams.iter().map(|s| (*s, 0)).collect();
@@ -323,14 +363,21 @@ async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> (u64, Vec<Uuid>) {
         .map(|(s, _)| *s)
         .collect();
     if items.is_empty() {
-        return (0, busy);
+        return Round {
+            busy,
+            ..Round::default()
+        };
     }
 
     let items = dead_letter_filter(ctx, items).await;
     let items = dedup_filter(ctx, items);
     let groups = group(items, ctx.config.worker.perspective_batch_size as usize);
     let applied = apply_groups(ctx, groups).await;
-    (applied, busy)
+    Round {
+        applied,
+        busy,
+        ..Round::default()
+    }
 }
 
 /// Rows leased more often than `maxPerspectiveEventAttempts` go to the dead letters before
