@@ -68,6 +68,7 @@ pub(crate) async fn flush_worker(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<
         match result {
             Ok(_) => {
                 tracker.mark_acknowledged(batch.len());
+                ctx.completions_flushed(&batch);
                 tracker.clear_acknowledged();
                 ctx.cache.lock().unwrap().activate_retention(Instant::now());
                 ctx.metrics.completions_flushed.inc_by(batch.len() as u64);
@@ -122,6 +123,11 @@ pub(crate) async fn settler(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Uuid>
         };
         for s in list {
             if removed.contains(&s) {
+                retries.remove(&s);
+                continue;
+            }
+            if ctx.awaiting_flush(&s) {
+                // Its flush will bring it back here.
                 retries.remove(&s);
                 continue;
             }

@@ -137,11 +137,7 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
     let max_iterations = ctx.config.worker.drain_loop_max_iterations.max(1);
     while !current.is_empty() && iterations < max_iterations {
         iterations += 1;
-        let Round {
-            applied,
-            busy,
-            flushing,
-        } = drain_once(ctx, &current).await;
+        let Round { applied, busy } = drain_once(ctx, &current).await;
         applied_total += applied;
         // A stream signalled again while we drained it gets another pass.
         let reruns: Vec<Uuid> = {
@@ -166,7 +162,7 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
         // (retiring before would fail and only bring them back here).
         for s in current
             .iter()
-            .filter(|s| !next.contains(s) && !flushing.contains(s))
+            .filter(|s| !next.contains(s) && !ctx.awaiting_flush(s))
         {
             let _ = ctx.settle_tx.send(*s);
         }
@@ -195,8 +191,6 @@ struct Round {
     applied: u64,
     /// Streams worth re-fetching.
     busy: Vec<Uuid>,
-    /// Streams whose applied rows went to the completion flush worker (which settles them).
-    flushing: HashSet<Uuid>,
 }
 
 /// One drain round for `streams`.
@@ -262,7 +256,6 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
     let mut applied = 0u64;
     let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
     let mut more: HashSet<Uuid> = HashSet::new();
-    let mut flushing: HashSet<Uuid> = HashSet::new();
     let now = chrono::Utc::now();
     let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
     for o in outcomes {
@@ -300,10 +293,7 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
             );
         }
         if !instant && !o.o_done_work_ids.is_empty() {
-            flushing.insert(o.o_stream_id);
-            for id in &o.o_done_work_ids {
-                let _ = ctx.completion_tx.send((*id, o.o_stream_id));
-            }
+            ctx.queue_completions(o.o_stream_id, &o.o_done_work_ids);
         }
     }
     let min_batch = ctx.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
@@ -320,11 +310,7 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
         })
         .copied()
         .collect();
-    Round {
-        applied,
-        busy,
-        flushing,
-    }
+    Round { applied, busy }
 }
 
 /// One claim+fetch round for `streams` and the application of everything it returned through
@@ -363,21 +349,14 @@ async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> Round {
         .map(|(s, _)| *s)
         .collect();
     if items.is_empty() {
-        return Round {
-            busy,
-            ..Round::default()
-        };
+        return Round { applied: 0, busy };
     }
 
     let items = dead_letter_filter(ctx, items).await;
     let items = dedup_filter(ctx, items);
     let groups = group(items, ctx.config.worker.perspective_batch_size as usize);
     let applied = apply_groups(ctx, groups).await;
-    Round {
-        applied,
-        busy,
-        ..Round::default()
-    }
+    Round { applied, busy }
 }
 
 /// Rows leased more often than `maxPerspectiveEventAttempts` go to the dead letters before
@@ -565,9 +544,7 @@ fn record_outcome(ctx: &Ctx, group: &Group, o: &super::runner::ApplyOutcome, mod
             .lock()
             .unwrap()
             .add_range(&o.done_work_ids, Instant::now());
-        for id in &o.done_work_ids {
-            let _ = ctx.completion_tx.send((*id, group.stream_id));
-        }
+        ctx.queue_completions(group.stream_id, &o.done_work_ids);
     }
 }
 

@@ -21,7 +21,7 @@ pub mod lifecycle;
 pub mod listener;
 pub mod runner;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -110,6 +110,9 @@ pub(crate) struct Ctx {
     pub drain_tx: mpsc::Sender<Uuid>,
     pub completion_tx: mpsc::UnboundedSender<(i64, Uuid)>,
     pub settle_tx: mpsc::UnboundedSender<Uuid>,
+    /// Applied work rows per stream queued for the completion flush worker (Batched): such a
+    /// stream cannot be retired before the flush, and the flush settles it afterwards.
+    pub unflushed: Mutex<HashMap<Uuid, HashSet<i64>>>,
     pub in_flight: Mutex<HashMap<Uuid, bool>>,
     pub pair_gates: Mutex<HashMap<(Uuid, String), PairGate>>,
     pub listener_healthy: AtomicBool,
@@ -119,6 +122,37 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
+    /// Hand applied work rows of `stream` to the completion flush worker.
+    pub(crate) fn queue_completions(&self, stream: Uuid, ids: &[i64]) {
+        self.unflushed
+            .lock()
+            .unwrap()
+            .entry(stream)
+            .or_default()
+            .extend(ids);
+        for id in ids {
+            let _ = self.completion_tx.send((*id, stream));
+        }
+    }
+
+    /// The flush worker deleted these rows.
+    pub(crate) fn completions_flushed(&self, rows: &[(i64, Uuid)]) {
+        let mut unflushed = self.unflushed.lock().unwrap();
+        for (id, stream) in rows {
+            if let Some(ids) = unflushed.get_mut(stream) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    unflushed.remove(stream);
+                }
+            }
+        }
+    }
+
+    /// Whether applied rows of `stream` are still waiting for the flush worker.
+    pub(crate) fn awaiting_flush(&self, stream: &Uuid) -> bool {
+        self.unflushed.lock().unwrap().contains_key(stream)
+    }
+
     /// The in-process mutex of one (stream, perspective).
     pub(crate) fn pair_gate(&self, stream: Uuid, perspective: &str) -> PairGate {
         self.pair_gates
@@ -207,6 +241,7 @@ impl Engine {
             drain_tx,
             completion_tx,
             settle_tx,
+            unflushed: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
             pair_gates: Mutex::new(HashMap::new()),
             listener_healthy: AtomicBool::new(false),
