@@ -66,17 +66,20 @@ append_all() { # schema
 }
 
 # The wait must not steal the CPU it is timing (a psql process and a new backend every few
-# milliseconds would): one session polls the cursors (a few hundred rows) server-side until all
-# have reached their heads; only then the full check, which scans the work table, runs.
-await_applied() { # schema: returns once every cursor is at its stream's head (5 min at most)
+# milliseconds would): one session polls server-side, first the cursors (a few hundred rows) until
+# all have reached their heads, then the work table until no row is left unprocessed.
+await_drained() { # schema: returns once everything is applied and completed (5 min at most)
   q -c "SET statement_timeout = '300s'" -c "DO \$\$ BEGIN
     WHILE (SELECT coalesce(sum(last_version), 0) FROM $1.wh_perspective_cursors) < $(( 2 * STREAMS * PER_STREAM )) LOOP
+      PERFORM pg_sleep(0.005);
+    END LOOP;
+    WHILE EXISTS (SELECT 1 FROM $1.wh_perspective_events WHERE processed_at IS NULL) LOOP
       PERFORM pg_sleep(0.005);
     END LOOP;
   END \$\$"
 }
 
-drained() { # schema -> 0 when everything is applied and retired
+drained() { # schema -> 0 when everything is applied and completed
   [ "$(q -c "SELECT (SELECT count(*) FROM $1.wh_perspective_events WHERE processed_at IS NULL)
                    + (SELECT count(*) FROM $1.wh_perspective_cursors c JOIN $1.wh_streams s USING (stream_id) WHERE c.last_version < s.version)
                    + (SELECT $STREAMS * 2 - count(*) FROM $1.wh_perspective_cursors)")" = 0 ]
@@ -153,9 +156,9 @@ run_engine() { # round workers strategy -> applies/s ; leaves RSS in $work/rss
   local t0 t1
   append_all "$s"
   t0=$(now) # the commit: from here on the events are visible and the doorbell has rung
-  await_applied "$s"
-  until drained "$s"; do sleep 0.01; done
+  await_drained "$s"
   t1=$(now)
+  drained "$s" || { echo "bench: $s is not drained after the wait" >&2; exit 1; }
   check "$s"
   local rss=0 p
   for p in "${pids[@]}"; do

@@ -138,6 +138,7 @@ pub(crate) async fn settler(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Uuid>
                 continue;
             }
             let delay = Duration::from_millis(10u64 << (*n - 1).min(7));
+            tracing::debug!(stream = %s, attempt = *n, delay_ms = delay.as_millis() as u64, "stream not retired; draining it again");
             let tx = ctx.drain_tx.clone();
             let shutdown = ctx.shutdown.clone();
             tokio::spawn(async move {

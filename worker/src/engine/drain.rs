@@ -32,8 +32,11 @@ pub(crate) async fn consumer(ctx: Arc<Ctx>, rx: SharedReceiver) {
 }
 
 /// Wait for the first stream id, then gather more with the sliding window. The window only
-/// applies while another batch is being processed: an idle engine applies a lone event at once,
-/// a busy one coalesces bursts for the same streams into one pass.
+/// applies while another batch is being processed (an idle engine applies a lone event at once,
+/// a busy one coalesces bursts for the same streams into one pass), and only to ids that
+/// trickle in: ids that were already queued behind the first one came from one claim, which
+/// delivers everything it found at once, so waiting after them would only delay a backlog's
+/// last batch.
 async fn next_batch(ctx: &Ctx, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     let opts = &ctx.config.worker.drain_batcher;
     // Keep one fetch within ~ROWS_PER_FETCH rows of full-depth groups; what is left in the
@@ -48,6 +51,7 @@ async fn next_batch(ctx: &Ctx, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     };
     let mut batch = vec![first];
     let mut seen: HashSet<Uuid> = HashSet::from([first]);
+    let mut from_backlog = false;
     let started = Instant::now();
     let window = Duration::from_millis(opts.sliding_window_milliseconds);
     let max_wait = Duration::from_millis(opts.max_wait_milliseconds);
@@ -55,16 +59,18 @@ async fn next_batch(ctx: &Ctx, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
         // Whatever is already queued joins for free.
         match rx.try_recv() {
             Ok(id) => {
+                from_backlog = true;
                 if seen.insert(id) {
                     batch.push(id);
                 }
                 continue;
             }
             Err(_)
-                if ctx
-                    .batches_in_flight
-                    .load(std::sync::atomic::Ordering::Relaxed)
-                    == 0 =>
+                if from_backlog
+                    || ctx
+                        .batches_in_flight
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                        == 0 =>
             {
                 break
             }
@@ -170,6 +176,7 @@ pub(crate) async fn process_streams(ctx: &Ctx, streams: Vec<Uuid>) {
     }
     // Streams still busy after the last iteration go back to the channel for another consumer.
     for s in current {
+        tracing::debug!(stream = %s, iterations, "stream still busy; back to the drain channel");
         let _ = ctx.drain_tx.try_send(s);
     }
     ctx.batches_in_flight
@@ -298,6 +305,13 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
     }
     let min_batch = ctx.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
     super::lifecycle::fire(ctx, &completed).await;
+    tracing::debug!(
+        streams = streams.len(),
+        streams_with_work = rows_per_stream.len(),
+        rows = rows_per_stream.values().sum::<i64>(),
+        streams_with_more = more.len(),
+        "wh_drain round"
+    );
     // The drain loop's rule (a stream that yielded at least drainLoopRefetchMinBatch rows is
     // fetched again), except that the database has just said whether anything is left: a
     // refetch that would find nothing is skipped, and the stream goes to the settler instead.
