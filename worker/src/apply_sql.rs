@@ -49,17 +49,18 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v10";
+const FORMAT_VERSION: &str = "apply-v11";
 
 /// Result columns of the apply functions and of `wh_drain`, spelled as `pg_get_function_result`
 /// prints them.
 const APPLY_RESULT: &str = "o_applied integer, o_last_version bigint, o_failed_work_id bigint, \
-    o_error text, o_done_work_ids bigint[], o_rewound boolean, o_completed_event_ids uuid[]";
+    o_error text, o_done_work_ids bigint[], o_rewound boolean, o_completed_event_ids uuid[], \
+    o_applied_event_ids uuid[]";
 const DRAIN_RESULT: &str =
     "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, \
     o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], \
     o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean, \
-    o_completed_event_ids uuid[], o_more boolean";
+    o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]";
 
 /// SQL that drops every function `schema.name` an older binary created with other argument
 /// types or other result columns (CREATE OR REPLACE can change neither, and a stale overload
@@ -314,12 +315,15 @@ DECLARE
   v_trigger   uuid;
   -- Events every subscribed perspective has now applied (lifecycle complete).
   v_completed uuid[] := '{{}}';
+  -- Events this call applied, in order (with p_notify_applied: PostPerspective is due for them).
+  v_applied_ids uuid[] := '{{}}';
   -- What perspective.user_id / tenant_id are currently set to in this transaction (NULL: unknown).
   v_set_user   text;
   v_set_tenant text;
 BEGIN
   IF v_n = 0 THEN
-    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[], false, '{{}}'::uuid[];
+    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{{}}'::bigint[], false, '{{}}'::uuid[],
+                        '{{}}'::uuid[];
     RETURN;
   END IF;
 
@@ -455,6 +459,10 @@ BEGIN
        WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname};
     END IF;
     IF p_notify_applied AND v_applied > 0 THEN
+      -- After a rewind, the group's new events (the replay re-applied older ones too).
+      SELECT coalesce(array_agg(x.id ORDER BY x.version), '{{}}') INTO v_applied_ids
+      FROM unnest(a_event_ids, a_versions) AS x(id, version)
+      WHERE x.version > v_last0 AND x.version <= v_new_last;
       -- Serialise this check per stream, so of two perspectives finishing the same event at the
       -- same time the second one sees the first one's cursor (it runs after that commit).
       PERFORM pg_advisory_xact_lock(hashtext('{schema}.wh_applied'), hashtext(p_stream_id::text));
@@ -492,7 +500,7 @@ BEGIN
 
   RETURN QUERY SELECT v_applied, v_new_last,
                       CASE WHEN v_failed IS NULL THEN NULL ELSE a_work_ids[v_failed] END,
-                      v_err, v_done, v_rewound AND v_ok, v_completed;
+                      v_err, v_done, v_rewound AND v_ok, v_completed, v_applied_ids;
 END
 "#,
         rewind_detect = rewind_detect,
@@ -603,7 +611,8 @@ BEGIN
     IF v_budget <= 0 THEN
       -- Not reached in this call: say so, so the worker comes back for it.
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
-                          '{{}}'::bigint[], '{{}}'::bigint[], NULL::timestamptz, false, '{{}}'::uuid[], true;
+                          '{{}}'::bigint[], '{{}}'::bigint[], NULL::timestamptz, false, '{{}}'::uuid[], true,
+                          '{{}}'::uuid[];
       CONTINUE;
     END IF;
     -- Rows at or below the cursor were applied already (completion pending or lost): retire.
@@ -647,7 +656,7 @@ BEGIN
     IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
                           '{{}}'::bigint[], v_dead, v_oldest, false, '{{}}'::uuid[],
-                          {more_after_cursor};
+                          {more_after_cursor}, '{{}}'::uuid[];
       CONTINUE;
     END IF;
     v_budget := v_budget - array_length(v_ids, 1);
@@ -656,7 +665,7 @@ BEGIN
     v_more := {more_after_applied};
     RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
                         o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound,
-                        o.o_completed_event_ids, v_more;
+                        o.o_completed_event_ids, v_more, o.o_applied_event_ids;
   END LOOP;
 END
 $wh_drain$"#

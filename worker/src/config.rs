@@ -163,7 +163,7 @@ pub struct WorkerOptions {
     /// Longest retry delay after a handler fails, in ms (default 300000).
     #[schemars(range(min = 1))]
     pub failure_retry_max_milliseconds: u64,
-    /// Once every subscribed perspective applied an event: NOTIFY `<schema>_applied` with its id (read-your-writes) and fire the PostAllPerspectives / PostLifecycle hooks, recorded in wh_lifecycle_completions (default false).
+    /// Lifecycle stages: fire the PostPerspective hook once per event and perspective after it is applied, and once every subscribed perspective applied an event, NOTIFY `<schema>_applied` with its id (read-your-writes) and fire the PostAllPerspectives / PostLifecycle hooks, recorded in wh_lifecycle_completions (default false).
     pub notify_applied: bool,
     /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty).
     pub instance_metadata: BTreeMap<String, String>,

@@ -991,27 +991,44 @@ async fn a_late_event_rewinds_an_event_id_ordered_perspective() {
     );
 }
 
-/// Collects `PostAllPerspectives` / `PostLifecycle` hook events until `n` events completed both.
+fn without_receivers(stages: &Stages) -> std::collections::HashMap<Uuid, Vec<String>> {
+    stages
+        .iter()
+        .map(|(e, s)| (*e, s.iter().map(|(_, st)| st.clone()).collect()))
+        .collect()
+}
+
+type Stages = std::collections::HashMap<Uuid, Vec<(usize, String)>>;
+
+/// Collects lifecycle hook events per event id as (receiver index, stage), each receiver in its
+/// own order, until `n` events have `per_event` stages (`PostPerspective:<name>`,
+/// `PostAllPerspectives`, `PostLifecycle`).
 async fn collect_lifecycle(
     rxs: &mut [tokio::sync::broadcast::Receiver<HookEvent>],
     n: usize,
-) -> std::collections::HashMap<Uuid, Vec<&'static str>> {
-    let mut stages: std::collections::HashMap<Uuid, Vec<&'static str>> = Default::default();
+    per_event: usize,
+) -> Stages {
+    let mut stages: Stages = Default::default();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while stages.values().filter(|s| s.len() >= 2).count() < n {
+    while stages.values().filter(|s| s.len() >= per_event).count() < n {
         assert!(Instant::now() < deadline, "lifecycle stages: {stages:?}");
-        for rx in rxs.iter_mut() {
+        for (index, rx) in rxs.iter_mut().enumerate() {
             while let Ok(ev) = rx.try_recv() {
-                match ev {
-                    HookEvent::PostAllPerspectives { event_id, .. } => stages
-                        .entry(event_id)
-                        .or_default()
-                        .push("PostAllPerspectives"),
-                    HookEvent::PostLifecycle { event_id, .. } => {
-                        stages.entry(event_id).or_default().push("PostLifecycle")
+                let (event_id, stage) = match ev {
+                    HookEvent::PostPerspective {
+                        event_id,
+                        perspective,
+                        ..
+                    } => (event_id, format!("PostPerspective:{perspective}")),
+                    HookEvent::PostAllPerspectives { event_id, .. } => {
+                        (event_id, "PostAllPerspectives".to_string())
                     }
-                    _ => {}
-                }
+                    HookEvent::PostLifecycle { event_id, .. } => {
+                        (event_id, "PostLifecycle".to_string())
+                    }
+                    _ => continue,
+                };
+                stages.entry(event_id).or_default().push((index, stage));
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1019,9 +1036,10 @@ async fn collect_lifecycle(
     stages
 }
 
-/// Lifecycle stages: with two instances and two perspectives, every event gets
-/// PostAllPerspectives then PostLifecycle exactly once, recorded in `wh_lifecycle_completions`;
-/// events whose record was lost (a crash between apply and record) fire again at startup.
+/// Lifecycle stages: with two instances and two perspectives, every event gets PostPerspective
+/// once per perspective, then PostAllPerspectives then PostLifecycle exactly once, recorded in
+/// `wh_lifecycle_completions`; events whose record was lost (a crash between apply and record)
+/// fire again at startup (their perspectives are not applied again, so no PostPerspective).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifecycle_stages_fire_once_per_event_and_orphans_are_reconciled() {
     let schema = unique_schema("lifecycle");
@@ -1033,7 +1051,8 @@ async fn lifecycle_stages_fire_once_per_event_and_orphans_are_reconciled() {
     let mut rxs = vec![a.hooks.subscribe(), b.hooks.subscribe()];
     let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
     append_load(&schema, &streams, 4, 2, 3).await;
-    let stages = collect_lifecycle(&mut rxs, 20).await;
+    let ordered = collect_lifecycle(&mut rxs, 20, 4).await;
+    let stages = without_receivers(&ordered);
     wait_drained(&schema, Duration::from_secs(30)).await;
     // Nothing more arrived for an event already complete.
     for rx in rxs.iter_mut() {
@@ -1041,7 +1060,9 @@ async fn lifecycle_stages_fire_once_per_event_and_orphans_are_reconciled() {
             assert!(
                 !matches!(
                     ev,
-                    HookEvent::PostAllPerspectives { .. } | HookEvent::PostLifecycle { .. }
+                    HookEvent::PostPerspective { .. }
+                        | HookEvent::PostAllPerspectives { .. }
+                        | HookEvent::PostLifecycle { .. }
                 ),
                 "a stage fired twice: {ev:?}"
             );
@@ -1049,10 +1070,47 @@ async fn lifecycle_stages_fire_once_per_event_and_orphans_are_reconciled() {
     }
     assert_eq!(stages.len(), 20);
     for (event, s) in &stages {
+        // Each receiver keeps its engine's order, and the two engines interleave: what must hold
+        // is one PostPerspective per perspective, and PostAllPerspectives then PostLifecycle
+        // after them.
+        let mut perspectives: Vec<&str> = s
+            .iter()
+            .filter_map(|st| st.strip_prefix("PostPerspective:"))
+            .collect();
+        perspectives.sort();
+        assert_eq!(perspectives, ["p1", "p2"], "event {event}: {s:?}");
+        let rest: Vec<&str> = s
+            .iter()
+            .map(String::as_str)
+            .filter(|st| !st.starts_with("PostPerspective:"))
+            .collect();
         assert_eq!(
-            s,
-            &["PostAllPerspectives", "PostLifecycle"],
+            rest,
+            ["PostAllPerspectives", "PostLifecycle"],
             "event {event}"
+        );
+    }
+    // In the order of the engine that fired them: its PostPerspective before the event's
+    // PostAllPerspectives.
+    for (event, s) in &ordered {
+        let firing = s
+            .iter()
+            .find(|(_, st)| st == "PostAllPerspectives")
+            .map(|(rx, _)| *rx)
+            .unwrap();
+        let own: Vec<&str> = s
+            .iter()
+            .filter(|(rx, _)| *rx == firing)
+            .map(|(_, st)| st.as_str())
+            .collect();
+        assert!(own.len() >= 3, "event {event}: {s:?}");
+        assert!(
+            own[0].starts_with("PostPerspective:"),
+            "event {event}: {s:?}"
+        );
+        assert_eq!(
+            own[own.len() - 2..],
+            ["PostAllPerspectives", "PostLifecycle"]
         );
     }
     let mut conn = connect().await;
@@ -1079,7 +1137,13 @@ async fn lifecycle_stages_fire_once_per_event_and_orphans_are_reconciled() {
     let options = perspective_worker::engine::EngineOptions::new(config.clone(), database_url());
     let mut rx = vec![options.hooks.subscribe()];
     let c = RunningEngine::start_with(options).await;
-    let again = collect_lifecycle(&mut rx, 5).await;
+    let again = without_receivers(&collect_lifecycle(&mut rx, 5, 2).await);
+    assert!(
+        again
+            .values()
+            .all(|s| s == &["PostAllPerspectives", "PostLifecycle"]),
+        "{again:?}"
+    );
     let mut again_ids: Vec<Uuid> = again.keys().copied().collect();
     let mut lost_sorted = lost.clone();
     again_ids.sort();

@@ -227,6 +227,7 @@ struct PairOutcome {
     /// Due work is left past what this call applied (or the call's row budget ran out first),
     /// seen by a statement after the apply.
     o_more: bool,
+    o_applied_event_ids: Vec<Uuid>,
 }
 
 /// Claim and apply in the database, one round trip per batch of streams (compiled SQL
@@ -274,6 +275,7 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
         if o.o_rewound {
             report_rewound(ctx, perspective, o.o_stream_id);
         }
+        super::lifecycle::post_perspective(ctx, perspective, o.o_stream_id, &o.o_applied_event_ids);
         completed.extend(o.o_completed_event_ids.iter().map(|e| (o.o_stream_id, *e)));
         if !o.o_dead_lettered.is_empty() {
             report_dead_lettered(ctx, perspective, o.o_stream_id, o.o_dead_lettered.clone());
@@ -499,6 +501,12 @@ async fn apply_pair(ctx: &Ctx, chunks: Vec<Group>) -> u64 {
             Ok(o) => {
                 applied += o.applied as u64;
                 record_outcome(ctx, group, &o, mode);
+                super::lifecycle::post_perspective(
+                    ctx,
+                    &group.perspective,
+                    group.stream_id,
+                    &o.applied_event_ids,
+                );
                 let completed: Vec<(Uuid, Uuid)> = o
                     .completed_event_ids
                     .iter()

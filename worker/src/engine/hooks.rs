@@ -39,6 +39,14 @@ pub enum HookEvent {
     CompletionsFlushed { count: usize },
     /// A claim poll finished; `streams` is how many streams it offered.
     ClaimPolled { streams: usize },
+    /// Lifecycle (with `notifyApplied`): `perspective` applied this event (committed). Fired
+    /// once per event and perspective, by the worker that applied it, before the event's
+    /// `PostAllPerspectives`.
+    PostPerspective {
+        perspective: String,
+        stream_id: Uuid,
+        event_id: Uuid,
+    },
     /// Lifecycle (with `notifyApplied`): every subscribed perspective has applied this event.
     /// Fired once per event, by the worker that applied the last perspective.
     PostAllPerspectives { stream_id: Uuid, event_id: Uuid },

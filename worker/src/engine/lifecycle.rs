@@ -1,5 +1,6 @@
-//! Lifecycle stages (with `worker.notifyApplied`): once per event, after every subscribed
-//! perspective applied it, the worker that applied the last one fires
+//! Lifecycle stages (with `worker.notifyApplied`): [`HookEvent::PostPerspective`] once per event
+//! and perspective, by the worker that applied it, after the commit; then once per event, after
+//! every subscribed perspective applied it, the worker that applied the last one fires
 //! [`HookEvent::PostAllPerspectives`] then [`HookEvent::PostLifecycle`] and records the event in
 //! `wh_lifecycle_completions`. The apply functions decide "last one" under a per-stream lock in
 //! the apply transaction (the same check that sends the `<schema>_applied` NOTIFY), so exactly
@@ -20,6 +21,17 @@ const PASS_SIZE: i64 = 100;
 const MAX_PASSES: usize = 20;
 /// Completion records older than this are deleted at startup.
 const RETENTION: &str = "7 days";
+
+/// Fires PostPerspective for the events `perspective` just applied on `stream`, in order.
+pub(crate) fn post_perspective(ctx: &Ctx, perspective: &str, stream_id: Uuid, events: &[Uuid]) {
+    for &event_id in events {
+        ctx.hooks.emit(HookEvent::PostPerspective {
+            perspective: perspective.to_string(),
+            stream_id,
+            event_id,
+        });
+    }
+}
 
 /// Fires the stages of `completed` (stream, event) pairs, in order, and records them.
 pub(crate) async fn fire(ctx: &Ctx, completed: &[(Uuid, Uuid)]) {

@@ -10,7 +10,8 @@
 //! - [`completion`]: the Batched completion flush worker and the settler that retires drained
 //!   streams;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
-//! - [`lifecycle`]: PostAllPerspectives / PostLifecycle once per event, orphan reconciliation.
+//! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
+//!   once per event, orphan reconciliation.
 
 pub mod claim;
 pub mod completion;

@@ -67,6 +67,9 @@ pub struct ApplyOutcome {
     /// Events that every subscribed perspective has now applied (only with `notifyApplied`):
     /// their lifecycle stages are due.
     pub completed_event_ids: Vec<Uuid>,
+    /// Events this call applied, in order (only with `notifyApplied`): PostPerspective is due
+    /// for each.
+    pub applied_event_ids: Vec<Uuid>,
 }
 
 /// Applies groups of events to perspectives. The model change and the cursor advance must
@@ -144,7 +147,7 @@ impl PerspectiveRunner for SqlRunner {
             let items = &group.items;
             let sql = format!(
                 "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids, o_rewound,
-                        o_completed_event_ids
+                        o_completed_event_ids, o_applied_event_ids
                  FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 self.schema
             );
@@ -170,6 +173,7 @@ impl PerspectiveRunner for SqlRunner {
                 done_work_ids: row.get(4),
                 rewound: row.get(5),
                 completed_event_ids: row.get(6),
+                applied_event_ids: row.get(7),
             })
         })
     }
