@@ -8,14 +8,24 @@
 #            PL/pgSQL function that takes the next (stream, perspective) pair (SKIP LOCKED),
 #            applies its ≤ 100 events with the same upsert, upserts the cursor and deletes the
 #            work rows — one round trip per group, no claiming, no engine.
-#   engine   N `perspective-worker run` processes (release build) already running and idle;
-#            all events are appended in one transaction; timed from that commit until no work
-#            row is left and every cursor is at its stream's head (claim, fetch, apply and
-#            complete included).
+#   engine   N `perspective-worker run` processes (release build) already running and idle,
+#            with C drain consumers each (the default 4; also 1, to show scale-out where one
+#            worker alone leaves the database idle); all events are appended in one
+#            transaction; timed from that commit until every cursor is at its stream's head and
+#            no work row is left unprocessed (claim, fetch, apply and complete included; the
+#            retirement of drained streams goes on afterwards).
 # Rounds alternate so machine drift hits every variant; medians are reported.
+#
+# After the table, the single-connection server cost: one `wh_drain` call over every stream
+# (Instant, so it deletes its work rows as the ceiling does) against the ceiling function called
+# once per group in one statement, each in a transaction that is rolled back (so both see the
+# same data every time), alternating, fastest of ROUNDS.
+# Nothing runs beside them, so this ratio is what the database does per apply, without the
+# machine's noise, the engine's process or its concurrency.
 #
 #   tests/bench/apply.sh            (make bench builds the release worker first)
 #   STREAMS=400 PER_STREAM=100 ROUNDS=3 tests/bench/apply.sh
+#   SERVER_COST_ONLY=1 ROUNDS=6 tests/bench/apply.sh     (only the single-connection part)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -41,7 +51,7 @@ q() { psql "$DATABASE_URL" -XAtq -v ON_ERROR_STOP=1 "$@"; }
 now() { date +%s.%N; }
 APPLIES=$(( STREAMS * PER_STREAM * 2 ))
 
-config() { # schema strategy -> file
+config() { # schema strategy [drain consumers per worker] -> file
   cat >"$work/$1.yaml" <<EOF
 schema: $1
 perspectives:
@@ -55,6 +65,7 @@ perspectives:
       A: INSERT INTO c2 AS c VALUES (:stream_id, 1, :stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last
 worker:
   completionStrategy: $2
+  maxConcurrentDrainConsumers: ${3:-4}
 EOF
   echo "$work/$1.yaml"
 }
@@ -91,10 +102,8 @@ check() { # schema: every counter must equal PER_STREAM
   [ "$bad" = 0 ] || { echo "bench: $1 applied some events more or less than once ($bad streams)" >&2; exit 1; }
 }
 
-run_ceiling() { # round -> applies/s
-  local s="ceil_$1"
-  "$WORKER" --config "$(config "$s" Batched)" migrate >/dev/null 2>>"$work/migrate.log"
-  append_all "$s"
+create_ceiling() { # schema: the hand-written apply function and its queue of pairs
+  local s=$1
   q <<EOF
 CREATE TABLE $s.bench_pairs AS
   SELECT DISTINCT stream_id, perspective_name FROM $s.wh_perspective_events;
@@ -127,6 +136,13 @@ BEGIN
 END
 \$f\$;
 EOF
+}
+
+run_ceiling() { # round -> applies/s
+  local s="ceil_$1"
+  "$WORKER" --config "$(config "$s" Batched)" migrate >/dev/null 2>>"$work/migrate.log"
+  append_all "$s"
+  create_ceiling "$s"
   echo "SELECT $s.bench_apply_next();" >"$work/ceiling.sql"
   local groups=$(( STREAMS * 2 * ((PER_STREAM + 99) / 100) ))
   local t0 t1
@@ -135,12 +151,14 @@ EOF
   t1=$(now)
   [ "$(q -c "SELECT count(*) FROM $s.wh_perspective_events")" = 0 ] || { echo "bench: ceiling left work behind" >&2; exit 1; }
   check "$s"
+  # Later rounds should not run in a cluster filling up with earlier rounds' tables.
+  q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
   awk -v n="$APPLIES" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }'
 }
 
-run_engine() { # round workers strategy -> applies/s ; leaves RSS in $work/rss
-  local s="eng_$1_$2_$(echo "$3" | tr 'A-Z' 'a-z')"
-  local cfg; cfg=$(config "$s" "$3")
+run_engine() { # round workers strategy consumers -> applies/s ; leaves RSS in $work/rss
+  local s="eng_$1_$2_$(echo "$3" | tr 'A-Z' 'a-z')_$4"
+  local cfg; cfg=$(config "$s" "$3" "$4")
   "$WORKER" --config "$cfg" migrate >/dev/null 2>>"$work/migrate.log"
   pids=()
   for _ in $(seq "$2"); do
@@ -167,22 +185,28 @@ run_engine() { # round workers strategy -> applies/s ; leaves RSS in $work/rss
   done
   wait "${pids[@]}" 2>/dev/null || true
   pids=()
+  # Later rounds should not run in a cluster filling up with earlier rounds' tables.
+  q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
   echo "$rss" >"$work/rss"
   awk -v n="$APPLIES" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }'
 }
 
 median() { sort -g | awk '{a[NR]=$1} END{print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
+if [ "${SERVER_COST_ONLY:-0}" != 1 ]; then
 echo "apply-path benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f1), fsync=$(q -c 'show fsync'), $(nproc) cores; $STREAMS streams x $PER_STREAM events x 2 perspectives = $APPLIES applies; $ROUNDS rounds, median applies/s"
-variants=("ceiling" "engine 1 Batched" "engine 1 Instant" "engine 3 Batched" "engine 3 Instant")
+# "engine WORKERS STRATEGY CONSUMERS": the default 4 drain consumers per worker, and 1 per worker
+# to show scale-out where one worker alone does not keep the database busy.
+variants=("ceiling" "engine 1 Batched 4" "engine 1 Instant 4" "engine 3 Batched 4" "engine 3 Instant 4"
+          "engine 1 Batched 1" "engine 3 Batched 1")
 for r in $(seq "$ROUNDS"); do
   for i in "${!variants[@]}"; do
     v=${variants[$i]}
     if [ "$v" = ceiling ]; then
       run_ceiling "$r" >>"$work/v$i"
     else
-      read -r _ n strat <<<"$v"
-      run_engine "$r" "$n" "$strat" >>"$work/v$i"
+      read -r _ n strat consumers <<<"$v"
+      run_engine "$r" "$n" "$strat" "$consumers" >>"$work/v$i"
       cat "$work/rss" >>"$work/rss$i"
     fi
     echo >>"$work/v$i"
@@ -193,12 +217,34 @@ ceiling=$(median <"$work/v0")
 # next to it: machine drift between rounds cancels out of that one.
 printf '| variant | applies/s | vs ceiling | median of per-round ratios (min–max) | worker peak RSS |\n|---|---|---|---|---|\n'
 printf '| hand-written ceiling (4 connections, 1 call per group) | %.0f | 100%% | 100%% | - |\n' "$ceiling"
-for i in 1 2 3 4; do
-  v=${variants[$i]}; read -r _ n strat <<<"$v"
+for i in $(seq $(( ${#variants[@]} - 1 ))); do
+  v=${variants[$i]}; read -r _ n strat consumers <<<"$v"
   m=$(median <"$work/v$i"); rss=$(sort -g "$work/rss$i" | tail -1)
   paste "$work/v$i" "$work/v0" | awk 'NF == 2 { printf "%.4f\n", $1 * 100 / $2 }' >"$work/ratio$i"
-  printf '| engine, %s worker(s), %s | %.0f | %.0f%% | %.0f%% (%.0f–%.0f%%) | %.1f MiB |\n' "$n" "$strat" "$m" \
+  printf '| engine, %s worker(s) × %s drain consumers, %s | %.0f | %.0f%% | %.0f%% (%.0f–%.0f%%) | %.1f MiB |\n' "$n" "$consumers" "$strat" "$m" \
     "$(awk -v m="$m" -v c="$ceiling" 'BEGIN { print m * 100 / c }')" \
     "$(median <"$work/ratio$i")" "$(sort -g "$work/ratio$i" | head -1)" "$(sort -g "$work/ratio$i" | tail -1)" \
     "$(awk -v r="$rss" 'BEGIN { print r / 1024 }')"
 done
+fi
+
+# Single-connection server cost (see the header).
+instance=00000000-0000-0000-0000-000000000001
+s=server_cost
+"$WORKER" --config "$(config "$s" Batched)" migrate >/dev/null 2>>"$work/migrate.log"
+append_all "$s"
+q -c "UPDATE $s.wh_active_streams SET assigned_instance_id = '$instance'" -c "VACUUM ANALYZE"
+create_ceiling "$s"
+timed_ms() { # statement -> ms it took, in a transaction rolled back afterwards
+  printf '%s\n' "BEGIN;" "SELECT clock_timestamp() AS t0 \\gset" "$1;" \
+    "SELECT round(extract(epoch FROM clock_timestamp() - :'t0') * 1000);" "ROLLBACK;" | q | tail -1
+}
+engine_sql="SELECT count(*) FROM $s.wh_drain('$instance', ARRAY(SELECT stream_id FROM $s.wh_active_streams), 100, $APPLIES, true, false, 1000, 300000, false, NULL)"
+ceiling_sql="SELECT sum($s.bench_apply_next()) FROM generate_series(1, $(( STREAMS * 2 * ((PER_STREAM + 99) / 100) )))"
+for r in $(seq "$ROUNDS"); do
+  timed_ms "$ceiling_sql" >>"$work/cost_ceiling"
+  timed_ms "$engine_sql" >>"$work/cost_engine"
+done
+c=$(sort -g "$work/cost_ceiling" | head -1); e=$(sort -g "$work/cost_engine" | head -1)
+printf '\nsingle-connection server cost of %d applies (fastest of %d, in ms): ceiling %d, engine wh_drain %d (Instant: it deletes its work rows, as the ceiling does) -> ceiling/engine %.0f%%\n' \
+  "$APPLIES" "$ROUNDS" "$c" "$e" "$(awk -v c="$c" -v e="$e" 'BEGIN { print c * 100 / e }')"
