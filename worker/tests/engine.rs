@@ -407,6 +407,24 @@ claimWorker:
     assert_eq!(seen(bad).await, vec![1, 3, 2]);
 }
 
+/// Migrates `yaml`, appends to one new stream with `insert` (`{schema}` replaced, `$1` the
+/// stream id) while no engine runs, then starts one, waits until everything is applied and stops
+/// it. Returns a connection for the checks.
+async fn append_one_stream_and_apply(yaml: &str, schema: &str, insert: &str) -> sqlx::PgConnection {
+    let config = parse_config(yaml);
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    sqlx::query(&insert.replace("{schema}", schema))
+        .bind(Uuid::now_v7())
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let engine = RunningEngine::start(&config).await;
+    wait_drained(schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    conn
+}
+
 #[tokio::test]
 async fn each_event_runs_with_its_own_user_and_tenant() {
     let schema = unique_schema("security");
@@ -419,23 +437,15 @@ perspectives:
       A: INSERT INTO audit VALUES (:stream_version, current_setting('perspective.user_id', true), current_setting('perspective.tenant_id', true), :user_id)
 {FAST}"
     );
-    let config = parse_config(&yaml);
-    migrate_config(&config).await;
     // All events of one stream, appended in one transaction, so they are applied in one batch.
-    let s = Uuid::now_v7();
-    let mut conn = connect().await;
-    sqlx::query(&format!(
+    let mut conn = append_one_stream_and_apply(
+        &yaml,
+        &schema,
         "INSERT INTO {schema}.wh_event_store (stream_id, event_type, metadata, scope)
          SELECT $1, 'A', jsonb_build_object('user_id', 'user-' || (i % 2)), jsonb_build_object('tenant_id', 'tenant-' || (i % 3))
-         FROM generate_series(1, 12) i ORDER BY i"
-    ))
-    .bind(s)
-    .execute(&mut conn)
-    .await
-    .unwrap();
-    let engine = RunningEngine::start(&config).await;
-    wait_drained(&schema, Duration::from_secs(30)).await;
-    engine.stop().await;
+         FROM generate_series(1, 12) i ORDER BY i",
+    )
+    .await;
     let rows: Vec<(i64, String, String, String)> = sqlx::query_as(&format!(
         "SELECT stream_version, user_id, tenant_id, param_user FROM {schema}.audit ORDER BY 1"
     ))
@@ -472,25 +482,17 @@ perspectives:
       C: INSERT INTO some_seen VALUES (:stream_version, :event_type, (:data->>'n')::int, current_setting('perspective.user_id', true))
 {FAST}"
     );
-    let config = parse_config(&yaml);
-    migrate_config(&config).await;
-    let s = Uuid::now_v7();
-    let mut conn = connect().await;
     // Types cycle A B C B B A C …, so `some` sees versions with irregular gaps; data and user
     // are functions of the version.
-    sqlx::query(&format!(
+    let mut conn = append_one_stream_and_apply(
+        &yaml,
+        &schema,
         "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data, metadata)
          SELECT $1, (ARRAY['A', 'B', 'C', 'B', 'B', 'A', 'C'])[1 + i % 7],
                 jsonb_build_object('n', i * 10), jsonb_build_object('user_id', 'user-' || (i % 4))
-         FROM generate_series(1, 60) i ORDER BY i"
-    ))
-    .bind(s)
-    .execute(&mut conn)
-    .await
-    .unwrap();
-    let engine = RunningEngine::start(&config).await;
-    wait_drained(&schema, Duration::from_secs(30)).await;
-    engine.stop().await;
+         FROM generate_series(1, 60) i ORDER BY i",
+    )
+    .await;
     let rows: Vec<(i64, String, i32, String)> = sqlx::query_as(&format!(
         "SELECT stream_version, event_type, n, user_id FROM {schema}.some_seen ORDER BY 1"
     ))
