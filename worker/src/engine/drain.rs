@@ -330,7 +330,7 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
 }
 
 /// One claim+fetch round for `streams` and the application of everything it returned through
-/// the runner. Returns (events applied, streams worth re-fetching).
+/// the runner.
 async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> Round {
     let per_pair = ctx.config.worker.perspective_batch_size.max(1) as i64;
     let max_rows = (per_pair * streams.len() as i64 * ctx.config.perspectives.len() as i64)
