@@ -49,7 +49,7 @@ pub fn definition_hash(perspective: &PerspectiveConfig) -> String {
 }
 
 /// Bumped whenever the generated code changes shape.
-const FORMAT_VERSION: &str = "apply-v11";
+const FORMAT_VERSION: &str = "apply-v12";
 
 /// Result columns of the apply functions and of `wh_drain`, spelled as `pg_get_function_result`
 /// prints them.
@@ -330,8 +330,8 @@ BEGIN
   -- The events themselves are read here, next to the data, rather than shipped through the
   -- worker and parsed again; only the columns the handlers use are copied. One scan of the
   -- stream's (stream_id, stream_version) index with the group's versions (the group is in
-  -- version order, so the i-th event is the i-th row): measured ~15% cheaper per apply than
-  -- joining the event ids through unnest.
+  -- version order, so the i-th event is the i-th row): measured 5–10% less server time per apply
+  -- than joining the event ids through unnest.
   SELECT array_agg(e.event_type ORDER BY e.stream_version), {data_column},
          {metadata_column}, {scope_column},
          {created_column},
@@ -459,10 +459,14 @@ BEGIN
        WHERE c.stream_id = p_stream_id AND c.perspective_name = {pname};
     END IF;
     IF p_notify_applied AND v_applied > 0 THEN
-      -- After a rewind, the group's new events (the replay re-applied older ones too).
-      SELECT coalesce(array_agg(x.id ORDER BY x.version), '{{}}') INTO v_applied_ids
-      FROM unnest(a_event_ids, a_versions) AS x(id, version)
-      WHERE x.version > v_last0 AND x.version <= v_new_last;
+      IF v_rewound THEN
+        -- The group's new events (the replay, in event-id order, re-applied older ones too).
+        SELECT coalesce(array_agg(x.id ORDER BY x.version), '{{}}') INTO v_applied_ids
+        FROM unnest(a_event_ids, a_versions) AS x(id, version)
+        WHERE x.version > v_last0 AND x.version <= v_new_last;
+      ELSE
+        v_applied_ids := a_event_ids[v_start:v_last_i];
+      END IF;
       -- Serialise this check per stream, so of two perspectives finishing the same event at the
       -- same time the second one sees the first one's cursor (it runs after that commit).
       PERFORM pg_advisory_xact_lock(hashtext('{schema}.wh_applied'), hashtext(p_stream_id::text));
