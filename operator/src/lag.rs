@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use perspective_worker::db::{connect_options, describe_error};
-use perspective_worker::status::{read_status, Status};
+use perspective_worker::store::status::{read_status, Status};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Connection;
 use tokio::sync::Mutex;

@@ -12,7 +12,7 @@ use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
-use perspective_worker::migrations::MIGRATIONS;
+use perspective_worker::store::migrations::MIGRATIONS;
 use sha2::{Digest, Sha256};
 
 use crate::crd::PerspectiveDeploymentSpec;

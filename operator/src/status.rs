@@ -4,7 +4,7 @@
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::jiff::Timestamp;
-use perspective_worker::status::Status as DbStatus;
+use perspective_worker::store::status::Status as DbStatus;
 
 use crate::conditions::{self, Desired};
 use crate::crd::{PerspectiveDeploymentStatus, PerspectiveLag};

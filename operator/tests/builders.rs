@@ -7,7 +7,7 @@ use perspective_operator::crd::{PerspectiveDeploymentSpec, PerspectiveDeployment
 use perspective_operator::migration_job::{self, JobState};
 use perspective_operator::status::{compute, Observed};
 use perspective_operator::{config_map, labels, validate, workers};
-use perspective_worker::status::{PerspectiveStatus, Status};
+use perspective_worker::store::status::{PerspectiveStatus, Status};
 
 fn spec() -> PerspectiveDeploymentSpec {
     serde_yaml::from_str(

@@ -11,7 +11,7 @@ use std::io::BufRead;
 use serde::Deserialize;
 use serde_json::Value;
 use sqlx::postgres::PgConnection;
-use sqlx::{Connection, Row};
+use sqlx::Connection;
 use uuid::Uuid;
 
 /// Rows per INSERT statement.
@@ -135,42 +135,11 @@ pub async fn append(
     events: &[NewEvent],
     mut progress: impl FnMut(usize),
 ) -> Result<AppendReport, sqlx::Error> {
-    let sql = format!(
-        "INSERT INTO {schema}.wh_event_store
-             (event_id, stream_id, stream_version, event_type, event_data, metadata, scope)
-         SELECT e.event_id, e.stream_id, e.stream_version,
-                e.event_type, e.event_data, e.metadata, e.scope
-         FROM unnest($1::uuid[], $2::uuid[], $3::int8[], $4::text[], $5::jsonb[], $6::jsonb[], $7::jsonb[])
-              WITH ORDINALITY AS e(event_id, stream_id, stream_version, event_type, event_data, metadata, scope, ord)
-         ORDER BY e.ord
-         RETURNING event_id, stream_id, stream_version"
-    );
     let mut report = AppendReport::default();
     let mut tx = conn.begin().await?;
     for chunk in events.chunks(CHUNK) {
-        let rows = sqlx::query(&sql)
-            .bind(chunk.iter().map(|e| e.event_id).collect::<Vec<_>>())
-            .bind(chunk.iter().map(|e| e.stream_id).collect::<Vec<_>>())
-            .bind(chunk.iter().map(|e| e.stream_version).collect::<Vec<_>>())
-            .bind(
-                chunk
-                    .iter()
-                    .map(|e| e.event_type.clone())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                chunk
-                    .iter()
-                    .map(|e| e.event_data.clone())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(chunk.iter().map(|e| e.metadata.clone()).collect::<Vec<_>>())
-            .bind(chunk.iter().map(|e| e.scope.clone()).collect::<Vec<_>>())
-            .fetch_all(&mut *tx)
-            .await?;
-        report
-            .appended
-            .extend(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))));
+        let rows = crate::store::append::insert_events(&mut tx, schema, chunk).await?;
+        report.appended.extend(rows);
         progress(report.appended.len());
     }
     tx.commit().await?;

@@ -1,5 +1,5 @@
-//! `perspective-worker dead-letters list|replay`: inspect poison events and re-apply them once
-//! their handler is fixed.
+//! Replaying dead letters (`perspective-worker dead-letters replay`): re-apply poison events
+//! once their handler is fixed. Listing them is [`crate::store::dead_letters::list`].
 //!
 //! A replay applies the dead letter's event snapshot through the perspective's runner in force
 //! mode (regardless of the cursor, which has long moved past it, and without moving it) and
@@ -7,61 +7,12 @@
 //! all.
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
 use sqlx::postgres::PgConnection;
-use sqlx::{Connection, Row};
+use sqlx::Connection;
 use uuid::Uuid;
 
 use crate::engine::{ApplyMode, Group, PerspectiveRunner, WorkItem};
-
-/// One dead letter, as listed.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct DeadLetter {
-    pub id: i64,
-    pub perspective: String,
-    pub stream_id: Uuid,
-    pub stream_version: i64,
-    pub event_id: Uuid,
-    pub event_type: String,
-    pub attempts: i32,
-    pub error: Option<String>,
-    pub dead_lettered_at: DateTime<Utc>,
-    pub recovery_status: String,
-}
-
-/// Dead letters of `schema`, oldest first; only pending ones unless `all`.
-pub async fn list(
-    conn: &mut PgConnection,
-    schema: &str,
-    all: bool,
-) -> Result<Vec<DeadLetter>, sqlx::Error> {
-    let rows = sqlx::query(&format!(
-        "SELECT dead_letter_id, perspective_name, stream_id, stream_version, event_id, event_type, attempts,
-                error, dead_lettered_at, recovery_status
-         FROM {schema}.wh_dead_letters
-         WHERE $1 OR recovery_status = 'pending'
-         ORDER BY dead_letter_id"
-    ))
-    .bind(all)
-    .fetch_all(&mut *conn)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|r| DeadLetter {
-            id: r.get(0),
-            perspective: r.get(1),
-            stream_id: r.get(2),
-            stream_version: r.get(3),
-            event_id: r.get(4),
-            event_type: r.get(5),
-            attempts: r.get(6),
-            error: r.get(7),
-            dead_lettered_at: r.get(8),
-            recovery_status: r.get(9),
-        })
-        .collect())
-}
+use crate::store::dead_letters as store;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -87,16 +38,10 @@ pub async fn replay(
     id: i64,
 ) -> Result<(), ReplayError> {
     let mut tx = conn.begin().await?;
-    let row = sqlx::query(&format!(
-        "SELECT event_work_id, perspective_name, event, attempts
-         FROM {schema}.wh_dead_letters WHERE dead_letter_id = $1 AND recovery_status = 'pending'
-         FOR UPDATE"
-    ))
-    .bind(id)
-    .fetch_optional(&mut *tx)
-    .await?
-    .ok_or(ReplayError::NotPending(id))?;
-    let event: serde_json::Value = row.get(2);
+    let letter = store::lock_pending(&mut tx, schema, id)
+        .await?
+        .ok_or(ReplayError::NotPending(id))?;
+    let event = &letter.event;
     let field = |k: &str| event.get(k).cloned().unwrap_or(serde_json::Value::Null);
     let parse_uuid = |k: &str| {
         field(k)
@@ -105,12 +50,12 @@ pub async fn replay(
             .unwrap_or_default()
     };
     let item = WorkItem {
-        event_work_id: row.get(0),
+        event_work_id: letter.event_work_id,
         stream_id: parse_uuid("stream_id"),
-        perspective_name: row.get(1),
+        perspective_name: letter.perspective_name.clone(),
         event_id: parse_uuid("event_id"),
         stream_version: field("stream_version").as_i64().unwrap_or_default(),
-        attempts: row.get(3),
+        attempts: letter.attempts,
         error: None,
         event_type: field("event_type").as_str().unwrap_or_default().to_string(),
         event_data: field("event_data"),
@@ -147,14 +92,7 @@ pub async fn replay(
             error,
         });
     }
-    sqlx::query(&format!(
-        "UPDATE {schema}.wh_dead_letters
-            SET recovery_status = 'replayed', recovered_at = now(), replay_count = replay_count + 1
-          WHERE dead_letter_id = $1"
-    ))
-    .bind(id)
-    .execute(&mut *tx)
-    .await?;
+    store::mark_replayed(&mut tx, schema, id).await?;
     tx.commit().await?;
     Ok(())
 }

@@ -5,12 +5,11 @@
 //!
 //! - [`config`]: the perspective config (also the `spec` of the operator's CRD) and its validation
 //! - [`sql_params`]: the `:name` parameter lexer for handler SQL
-//! - [`migrations`]: the embedded, versioned schema SQL
 //! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
 //! - [`apply_sql`]: compiles a perspective's handlers into its server-side apply function
 //! - [`append`]: JSON-lines event input (the `append` command)
 //! - [`rebuild`]: rebuild a perspective from the event store
-//! - [`status`]: read-only lag / failure / dead-letter queries
+//! - [`store`]: every SQL statement the worker sends at run time, one file per concern
 //! - [`db`]: connections and human-readable database errors
 
 pub mod append;
@@ -25,7 +24,6 @@ pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod migrate;
-pub mod migrations;
 pub mod rebuild;
 pub mod sql_params;
-pub mod status;
+pub mod store;

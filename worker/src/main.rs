@@ -9,7 +9,8 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use perspective_worker::config::Config;
-use perspective_worker::{append, db, dead_letters, migrate, status};
+use perspective_worker::store::status;
+use perspective_worker::{append, db, dead_letters, migrate, store};
 use std::net::SocketAddr;
 
 const ABOUT: &str = "Materializes perspectives (read models) from a PostgreSQL event store.
@@ -275,7 +276,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .context("connecting to PostgreSQL")?;
             match cmd {
                 DeadLettersCommand::List { all, json } => {
-                    let letters = dead_letters::list(&mut conn, &config.schema, *all)
+                    let letters = store::dead_letters::list(&mut conn, &config.schema, *all)
                         .await
                         .map_err(|e| {
                             anyhow::anyhow!(
@@ -315,7 +316,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 DeadLettersCommand::Replay { ids, all } => {
                     let ids: Vec<i64> = if *all {
-                        dead_letters::list(&mut conn, &config.schema, false)
+                        store::dead_letters::list(&mut conn, &config.schema, false)
                             .await?
                             .iter()
                             .map(|d| d.id)
@@ -633,35 +634,13 @@ async fn wait_for_signal() {
 
 /// Print every table named like a perspective, then the status.
 async fn print_demo_tables(url: &str, config: &Config) -> anyhow::Result<()> {
-    use sqlx::Row;
     let mut conn = db::connect(url, "perspective-worker demo").await?;
     for p in &config.perspectives {
-        let columns: Vec<String> = sqlx::query_scalar(
-            "SELECT column_name::text FROM information_schema.columns
-             WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
-        )
-        .bind(&config.schema)
-        .bind(&p.name)
-        .fetch_all(&mut conn)
-        .await?;
-        if columns.is_empty() {
+        let Some(table) = store::demo::read_model_table(&mut conn, &config.schema, &p.name).await?
+        else {
             continue;
-        }
-        let select = columns
-            .iter()
-            .map(|c| format!("coalesce(\"{c}\"::text, '')"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let rows = sqlx::query(&format!(
-            "SELECT {select} FROM {}.\"{}\" ORDER BY 1",
-            config.schema, p.name
-        ))
-        .fetch_all(&mut conn)
-        .await?;
-        let cells: Vec<Vec<String>> = rows
-            .iter()
-            .map(|r| (0..columns.len()).map(|i| r.get::<String, _>(i)).collect())
-            .collect();
+        };
+        let (columns, cells) = (table.columns, table.rows);
         let widths: Vec<usize> = (0..columns.len())
             .map(|i| {
                 cells

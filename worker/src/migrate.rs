@@ -8,14 +8,15 @@
 use std::collections::BTreeMap;
 
 use sqlx::postgres::{PgConnection, PgTypeInfo};
-use sqlx::{Connection, Executor, Row};
+use sqlx::Connection;
 
 use crate::apply_sql::{
     apply_function_name, create_apply_function, create_drain_function, definition_hash,
 };
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
-use crate::migrations::{latest_version, Migration, MIGRATIONS};
+use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
+use crate::store::schema as store;
 
 /// Oldest server we support (`gen_random_uuid()` in core, `EXECUTE FUNCTION` triggers).
 const MIN_SERVER_VERSION: i32 = 130000;
@@ -111,11 +112,9 @@ pub async fn migrate(
         ..Default::default()
     };
 
-    let server_version: i32 =
-        sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(db_err("reading the server version"))?;
+    let server_version = store::server_version(conn)
+        .await
+        .map_err(db_err("reading the server version"))?;
     if server_version < MIN_SERVER_VERSION {
         return Err(MigrateError::ServerTooOld {
             found: server_version,
@@ -157,42 +156,15 @@ async fn migrate_in(
 ) -> Result<(), MigrateError> {
     let schema = config.schema.as_str();
     // Serialise migrations of this schema across processes; released at commit/rollback.
-    sqlx::query(
-        "SELECT pg_advisory_xact_lock(hashtext('perspective-worker migrate'), hashtext($1))",
-    )
-    .bind(schema)
-    .execute(&mut *tx)
-    .await
-    .map_err(db_err("waiting for the migration lock"))?;
-
-    sqlx::raw_sql(&format!(
-        "CREATE SCHEMA IF NOT EXISTS {schema};
-         CREATE TABLE IF NOT EXISTS {schema}.wh_schema_migrations (
-           version    integer     PRIMARY KEY,
-           name       text        NOT NULL,
-           checksum   text        NOT NULL,
-           applied_by text        NOT NULL,
-           applied_at timestamptz NOT NULL DEFAULT now()
-         );"
-    ))
-    .execute(&mut *tx)
-    .await
-    .map_err(db_err(format!("creating schema {schema}")))?;
-
-    let applied: BTreeMap<i32, (String, String)> = sqlx::query(&format!(
-        "SELECT version, name, checksum FROM {schema}.wh_schema_migrations"
-    ))
-    .fetch_all(&mut *tx)
-    .await
-    .map_err(db_err("reading applied migrations"))?
-    .into_iter()
-    .map(|r| {
-        (
-            r.get::<i32, _>(0),
-            (r.get::<String, _>(1), r.get::<String, _>(2)),
-        )
-    })
-    .collect();
+    store::lock_migrations(tx, schema)
+        .await
+        .map_err(db_err("waiting for the migration lock"))?;
+    store::create_schema(tx, schema)
+        .await
+        .map_err(db_err(format!("creating schema {schema}")))?;
+    let applied = store::applied_migrations(tx, schema)
+        .await
+        .map_err(db_err("reading applied migrations"))?;
     check_applied(schema, &applied)?;
 
     for m in MIGRATIONS {
@@ -243,21 +215,14 @@ async fn apply_one(
     m: &Migration,
 ) -> Result<(), MigrateError> {
     tracing::info!(schema, migration = m.name, "applying migration");
-    sqlx::raw_sql(&m.render(schema))
-        .execute(&mut *conn)
-        .await
-        .map_err(db_err(format!("applying migration {}", m.name)))?;
-    sqlx::query(&format!(
-        "INSERT INTO {schema}.wh_schema_migrations (version, name, checksum, applied_by) VALUES ($1, $2, $3, $4)"
-    ))
-    .bind(m.version)
-    .bind(m.name)
-    .bind(m.checksum())
-    .bind(concat!("perspective-worker ", env!("CARGO_PKG_VERSION")))
-    .execute(&mut *conn)
+    store::apply_migration(
+        conn,
+        schema,
+        m,
+        concat!("perspective-worker ", env!("CARGO_PKG_VERSION")),
+    )
     .await
-    .map_err(db_err(format!("recording migration {}", m.name)))?;
-    Ok(())
+    .map_err(db_err(format!("applying migration {}", m.name)))
 }
 
 /// Make `wh_perspective_subscriptions` equal to what the config declares.
@@ -266,33 +231,11 @@ async fn sync_subscriptions(
     config: &Config,
     report: &mut MigrateReport,
 ) -> Result<(), MigrateError> {
-    let schema = &config.schema;
-    let (perspectives, event_types): (Vec<String>, Vec<String>) =
-        config.subscriptions().into_iter().unzip();
-    let removed = sqlx::query(&format!(
-        "DELETE FROM {schema}.wh_perspective_subscriptions s
-         WHERE NOT EXISTS (SELECT 1 FROM unnest($1::text[], $2::text[]) AS c(p, e)
-                           WHERE c.p = s.perspective_name AND c.e = s.event_type)
-         RETURNING perspective_name, event_type"
-    ))
-    .bind(&perspectives)
-    .bind(&event_types)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(db_err("removing stale subscriptions"))?;
-    report.subscriptions_removed = removed.iter().map(|r| (r.get(0), r.get(1))).collect();
-    let added = sqlx::query(&format!(
-        "INSERT INTO {schema}.wh_perspective_subscriptions (perspective_name, event_type)
-         SELECT p, e FROM unnest($1::text[], $2::text[]) AS c(p, e)
-         ON CONFLICT DO NOTHING
-         RETURNING perspective_name, event_type"
-    ))
-    .bind(&perspectives)
-    .bind(&event_types)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(db_err("registering subscriptions"))?;
-    report.subscriptions_added = added.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let (removed, added) = store::sync_subscriptions(conn, &config.schema, &config.subscriptions())
+        .await
+        .map_err(db_err("registering subscriptions"))?;
+    report.subscriptions_removed = removed;
+    report.subscriptions_added = added;
     Ok(())
 }
 
@@ -306,8 +249,7 @@ async fn setup_and_prepare(
     report: &mut MigrateReport,
 ) -> Result<(), MigrateError> {
     let schema = &config.schema;
-    sqlx::query(&format!("SET LOCAL search_path TO {schema}, public"))
-        .execute(&mut *conn)
+    store::set_local_search_path(conn, schema)
         .await
         .map_err(db_err("setting search_path"))?;
 
@@ -316,7 +258,7 @@ async fn setup_and_prepare(
         let at = |field: &str| format!("perspectives[{index}] ({}).{field}", p.name);
         if let Some(setup) = p.setup.as_deref().filter(|s| !s.trim().is_empty()) {
             let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
-            match sqlx::raw_sql(setup).execute(&mut *sp).await {
+            match store::execute_script(&mut sp, setup).await {
                 Ok(_) => {
                     sp.commit().await.map_err(db_err("releasing a savepoint"))?;
                     report.setups_run.push(p.name.clone());
@@ -361,7 +303,7 @@ async fn setup_and_prepare(
                 .map(|p| PgTypeInfo::with_name(p.pg_type()))
                 .collect();
             let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
-            match (&mut *sp).prepare_with(&sql, &types).await {
+            match store::prepare(&mut sp, &sql, &types).await {
                 Ok(_) => {
                     sp.commit().await.map_err(db_err("releasing a savepoint"))?;
                     report.statements_prepared += 1;
@@ -389,7 +331,7 @@ async fn setup_and_prepare(
     for (index, p) in config.perspectives.iter().enumerate() {
         let sql = create_apply_function(schema, p);
         let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
-        match sqlx::raw_sql(&sql).execute(&mut *sp).await {
+        match store::execute_script(&mut sp, &sql).await {
             Ok(_) => sp.commit().await.map_err(db_err("releasing a savepoint"))?,
             Err(e) => {
                 sp.rollback()
@@ -405,18 +347,13 @@ async fn setup_and_prepare(
                 continue;
             }
         }
-        sqlx::query(&format!(
-            "INSERT INTO {schema}.wh_perspectives (perspective_name, definition_hash, apply_function)
-             VALUES ($1, $2, $3)
-             ON CONFLICT (perspective_name) DO UPDATE
-               SET definition_hash = excluded.definition_hash, apply_function = excluded.apply_function,
-                   updated_at = now()
-             WHERE wh_perspectives.definition_hash <> excluded.definition_hash"
-        ))
-        .bind(&p.name)
-        .bind(definition_hash(p))
-        .bind(apply_function_name(&p.name))
-        .execute(&mut *conn)
+        store::record_compiled_perspective(
+            conn,
+            schema,
+            &p.name,
+            &definition_hash(p),
+            &apply_function_name(&p.name),
+        )
         .await
         .map_err(db_err("recording the compiled perspective"))?;
         report.apply_functions += 1;
@@ -427,8 +364,7 @@ async fn setup_and_prepare(
             problems,
         }));
     }
-    sqlx::raw_sql(&create_drain_function(schema, &config.perspectives))
-        .execute(&mut *conn)
+    store::execute_script(conn, &create_drain_function(schema, &config.perspectives))
         .await
         .map_err(db_err("compiling the drain function"))?;
     Ok(())

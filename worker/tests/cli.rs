@@ -168,7 +168,7 @@ async fn status_reports_pending_work_per_perspective() {
     assert_eq!(status["activeStreams"], 1);
     assert_eq!(
         status["schemaVersion"],
-        perspective_worker::migrations::latest_version()
+        perspective_worker::store::migrations::latest_version()
     );
     assert!(
         status["perspectives"][0]["oldestPendingSeconds"]

@@ -7,7 +7,7 @@ use std::process::Output;
 
 use common::*;
 use perspective_worker::migrate::{migrate, MigrateError, MigrateOptions};
-use perspective_worker::migrations::{latest_version, MIGRATIONS};
+use perspective_worker::store::migrations::{latest_version, MIGRATIONS};
 
 fn write_config(yaml: &str) -> tempfile_path::TempPath {
     tempfile_path::write(yaml)

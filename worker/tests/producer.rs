@@ -262,7 +262,7 @@ async fn concurrent_appenders_leave_unique_gapless_versions() {
 #[tokio::test]
 async fn doorbell_notifies_once_per_transaction_after_commit_and_never_on_rollback() {
     let (schema, _) = migrated_schema("notify").await;
-    let channel = perspective_worker::migrations::work_channel(&schema);
+    let channel = perspective_worker::store::names::work_channel(&schema);
     let mut listener = PgListener::connect(&database_url()).await.unwrap();
     listener.listen(&channel).await.unwrap();
     listener

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use super::Ctx;
+use crate::store::claim::ClaimArgs;
 
 /// The wait before the next poll: the tight interval while NOTIFY is unavailable, the relaxed
 /// safety net while it is healthy, growing with consecutive empty polls up to the cap.
@@ -36,16 +37,15 @@ pub(crate) fn next_interval(ctx: &Ctx, empty_polls: u64) -> Option<Duration> {
 /// One `claim_work` call.
 pub(crate) async fn claim(ctx: &Ctx) -> Result<Vec<Uuid>, sqlx::Error> {
     let started = Instant::now();
-    let streams = sqlx::query_scalar(&format!(
-        "SELECT stream_id FROM {}.claim_work($1, $2, $3, $4)",
-        ctx.schema
-    ))
-    .bind(ctx.instance_id)
-    .bind(ctx.config.claim_worker.max_streams_per_batch as i32)
-    .bind(ctx.config.worker.lease_seconds as i32)
-    .bind(ctx.config.worker.abandon_stale_instance_threshold_seconds as f64)
-    .fetch_all(&ctx.pool)
-    .await;
+    let streams = ctx
+        .store
+        .claim_work(ClaimArgs {
+            instance_id: ctx.instance_id,
+            max_streams: ctx.config.claim_worker.max_streams_per_batch as i32,
+            lease_seconds: ctx.config.worker.lease_seconds as i32,
+            stale_seconds: ctx.config.worker.abandon_stale_instance_threshold_seconds as f64,
+        })
+        .await;
     ctx.metrics
         .claim_duration
         .observe(started.elapsed().as_secs_f64());

@@ -57,14 +57,10 @@ pub(crate) async fn flush_worker(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<
             continue;
         }
         let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
-        let result = sqlx::query_scalar::<_, i32>(&format!(
-            "SELECT {}.complete_perspective_events($1, $2)",
-            ctx.schema
-        ))
-        .bind(&ids)
-        .bind(ctx.config.worker.debug_mode)
-        .fetch_one(&ctx.pool)
-        .await;
+        let result = ctx
+            .store
+            .complete_events(&ids, ctx.config.worker.debug_mode)
+            .await;
         match result {
             Ok(_) => {
                 tracker.mark_acknowledged(batch.len());
@@ -106,14 +102,10 @@ pub(crate) async fn settler(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Uuid>
             streams.insert(s);
         }
         let list: Vec<Uuid> = streams.iter().copied().collect();
-        let removed: Result<Vec<Uuid>, sqlx::Error> = sqlx::query_scalar(&format!(
-            "SELECT * FROM {}.cleanup_completed_streams($1, $2)",
-            ctx.schema
-        ))
-        .bind(ctx.instance_id)
-        .bind(&list)
-        .fetch_all(&ctx.pool)
-        .await;
+        let removed = ctx
+            .store
+            .cleanup_completed_streams(ctx.instance_id, &list)
+            .await;
         let removed: HashSet<Uuid> = match removed {
             Ok(r) => r.into_iter().collect(),
             Err(e) => {

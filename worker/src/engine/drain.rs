@@ -15,6 +15,7 @@ use super::hooks::HookEvent;
 use super::runner::{ApplyMode, Group, WorkItem};
 use super::Ctx;
 use crate::config::CompletionStrategy;
+use crate::store::drain::{DrainArgs, FetchArgs};
 
 pub(crate) type SharedReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Uuid>>>;
 
@@ -209,27 +210,6 @@ async fn drain_once(ctx: &Ctx, streams: &[Uuid]) -> Round {
     }
 }
 
-/// One row of `wh_drain`: what happened to one (stream, perspective).
-#[derive(sqlx::FromRow)]
-struct PairOutcome {
-    o_stream_id: Uuid,
-    o_perspective: String,
-    o_rows: i32,
-    o_applied: i32,
-    o_last_version: Option<i64>,
-    o_failed_work_id: Option<i64>,
-    o_error: Option<String>,
-    o_done_work_ids: Vec<i64>,
-    o_dead_lettered: Vec<i64>,
-    o_oldest: Option<chrono::DateTime<chrono::Utc>>,
-    o_rewound: bool,
-    o_completed_event_ids: Vec<Uuid>,
-    /// Due work is left past what this call applied (or the call's row budget ran out first),
-    /// seen by a statement after the apply.
-    o_more: bool,
-    o_applied_event_ids: Vec<Uuid>,
-}
-
 /// Claim and apply in the database, one round trip per batch of streams (compiled SQL
 /// perspectives): no rows travel to the worker and no leases are written.
 async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
@@ -238,22 +218,18 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
         .clamp(100, 2 * ROWS_PER_FETCH as i64);
     let instant = ctx.config.worker.completion_strategy == CompletionStrategy::Instant;
     let w = &ctx.config.worker;
-    let outcomes: Result<Vec<PairOutcome>, sqlx::Error> = sqlx::query_as(&format!(
-        "SELECT * FROM {}.wh_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        ctx.schema
-    ))
-    .bind(ctx.instance_id)
-    .bind(streams)
-    .bind(per_pair as i32)
-    .bind(max_rows as i32)
-    .bind(instant)
-    .bind(w.debug_mode)
-    .bind(w.failure_retry_base_milliseconds as f64)
-    .bind(w.failure_retry_max_milliseconds as f64)
-    .bind(w.notify_applied)
-    .bind(w.max_perspective_event_attempts.map(|m| m as i32))
-    .fetch_all(&ctx.pool)
-    .await;
+    let args = DrainArgs {
+        instance_id: ctx.instance_id,
+        per_pair: per_pair as i32,
+        max_rows: max_rows as i32,
+        instant,
+        debug: w.debug_mode,
+        retry_base_ms: w.failure_retry_base_milliseconds as f64,
+        retry_max_ms: w.failure_retry_max_milliseconds as f64,
+        notify_applied: w.notify_applied,
+        max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
+    };
+    let outcomes = ctx.store.drain(streams, args).await;
     let outcomes = match outcomes {
         Ok(o) => o,
         Err(e) => {
@@ -267,42 +243,42 @@ async fn server_drain(ctx: &Ctx, streams: &[Uuid]) -> Round {
     let now = chrono::Utc::now();
     let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
     for o in outcomes {
-        *rows_per_stream.entry(o.o_stream_id).or_default() += o.o_rows as i64;
-        if o.o_more {
-            more.insert(o.o_stream_id);
+        *rows_per_stream.entry(o.stream_id).or_default() += o.rows as i64;
+        if o.more {
+            more.insert(o.stream_id);
         }
-        let perspective = o.o_perspective.as_str();
-        if o.o_rewound {
-            report_rewound(ctx, perspective, o.o_stream_id);
+        let perspective = o.perspective.as_str();
+        if o.rewound {
+            report_rewound(ctx, perspective, o.stream_id);
         }
-        super::lifecycle::post_perspective(ctx, perspective, o.o_stream_id, &o.o_applied_event_ids);
-        completed.extend(o.o_completed_event_ids.iter().map(|e| (o.o_stream_id, *e)));
-        if !o.o_dead_lettered.is_empty() {
-            report_dead_lettered(ctx, perspective, o.o_stream_id, o.o_dead_lettered.clone());
+        super::lifecycle::post_perspective(ctx, perspective, o.stream_id, &o.applied_event_ids);
+        completed.extend(o.completed_event_ids.iter().map(|e| (o.stream_id, *e)));
+        if !o.dead_lettered.is_empty() {
+            report_dead_lettered(ctx, perspective, o.stream_id, o.dead_lettered.clone());
         }
-        if o.o_applied > 0 {
-            applied += o.o_applied as u64;
-            let latency = o.o_oldest.map(|t| seconds_since(t, now));
+        if o.applied > 0 {
+            applied += o.applied as u64;
+            let latency = o.oldest.map(|t| seconds_since(t, now));
             report_applied(
                 ctx,
                 perspective,
-                o.o_stream_id,
-                o.o_applied as u32,
-                o.o_last_version.unwrap_or_default(),
+                o.stream_id,
+                o.applied as u32,
+                o.last_version.unwrap_or_default(),
                 latency.into_iter(),
             );
         }
-        if let Some(work_id) = o.o_failed_work_id {
+        if let Some(work_id) = o.failed_work_id {
             report_failed(
                 ctx,
                 perspective,
-                o.o_stream_id,
+                o.stream_id,
                 work_id,
-                o.o_error.as_deref().unwrap_or_default(),
+                o.error.as_deref().unwrap_or_default(),
             );
         }
-        if !instant && !o.o_done_work_ids.is_empty() {
-            ctx.queue_completions(o.o_stream_id, &o.o_done_work_ids);
+        if !instant && !o.done_work_ids.is_empty() {
+            ctx.queue_completions(o.stream_id, &o.done_work_ids);
         }
     }
     let min_batch = ctx.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
@@ -335,19 +311,15 @@ async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> Round {
     let per_pair = ctx.config.worker.perspective_batch_size.max(1) as i64;
     let max_rows = (per_pair * streams.len() as i64 * ctx.config.perspectives.len() as i64)
         .clamp(100, 2 * ROWS_PER_FETCH as i64);
-    let fetched: Result<Vec<WorkItem>, sqlx::Error> = sqlx::query_as(&format!(
-        "SELECT * FROM {}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4, $5, $6, $7)",
-        ctx.schema
-    ))
-    .bind(ctx.instance_id)
-    .bind(streams)
-    .bind(ctx.config.worker.lease_seconds as i32)
-    .bind(max_rows as i32)
-    .bind(per_pair as i32)
-    .bind(ctx.config.worker.debug_mode)
-    .bind(ctx.runner.needs_event_payloads())
-    .fetch_all(&ctx.pool)
-    .await;
+    let args = FetchArgs {
+        instance_id: ctx.instance_id,
+        lease_seconds: ctx.config.worker.lease_seconds as i32,
+        max_rows: max_rows as i32,
+        per_pair: per_pair as i32,
+        debug: ctx.config.worker.debug_mode,
+        payloads: ctx.runner.needs_event_payloads(),
+    };
+    let fetched = ctx.store.claim_and_fetch(streams, args).await;
     let items = match fetched {
         Ok(items) => items,
         Err(e) => {
@@ -387,14 +359,7 @@ async fn dead_letter_filter(ctx: &Ctx, items: Vec<WorkItem>) -> Vec<WorkItem> {
         return good;
     }
     let ids: Vec<i64> = poison.iter().map(|i| i.event_work_id).collect();
-    let moved = sqlx::query_scalar::<_, i32>(&format!(
-        "SELECT {}.move_to_dead_letters($1, $2)",
-        ctx.schema
-    ))
-    .bind(ctx.instance_id)
-    .bind(&ids)
-    .fetch_one(&ctx.pool)
-    .await;
+    let moved = ctx.store.move_to_dead_letters(ctx.instance_id, &ids).await;
     match moved {
         Ok(_) => {
             for p in &poison {
@@ -493,7 +458,7 @@ async fn apply_pair(ctx: &Ctx, chunks: Vec<Group>) -> u64 {
     let mut applied = 0u64;
     for group in &chunks {
         let outcome = async {
-            let mut conn = ctx.pool.acquire().await?;
+            let mut conn = ctx.store.pool().acquire().await?;
             ctx.runner.apply(&mut conn, group, mode).await
         }
         .await;

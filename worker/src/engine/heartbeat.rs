@@ -8,30 +8,16 @@ use super::Ctx;
 
 /// One heartbeat plus a stale-instance sweep. Returns how many instances were abandoned.
 pub(crate) async fn beat(ctx: &Ctx) -> Result<i32, sqlx::Error> {
-    let schema = &ctx.schema;
-    sqlx::query(&format!(
-        "SELECT {schema}.record_heartbeat($1, $2, $3, $4, $5)"
-    ))
-    .bind(ctx.instance_id)
-    .bind(&ctx.service_name)
-    .bind(&ctx.host_name)
-    .bind(std::process::id() as i32)
-    .bind(serde_json::to_value(&ctx.config.worker.instance_metadata).unwrap_or_default())
-    .execute(&ctx.pool)
-    .await?;
-    let abandoned: i32 =
-        sqlx::query_scalar(&format!("SELECT {schema}.cleanup_stale_instances($1, $2)"))
-            .bind(ctx.instance_id)
-            .bind(ctx.config.worker.abandon_stale_instance_threshold_seconds as f64)
-            .fetch_one(&ctx.pool)
-            .await?;
+    ctx.store.record_heartbeat(&ctx.instance).await?;
+    let abandoned = ctx
+        .store
+        .cleanup_stale_instances(
+            ctx.instance_id,
+            ctx.config.worker.abandon_stale_instance_threshold_seconds as f64,
+        )
+        .await?;
     // Lag per perspective for /metrics (one small aggregate per heartbeat).
-    let pending: Vec<(String, i64)> = sqlx::query_as(&format!(
-        "SELECT perspective_name, count(*) FROM {schema}.wh_perspective_events
-         WHERE processed_at IS NULL GROUP BY perspective_name"
-    ))
-    .fetch_all(&ctx.pool)
-    .await?;
+    let pending = ctx.store.pending_per_perspective().await?;
     for p in &ctx.config.perspectives {
         let n = pending
             .iter()

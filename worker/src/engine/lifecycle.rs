@@ -15,12 +15,12 @@ use uuid::Uuid;
 use super::hooks::HookEvent;
 use super::Ctx;
 
-/// How far back startup reconciliation looks, and how much it does per pass.
-const LOOKBACK: &str = "30 minutes";
+/// How far back startup reconciliation looks (30 minutes), and how much it does per pass.
+const LOOKBACK_SECONDS: f64 = 30.0 * 60.0;
 const PASS_SIZE: i64 = 100;
 const MAX_PASSES: usize = 20;
-/// Completion records older than this are deleted at startup.
-const RETENTION: &str = "7 days";
+/// Completion records older than this (7 days) are deleted at startup.
+const RETENTION_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 
 /// Fires PostPerspective for the events `perspective` just applied on `stream`, in order.
 pub(crate) fn post_perspective(ctx: &Ctx, perspective: &str, stream_id: Uuid, events: &[Uuid]) {
@@ -49,15 +49,10 @@ pub(crate) async fn fire(ctx: &Ctx, completed: &[(Uuid, Uuid)]) {
         });
     }
     let ids: Vec<Uuid> = completed.iter().map(|(_, e)| *e).collect();
-    let recorded = sqlx::query(&format!(
-        "INSERT INTO {}.wh_lifecycle_completions (event_id, instance_id)
-         SELECT unnest($1::uuid[]), $2 ON CONFLICT (event_id) DO NOTHING",
-        ctx.schema
-    ))
-    .bind(&ids)
-    .bind(ctx.instance_id)
-    .execute(&ctx.pool)
-    .await;
+    let recorded = ctx
+        .store
+        .record_lifecycle_completions(&ids, ctx.instance_id)
+        .await;
     if let Err(e) = recorded {
         // The stages fired; without the record a restart fires them again (at least once).
         tracing::warn!(error = %crate::db::describe_error(&e, None), count = ids.len(),
@@ -68,30 +63,15 @@ pub(crate) async fn fire(ctx: &Ctx, completed: &[(Uuid, Uuid)]) {
 /// Fires the stages of recent events that every subscribed perspective applied but that were
 /// never recorded (their worker died in between); deletes old completion records. Best effort.
 pub(crate) async fn reconcile_orphans(ctx: &Ctx) {
-    let s = &ctx.schema;
-    let _ = sqlx::query(&format!(
-        "DELETE FROM {s}.wh_lifecycle_completions WHERE completed_at < now() - interval '{RETENTION}'"
-    ))
-    .execute(&ctx.pool)
-    .await;
-    let sql = format!(
-        "SELECT e.stream_id, e.event_id FROM {s}.wh_event_store e
-         WHERE e.created_at > now() - interval '{LOOKBACK}'
-           AND EXISTS (SELECT 1 FROM {s}.wh_perspective_subscriptions s WHERE s.event_type = e.event_type)
-           AND NOT EXISTS (SELECT 1 FROM {s}.wh_lifecycle_completions l WHERE l.event_id = e.event_id)
-           AND NOT EXISTS (
-             SELECT 1 FROM {s}.wh_perspective_subscriptions s
-             LEFT JOIN {s}.wh_perspective_cursors c
-                    ON c.stream_id = e.stream_id AND c.perspective_name = s.perspective_name
-             WHERE s.event_type = e.event_type AND coalesce(c.last_version, 0) < e.stream_version)
-         ORDER BY e.stream_id, e.stream_version
-         LIMIT $1"
-    );
+    let _ = ctx
+        .store
+        .delete_old_lifecycle_completions(RETENTION_SECONDS)
+        .await;
     let mut total = 0usize;
     for _ in 0..MAX_PASSES {
-        let orphans: Vec<(Uuid, Uuid)> = match sqlx::query_as(&sql)
-            .bind(PASS_SIZE)
-            .fetch_all(&ctx.pool)
+        let orphans = match ctx
+            .store
+            .orphaned_lifecycles(LOOKBACK_SECONDS, PASS_SIZE)
             .await
         {
             Ok(rows) => rows,

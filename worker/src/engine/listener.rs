@@ -10,7 +10,7 @@ use sqlx::postgres::PgListener;
 use super::Ctx;
 
 pub(crate) async fn run(ctx: Arc<Ctx>) {
-    let channel = crate::migrations::work_channel(&ctx.schema);
+    let channel = crate::store::names::work_channel(ctx.store.schema());
     let mut backoff = Duration::from_millis(100);
     while !ctx.shutdown.is_cancelled() {
         let connected = async {

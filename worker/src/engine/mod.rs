@@ -40,7 +40,9 @@ use crate::config::Config;
 use crate::dedup::ProcessedEventCache;
 use crate::http::Readiness;
 use crate::metrics::WorkerMetrics;
-use crate::migrations::latest_version;
+use crate::store::instances::InstanceInfo;
+use crate::store::migrations::latest_version;
+use crate::store::Store;
 
 /// How to run an engine.
 #[derive(Clone)]
@@ -97,11 +99,10 @@ pub(crate) type PairGate = Arc<tokio::sync::Mutex<()>>;
 /// Shared state of the engine's tasks.
 pub(crate) struct Ctx {
     pub config: Arc<Config>,
-    pub schema: String,
     pub instance_id: Uuid,
-    pub service_name: String,
-    pub host_name: String,
-    pub pool: PgPool,
+    /// Who this instance is, as recorded with each heartbeat.
+    pub instance: InstanceInfo,
+    pub store: Store,
     pub listen_pool: PgPool,
     pub runner: Arc<dyn PerspectiveRunner>,
     pub hooks: Hooks,
@@ -212,7 +213,8 @@ impl Engine {
             connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
         );
 
-        verify_schema(&pool, &config).await?;
+        let store = Store::new(pool, &schema);
+        verify_schema(&store, &config).await?;
 
         let (drain_tx, drain_rx) =
             mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
@@ -225,12 +227,17 @@ impl Engine {
             .runner
             .clone()
             .unwrap_or_else(|| Arc::new(SqlRunner::new(&config)));
-        let ctx = Arc::new(Ctx {
-            schema,
+        let instance = InstanceInfo {
             instance_id: options.instance_id,
             service_name: options.service_name.clone(),
             host_name: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
-            pool,
+            process_id: std::process::id() as i32,
+            metadata: serde_json::to_value(&config.worker.instance_metadata).unwrap_or_default(),
+        };
+        let ctx = Arc::new(Ctx {
+            instance_id: options.instance_id,
+            instance,
+            store,
             listen_pool,
             runner,
             hooks: options.hooks.clone(),
@@ -257,7 +264,7 @@ impl Engine {
         heartbeat::beat(&ctx)
             .await
             .map_err(|e| db("registering the instance", e))?;
-        tracing::info!(instance_id = %ctx.instance_id, schema = %ctx.schema, "worker instance registered");
+        tracing::info!(instance_id = %ctx.instance_id, schema = %ctx.store.schema(), "worker instance registered");
 
         if ctx.config.worker.notify_applied {
             lifecycle::reconcile_orphans(&ctx).await;
@@ -302,15 +309,12 @@ impl Engine {
         if let Some(t) = self.flush_task.take() {
             let _ = t.await;
         }
-        sqlx::query(&format!(
-            "SELECT {}.deregister_instance($1)",
-            self.ctx.schema
-        ))
-        .bind(self.ctx.instance_id)
-        .execute(&self.ctx.pool)
-        .await
-        .map_err(|e| db("deregistering the instance", e))?;
-        self.ctx.pool.close().await;
+        self.ctx
+            .store
+            .deregister_instance(self.ctx.instance_id)
+            .await
+            .map_err(|e| db("deregistering the instance", e))?;
+        self.ctx.store.close().await;
         tracing::info!(instance_id = %self.ctx.instance_id, "stopped; leases released and instance deregistered");
         Ok(())
     }
@@ -325,23 +329,12 @@ fn db(step: &'static str, e: sqlx::Error) -> EngineError {
 
 /// The schema must be at this binary's migration and every perspective compiled from the
 /// config's current definition.
-async fn verify_schema(pool: &PgPool, config: &Config) -> Result<(), EngineError> {
+async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError> {
     let schema = &config.schema;
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-        .bind(format!("{schema}.wh_schema_migrations"))
-        .fetch_one(pool)
+    let found = store
+        .latest_migration()
         .await
         .map_err(|e| db("checking the schema", e))?;
-    let found: Option<i32> = if exists {
-        sqlx::query_scalar(&format!(
-            "SELECT max(version) FROM {schema}.wh_schema_migrations"
-        ))
-        .fetch_one(pool)
-        .await
-        .map_err(|e| db("checking the schema", e))?
-    } else {
-        None
-    };
     if found != Some(latest_version()) {
         return Err(EngineError::SchemaOutdated {
             schema: schema.clone(),
@@ -349,14 +342,10 @@ async fn verify_schema(pool: &PgPool, config: &Config) -> Result<(), EngineError
             expected: latest_version(),
         });
     }
-    let compiled: HashMap<String, String> = sqlx::query_as::<_, (String, String)>(&format!(
-        "SELECT perspective_name, definition_hash FROM {schema}.wh_perspectives"
-    ))
-    .fetch_all(pool)
-    .await
-    .map_err(|e| db("checking compiled perspectives", e))?
-    .into_iter()
-    .collect();
+    let compiled = store
+        .compiled_definitions()
+        .await
+        .map_err(|e| db("checking compiled perspectives", e))?;
     for p in &config.perspectives {
         if compiled.get(&p.name) != Some(&definition_hash(p)) {
             return Err(EngineError::PerspectiveOutdated {

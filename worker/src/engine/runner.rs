@@ -7,11 +7,11 @@ use chrono::{DateTime, Utc};
 use futures::future::BoxFuture;
 use serde_json::Value;
 use sqlx::postgres::PgConnection;
-use sqlx::Row;
 use uuid::Uuid;
 
 use crate::apply_sql::apply_function_name;
 use crate::config::Config;
+use crate::store::apply::ApplyArgs;
 
 /// One claimed work row with its event (payload fields are JSON null when the runner does not
 /// need them, see [`PerspectiveRunner::needs_event_payloads`]).
@@ -101,9 +101,7 @@ pub trait PerspectiveRunner: Send + Sync {
 pub struct SqlRunner {
     schema: String,
     functions: HashMap<String, String>,
-    retry_base_ms: f64,
-    retry_max_ms: f64,
-    notify_applied: bool,
+    args: ApplyArgs,
 }
 
 impl SqlRunner {
@@ -115,9 +113,11 @@ impl SqlRunner {
                 .iter()
                 .map(|p| (p.name.clone(), apply_function_name(&p.name)))
                 .collect(),
-            retry_base_ms: config.worker.failure_retry_base_milliseconds as f64,
-            retry_max_ms: config.worker.failure_retry_max_milliseconds as f64,
-            notify_applied: config.worker.notify_applied,
+            args: ApplyArgs {
+                retry_base_ms: config.worker.failure_retry_base_milliseconds as f64,
+                retry_max_ms: config.worker.failure_retry_max_milliseconds as f64,
+                notify_applied: config.worker.notify_applied,
+            },
         }
     }
 }
@@ -144,37 +144,15 @@ impl PerspectiveRunner for SqlRunner {
                     group.perspective
                 )));
             };
-            let items = &group.items;
-            let sql = format!(
-                "SELECT o_applied, o_last_version, o_failed_work_id, o_error, o_done_work_ids, o_rewound,
-                        o_completed_event_ids, o_applied_event_ids
-                 FROM {}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-                self.schema
-            );
-            let row = sqlx::query(&sql)
-                .bind(group.stream_id)
-                .bind(items.iter().map(|i| i.event_work_id).collect::<Vec<_>>())
-                .bind(items.iter().map(|i| i.event_id).collect::<Vec<_>>())
-                .bind(items.iter().map(|i| i.stream_version).collect::<Vec<_>>())
-                .bind(mode.instant)
-                .bind(mode.debug)
-                .bind(mode.force)
-                .bind(self.retry_base_ms)
-                .bind(self.retry_max_ms)
-                .bind(self.notify_applied && !mode.force)
-                .fetch_one(&mut *conn)
-                .await?;
-            let failed_id: Option<i64> = row.get(2);
-            let error: Option<String> = row.get(3);
-            Ok(ApplyOutcome {
-                applied: row.get::<i32, _>(0) as u32,
-                last_version: row.get(1),
-                failed: failed_id.map(|id| (id, error.unwrap_or_default())),
-                done_work_ids: row.get(4),
-                rewound: row.get(5),
-                completed_event_ids: row.get(6),
-                applied_event_ids: row.get(7),
-            })
+            crate::store::apply::call_apply_function(
+                conn,
+                &self.schema,
+                function,
+                group,
+                mode,
+                self.args,
+            )
+            .await
         })
     }
 }

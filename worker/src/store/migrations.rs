@@ -16,12 +16,12 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_event_store.sql",
-        template: include_str!("../../migrations/0001_event_store.sql"),
+        template: include_str!("../../../migrations/0001_event_store.sql"),
     },
     Migration {
         version: 2,
         name: "0002_engine.sql",
-        template: include_str!("../../migrations/0002_engine.sql"),
+        template: include_str!("../../../migrations/0002_engine.sql"),
     },
 ];
 
@@ -44,11 +44,6 @@ impl Migration {
 /// Highest version this binary knows.
 pub fn latest_version() -> i32 {
     MIGRATIONS.last().map(|m| m.version).unwrap_or(0)
-}
-
-/// NOTIFY channel on which producers ring the doorbell for new work.
-pub fn work_channel(schema: &str) -> String {
-    format!("{schema}_work")
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! Read-only status queries: how far behind each perspective is, what failed, who is alive.
-//! Used by `perspective-worker status` and by the operator's status reporting.
+//! Read-only status figures: how far behind each perspective is, what failed, who is alive.
+//! Used by `perspective-worker status`, the worker's pending gauge and the operator's status.
 
 use serde::Serialize;
 use sqlx::postgres::PgConnection;
@@ -35,6 +35,39 @@ pub struct Status {
     pub active_streams: i64,
 }
 
+const PERSPECTIVES: &str = "WITH names AS (
+       SELECT unnest($1::text[]) AS name
+       UNION SELECT perspective_name FROM {schema}.wh_perspective_events WHERE processed_at IS NULL
+       UNION SELECT perspective_name FROM {schema}.wh_dead_letters
+             WHERE recovery_status = {dead_letter_pending}
+       UNION SELECT perspective_name FROM {schema}.wh_perspective_cursors
+             WHERE (status & {cursor_failed}) <> 0
+     ),
+     pending AS (
+       SELECT perspective_name AS name, count(*) AS n,
+              extract(epoch FROM now() - min(created_at))::float8 AS oldest
+       FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY 1
+     ),
+     failed AS (
+       SELECT perspective_name AS name, count(*) AS n
+       FROM {schema}.wh_perspective_cursors WHERE (status & {cursor_failed}) <> 0 GROUP BY 1
+     ),
+     dead AS (
+       SELECT perspective_name AS name, count(*) AS n
+       FROM {schema}.wh_dead_letters WHERE recovery_status = {dead_letter_pending} GROUP BY 1
+     )
+     SELECT names.name, names.name = ANY($1) AS configured,
+            coalesce(pending.n, 0), pending.oldest, coalesce(failed.n, 0), coalesce(dead.n, 0)
+     FROM names
+     LEFT JOIN pending USING (name) LEFT JOIN failed USING (name) LEFT JOIN dead USING (name)
+     ORDER BY names.name";
+const INSTANCES_AND_STREAMS: &str = "SELECT
+       (SELECT count(*) FROM {schema}.wh_service_instances
+        WHERE last_heartbeat_at > now() - make_interval(secs => $1)),
+       (SELECT count(*) FROM {schema}.wh_active_streams)";
+const PENDING_PER_PERSPECTIVE: &str = "SELECT perspective_name, count(*)
+     FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY perspective_name";
+
 /// Read the status of `schema`. `configured` lists the config's perspectives (so a perspective
 /// with no work still shows, with zeros); `stale_after_seconds` is the heartbeat age after
 /// which an instance no longer counts as live.
@@ -44,40 +77,11 @@ pub async fn read_status(
     configured: &[String],
     stale_after_seconds: f64,
 ) -> Result<Status, sqlx::Error> {
-    let schema_version: Option<i32> = sqlx::query_scalar(&format!(
-        "SELECT max(version) FROM {schema}.wh_schema_migrations"
-    ))
-    .fetch_one(&mut *conn)
-    .await?;
-    let rows = sqlx::query(&format!(
-        "WITH names AS (
-           SELECT unnest($1::text[]) AS name
-           UNION SELECT perspective_name FROM {schema}.wh_perspective_events WHERE processed_at IS NULL
-           UNION SELECT perspective_name FROM {schema}.wh_dead_letters WHERE recovery_status = 'pending'
-           UNION SELECT perspective_name FROM {schema}.wh_perspective_cursors WHERE (status & 4) <> 0
-         ),
-         pending AS (
-           SELECT perspective_name AS name, count(*) AS n,
-                  extract(epoch FROM now() - min(created_at))::float8 AS oldest
-           FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY 1
-         ),
-         failed AS (
-           SELECT perspective_name AS name, count(*) AS n
-           FROM {schema}.wh_perspective_cursors WHERE (status & 4) <> 0 GROUP BY 1
-         ),
-         dead AS (
-           SELECT perspective_name AS name, count(*) AS n
-           FROM {schema}.wh_dead_letters WHERE recovery_status = 'pending' GROUP BY 1
-         )
-         SELECT names.name, names.name = ANY($1) AS configured,
-                coalesce(pending.n, 0), pending.oldest, coalesce(failed.n, 0), coalesce(dead.n, 0)
-         FROM names
-         LEFT JOIN pending USING (name) LEFT JOIN failed USING (name) LEFT JOIN dead USING (name)
-         ORDER BY names.name"
-    ))
-    .bind(configured)
-    .fetch_all(&mut *conn)
-    .await?;
+    let schema_version = super::schema::latest_migration(&mut *conn, schema).await?;
+    let rows = sqlx::query(&super::sql(schema, PERSPECTIVES))
+        .bind(configured)
+        .fetch_all(&mut *conn)
+        .await?;
     let perspectives = rows
         .iter()
         .map(|r| PerspectiveStatus {
@@ -89,14 +93,10 @@ pub async fn read_status(
             dead_letters: r.get(5),
         })
         .collect();
-    let row = sqlx::query(&format!(
-        "SELECT (SELECT count(*) FROM {schema}.wh_service_instances
-                 WHERE last_heartbeat_at > now() - make_interval(secs => $1)),
-                (SELECT count(*) FROM {schema}.wh_active_streams)"
-    ))
-    .bind(stale_after_seconds)
-    .fetch_one(&mut *conn)
-    .await?;
+    let row = sqlx::query(&super::sql(schema, INSTANCES_AND_STREAMS))
+        .bind(stale_after_seconds)
+        .fetch_one(&mut *conn)
+        .await?;
     Ok(Status {
         schema: schema.to_string(),
         schema_version,
@@ -104,6 +104,15 @@ pub async fn read_status(
         live_instances: row.get(0),
         active_streams: row.get(1),
     })
+}
+
+impl super::Store {
+    /// Work rows not yet applied, per perspective that has any.
+    pub async fn pending_per_perspective(&self) -> Result<Vec<(String, i64)>, sqlx::Error> {
+        sqlx::query_as(&self.sql(PENDING_PER_PERSPECTIVE))
+            .fetch_all(self.pool())
+            .await
+    }
 }
 
 impl Status {

@@ -1,0 +1,33 @@
+//! `claim_work`: the only query the worker polls.
+
+use uuid::Uuid;
+
+use super::Store;
+
+const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3, $4)";
+
+/// The arguments of one claim.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimArgs {
+    pub instance_id: Uuid,
+    /// Streams offered at most.
+    pub max_streams: i32,
+    /// Seconds a claimed stream stays assigned to this instance.
+    pub lease_seconds: i32,
+    /// Heartbeat age after which an instance no longer counts as live.
+    pub stale_seconds: f64,
+}
+
+impl Store {
+    /// Streams this instance should drain now: the ones it owns with due work, plus unowned ones
+    /// of its partition share (see `claim_work` in migrations/0002).
+    pub async fn claim_work(&self, args: ClaimArgs) -> Result<Vec<Uuid>, sqlx::Error> {
+        sqlx::query_scalar(&self.sql(CLAIM_WORK))
+            .bind(args.instance_id)
+            .bind(args.max_streams)
+            .bind(args.lease_seconds)
+            .bind(args.stale_seconds)
+            .fetch_all(self.pool())
+            .await
+    }
+}

@@ -1,0 +1,104 @@
+//! Dead letters: poison work rows moved aside with a snapshot of their event, listed, replayed.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::PgConnection;
+use uuid::Uuid;
+
+use super::Store;
+
+const MOVE_TO_DEAD_LETTERS: &str = "SELECT {schema}.move_to_dead_letters($1, $2)";
+const LIST: &str = "SELECT dead_letter_id, perspective_name, stream_id, stream_version, event_id,
+            event_type, attempts, error, dead_lettered_at, recovery_status
+     FROM {schema}.wh_dead_letters
+     WHERE $1 OR recovery_status = {dead_letter_pending}
+     ORDER BY dead_letter_id";
+const LOCK_PENDING: &str = "SELECT event_work_id, perspective_name, event, attempts
+     FROM {schema}.wh_dead_letters
+     WHERE dead_letter_id = $1 AND recovery_status = {dead_letter_pending}
+     FOR UPDATE";
+const MARK_REPLAYED: &str = "UPDATE {schema}.wh_dead_letters
+        SET recovery_status = {dead_letter_replayed}, recovered_at = now(),
+            replay_count = replay_count + 1
+      WHERE dead_letter_id = $1";
+
+/// One dead letter, as listed.
+#[derive(Debug, Clone, Serialize, PartialEq, sqlx::FromRow)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetter {
+    #[sqlx(rename = "dead_letter_id")]
+    pub id: i64,
+    #[sqlx(rename = "perspective_name")]
+    pub perspective: String,
+    pub stream_id: Uuid,
+    pub stream_version: i64,
+    pub event_id: Uuid,
+    pub event_type: String,
+    pub attempts: i32,
+    pub error: Option<String>,
+    pub dead_lettered_at: DateTime<Utc>,
+    pub recovery_status: String,
+}
+
+/// A pending dead letter, locked for replay.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct PendingDeadLetter {
+    pub event_work_id: i64,
+    pub perspective_name: String,
+    /// The event as it was when dead-lettered (the store row as JSON).
+    pub event: serde_json::Value,
+    pub attempts: i32,
+}
+
+impl Store {
+    /// Move work rows to the dead letters (with a snapshot of their events). Returns how many.
+    pub async fn move_to_dead_letters(
+        &self,
+        instance_id: Uuid,
+        work_ids: &[i64],
+    ) -> Result<i32, sqlx::Error> {
+        sqlx::query_scalar(&self.sql(MOVE_TO_DEAD_LETTERS))
+            .bind(instance_id)
+            .bind(work_ids)
+            .fetch_one(self.pool())
+            .await
+    }
+}
+
+/// Dead letters of `schema`, oldest first; only pending ones unless `all`.
+pub async fn list(
+    conn: &mut PgConnection,
+    schema: &str,
+    all: bool,
+) -> Result<Vec<DeadLetter>, sqlx::Error> {
+    sqlx::query_as(&super::sql(schema, LIST))
+        .bind(all)
+        .fetch_all(&mut *conn)
+        .await
+}
+
+/// Lock pending dead letter `id` for the rest of the transaction; None when it does not exist
+/// or is not pending.
+pub async fn lock_pending(
+    tx: &mut PgConnection,
+    schema: &str,
+    id: i64,
+) -> Result<Option<PendingDeadLetter>, sqlx::Error> {
+    sqlx::query_as(&super::sql(schema, LOCK_PENDING))
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+}
+
+/// Mark dead letter `id` replayed.
+pub async fn mark_replayed(
+    tx: &mut PgConnection,
+    schema: &str,
+    id: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&super::sql(schema, MARK_REPLAYED))
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! Lifecycle completion records (`wh_lifecycle_completions`) and orphan reconciliation.
+
+use uuid::Uuid;
+
+use super::Store;
+
+const RECORD_COMPLETIONS: &str =
+    "INSERT INTO {schema}.wh_lifecycle_completions (event_id, instance_id)
+     SELECT unnest($1::uuid[]), $2 ON CONFLICT (event_id) DO NOTHING";
+const DELETE_OLD_COMPLETIONS: &str = "DELETE FROM {schema}.wh_lifecycle_completions
+     WHERE completed_at < now() - make_interval(secs => $1)";
+/// Recent events of a subscribed type that every subscribed perspective has applied (its cursor
+/// is at or past the event) but whose lifecycle was never recorded.
+const ORPHANED_EVENTS: &str = "SELECT e.stream_id, e.event_id FROM {schema}.wh_event_store e
+     WHERE e.created_at > now() - make_interval(secs => $1)
+       AND EXISTS (SELECT 1 FROM {schema}.wh_perspective_subscriptions s WHERE s.event_type = e.event_type)
+       AND NOT EXISTS (SELECT 1 FROM {schema}.wh_lifecycle_completions l WHERE l.event_id = e.event_id)
+       AND NOT EXISTS (
+         SELECT 1 FROM {schema}.wh_perspective_subscriptions s
+         LEFT JOIN {schema}.wh_perspective_cursors c
+                ON c.stream_id = e.stream_id AND c.perspective_name = s.perspective_name
+         WHERE s.event_type = e.event_type AND coalesce(c.last_version, 0) < e.stream_version)
+     ORDER BY e.stream_id, e.stream_version
+     LIMIT $2";
+
+impl Store {
+    /// Record that the lifecycle stages of `event_ids` fired (on `instance_id`).
+    pub async fn record_lifecycle_completions(
+        &self,
+        event_ids: &[Uuid],
+        instance_id: Uuid,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(&self.sql(RECORD_COMPLETIONS))
+            .bind(event_ids)
+            .bind(instance_id)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+
+    /// Delete completion records older than `retention_seconds`.
+    pub async fn delete_old_lifecycle_completions(
+        &self,
+        retention_seconds: f64,
+    ) -> Result<u64, sqlx::Error> {
+        Ok(sqlx::query(&self.sql(DELETE_OLD_COMPLETIONS))
+            .bind(retention_seconds)
+            .execute(self.pool())
+            .await?
+            .rows_affected())
+    }
+
+    /// Up to `limit` (stream, event) pairs appended in the last `lookback_seconds` whose
+    /// lifecycle is complete but unrecorded, in stream order.
+    pub async fn orphaned_lifecycles(
+        &self,
+        lookback_seconds: f64,
+        limit: i64,
+    ) -> Result<Vec<(Uuid, Uuid)>, sqlx::Error> {
+        sqlx::query_as(&self.sql(ORPHANED_EVENTS))
+            .bind(lookback_seconds)
+            .bind(limit)
+            .fetch_all(self.pool())
+            .await
+    }
+}

@@ -1,0 +1,114 @@
+//! Every SQL statement the worker sends at run time, one file per concern, each a typed
+//! function. Nothing outside this module builds or sends SQL text (the generated apply functions
+//! come from [`crate::compile`] templates and are executed by [`schema`]).
+//!
+//! Statements are written as constants with a `{schema}` placeholder, filled by [`sql`] with the
+//! deployment's (validated) schema name; sqlx prepares and caches each one per connection.
+//! The names shared with the SQL side (channels, cursor status flags, dead-letter states) are
+//! defined once in [`names`].
+//!
+//! - [`names`]: channels, cursor status flags, dead-letter recovery states
+//! - [`migrations`]: the embedded, versioned schema SQL
+//! - [`schema`]: migrate's statements and the engine's schema verification
+//! - [`instances`]: heartbeats, stale-instance abandonment, deregistration
+//! - [`claim`]: `claim_work`, the only polled query
+//! - [`drain`]: `wh_drain` (claim and apply in the database) and the custom-runner fetch
+//! - [`apply`]: one call of a perspective's compiled apply function
+//! - [`complete`]: completion of applied work rows and retirement of drained streams
+//! - [`dead_letters`]: moving poison rows aside, listing and replaying them
+//! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
+//! - [`rebuild`]: resetting and re-queueing a perspective's streams
+//! - [`status`]: read-only lag / failure / dead-letter figures
+//! - [`append`]: the producer INSERT used by the `append` command
+//! - [`demo`]: reading a perspective's model table for the demo
+
+pub mod append;
+pub mod apply;
+pub mod claim;
+pub mod complete;
+pub mod dead_letters;
+pub mod demo;
+pub mod drain;
+pub mod instances;
+pub mod lifecycle;
+pub mod migrations;
+pub mod names;
+pub mod rebuild;
+pub mod schema;
+pub mod status;
+
+use std::sync::Arc;
+
+use sqlx::postgres::PgPool;
+
+/// `template` with its placeholders filled: `{schema}` by `schema` (a validated identifier: no
+/// quoting needed) and the shared flags of [`names`] by their values.
+pub(crate) fn sql(schema: &str, template: &str) -> String {
+    use names::{cursor_status, recovery_status};
+    template
+        .replace("{schema}", schema)
+        .replace("{cursor_completed}", &cursor_status::COMPLETED.to_string())
+        .replace("{cursor_failed}", &cursor_status::FAILED.to_string())
+        .replace(
+            "{dead_letter_pending}",
+            &format!("'{}'", recovery_status::PENDING),
+        )
+        .replace(
+            "{dead_letter_replayed}",
+            &format!("'{}'", recovery_status::REPLAYED),
+        )
+}
+
+/// The engine's handle on its deployment's schema: a connection pool and the schema name.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: PgPool,
+    schema: Arc<str>,
+}
+
+impl Store {
+    pub fn new(pool: PgPool, schema: &str) -> Self {
+        Store {
+            pool,
+            schema: schema.into(),
+        }
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// `template` for this store's schema.
+    fn sql(&self, template: &str) -> String {
+        sql(&self.schema, template)
+    }
+
+    /// Close the pool (after deregistering).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fills_every_placeholder() {
+        assert_eq!(
+            sql("shop", "SELECT {schema}.f() FROM {schema}.t WHERE x = '{}'"),
+            "SELECT shop.f() FROM shop.t WHERE x = '{}'"
+        );
+        assert_eq!(
+            sql(
+                "s",
+                "(status & {cursor_failed}) <> 0 AND r = {dead_letter_pending}"
+            ),
+            "(status & 4) <> 0 AND r = 'pending'"
+        );
+    }
+}

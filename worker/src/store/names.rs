@@ -1,0 +1,32 @@
+//! Names and flags the worker shares with its SQL, defined once.
+
+/// NOTIFY channel on which producers ring the doorbell for new work (empty payload) and workers
+/// announce abandoned instances ([`ORPHAN_PAYLOAD`]).
+pub fn work_channel(schema: &str) -> String {
+    format!("{schema}_work")
+}
+
+/// NOTIFY channel carrying the id of each event every subscribed perspective has applied
+/// (with `worker.notifyApplied`).
+pub fn applied_channel(schema: &str) -> String {
+    format!("{schema}_applied")
+}
+
+/// Payload on the work channel when silent instances were abandoned.
+pub const ORPHAN_PAYLOAD: &str = "orphan";
+
+/// Flags of `wh_perspective_cursors.status` (the seeds' PerspectiveProcessingStatus) that the
+/// worker writes or reads; statements spell them `{cursor_completed}` / `{cursor_failed}`.
+pub mod cursor_status {
+    /// The last apply succeeded.
+    pub const COMPLETED: i16 = 2;
+    /// The last apply failed on an event (it is retried with backoff).
+    pub const FAILED: i16 = 4;
+}
+
+/// Values of `wh_dead_letters.recovery_status`; statements spell them `{dead_letter_pending}` /
+/// `{dead_letter_replayed}`.
+pub mod recovery_status {
+    pub const PENDING: &str = "pending";
+    pub const REPLAYED: &str = "replayed";
+}
