@@ -80,7 +80,7 @@ pub async fn replay(
     let outcome = runner.apply(&mut tx, &group, mode).await;
     let failure = match outcome {
         Ok(o) => o.failed.map(|(_, e)| e),
-        Err(e) => Some(crate::db::describe_error(&e, None)),
+        Err(e) => Some(e.to_string()),
     };
     if let Some(error) = failure {
         tx.rollback().await?;

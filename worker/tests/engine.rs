@@ -3,6 +3,10 @@
 //! latency, LISTEN loss, and idle load.
 
 mod common;
+/// The example Rust perspective, run through the real engine below.
+#[path = "../../examples/stream_history_runner.rs"]
+#[allow(dead_code)]
+mod stream_history_runner;
 
 use std::time::{Duration, Instant};
 
@@ -22,8 +26,28 @@ claimWorker:
   pollingIntervalMilliseconds: 100
 ";
 
-async fn exactly_once_with_three_instances(strategy: &str) {
-    let schema = unique_schema(&format!("eo_{}", &strategy[..4].to_lowercase()));
+/// Which runner the engines use: the compiled SQL handlers, or the example Rust runner writing
+/// the same `seen_<perspective>` tables.
+#[derive(Clone, Copy, PartialEq)]
+enum Runner {
+    Sql,
+    Rust,
+}
+
+fn engine_options(config: &Config, runner: Runner) -> perspective_worker::engine::EngineOptions {
+    let mut options =
+        perspective_worker::engine::EngineOptions::new(config.clone(), database_url());
+    if runner == Runner::Rust {
+        options.runner = Some(std::sync::Arc::new(
+            stream_history_runner::StreamHistoryRunner::new(&config.schema, "seen_"),
+        ));
+    }
+    options
+}
+
+async fn exactly_once_with_three_instances(strategy: &str, runner: Runner) {
+    let kind = if runner == Runner::Rust { "rs" } else { "sql" };
+    let schema = unique_schema(&format!("eo_{}_{kind}", &strategy[..4].to_lowercase()));
     let config = {
         let mut c = parse_config(&recording_yaml(&schema, FAST));
         c.worker.completion_strategy = match strategy {
@@ -33,11 +57,10 @@ async fn exactly_once_with_three_instances(strategy: &str) {
         c
     };
     migrate_config(&config).await;
-    let engines = vec![
-        RunningEngine::start(&config).await,
-        RunningEngine::start(&config).await,
-        RunningEngine::start(&config).await,
-    ];
+    let mut engines = Vec::new();
+    for _ in 0..3 {
+        engines.push(RunningEngine::start_with(engine_options(&config, runner)).await);
+    }
     let streams: Vec<Uuid> = (0..300).map(|_| Uuid::now_v7()).collect();
     // 30 000 events while the three instances race for them.
     append_load(&schema, &streams, 100, 6, 50).await;
@@ -69,12 +92,17 @@ async fn exactly_once_with_three_instances(strategy: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_instances_apply_every_event_exactly_once_in_order_batched() {
-    exactly_once_with_three_instances("Batched").await;
+    exactly_once_with_three_instances("Batched", Runner::Sql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_instances_with_a_rust_runner_apply_every_event_exactly_once_in_order() {
+    exactly_once_with_three_instances("Batched", Runner::Rust).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_instances_apply_every_event_exactly_once_in_order_instant() {
-    exactly_once_with_three_instances("Instant").await;
+    exactly_once_with_three_instances("Instant", Runner::Sql).await;
 }
 
 /// Claim and fetch like a worker would, without applying.
@@ -405,6 +433,140 @@ claimWorker:
         .unwrap();
     assert!(!out.status.success());
     assert_eq!(seen(bad).await, vec![1, 3, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_runner_refusing_an_event_retries_it_with_backoff_then_dead_letters_it() {
+    let schema = unique_schema("poison_rs");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  maxPerspectiveEventAttempts: 3
+  failureRetryBaseMilliseconds: 150
+  failureRetryMaxMilliseconds: 2000
+  drainBatcher: { slidingWindowMilliseconds: 10 }
+claimWorker:
+  pollingIntervalMilliseconds: 20
+",
+    ));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start_with(engine_options(&config, Runner::Rust)).await;
+    let mut hooks = engine.hooks.subscribe();
+    let (bad, good) = (Uuid::now_v7(), Uuid::now_v7());
+    let mut conn = connect().await;
+    for (stream, data) in [
+        (bad, serde_json::json!({})),
+        (bad, serde_json::json!("not an object")),
+        (bad, serde_json::json!({})),
+        (good, serde_json::json!({})),
+        (good, serde_json::json!({})),
+    ] {
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data) VALUES ($1, 'A', $2)"
+        ))
+        .bind(stream)
+        .bind(data)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+
+    // Per perspective: three failures spaced by the backoff (150 ms, then 300 ms), then the
+    // dead letter. A hot retry would fail again within milliseconds.
+    let mut failures: std::collections::HashMap<String, Vec<Instant>> = Default::default();
+    let mut dead = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while dead < 2 {
+        let ev = tokio::time::timeout_at(deadline.into(), hooks.recv())
+            .await
+            .expect("dead letters in time")
+            .unwrap();
+        match ev {
+            HookEvent::PerspectiveEventFailed {
+                perspective,
+                stream_id,
+                error,
+                ..
+            } => {
+                assert_eq!(stream_id, bad, "only the poisoned stream fails: {error}");
+                assert!(error.contains("must be a JSON object"), "{error}");
+                failures
+                    .entry(perspective)
+                    .or_default()
+                    .push(Instant::now());
+            }
+            HookEvent::DeadLettered { stream_id, .. } => {
+                assert_eq!(stream_id, bad);
+                dead += 1;
+            }
+            _ => {}
+        }
+    }
+    for (perspective, at) in &failures {
+        assert_eq!(
+            at.len(),
+            3,
+            "{perspective}: maxPerspectiveEventAttempts failures"
+        );
+        for (n, pair) in at.windows(2).enumerate() {
+            let gap = pair[1] - pair[0];
+            let backoff = Duration::from_millis(150 << n);
+            assert!(
+                gap >= backoff - Duration::from_millis(20),
+                "{perspective}: retry {} after {gap:?}, before its backoff {backoff:?}",
+                n + 1
+            );
+        }
+    }
+    assert_eq!(failures.len(), 2, "both perspectives refused the event");
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+
+    for p in ["p1", "p2"] {
+        let versions = |stream: Uuid| {
+            let sql = format!("SELECT versions FROM {schema}.seen_{p} WHERE stream_id = $1");
+            async move {
+                let mut conn = connect().await;
+                sqlx::query_scalar::<_, Vec<i64>>(&sql)
+                    .bind(stream)
+                    .fetch_one(&mut conn)
+                    .await
+                    .unwrap()
+            }
+        };
+        assert_eq!(
+            versions(bad).await,
+            vec![1, 3],
+            "{p}: the rest of the stream is applied"
+        );
+        assert_eq!(
+            versions(good).await,
+            vec![1, 2],
+            "{p}: other streams are unaffected"
+        );
+    }
+    let letters: Vec<(i64, i64, i32, String)> = sqlx::query_as(&format!(
+        "SELECT dead_letter_id, stream_version, attempts, error FROM {schema}.wh_dead_letters ORDER BY 1"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(letters.len(), 2);
+    for (_, version, attempts, error) in &letters {
+        assert_eq!((*version, *attempts), (2, 3));
+        assert!(error.contains("must be a JSON object"), "{error}");
+    }
+    // Replaying through the same runner refuses the same payload again and changes nothing.
+    let runner = stream_history_runner::StreamHistoryRunner::new(&schema, "seen_");
+    let replay =
+        perspective_worker::dead_letters::replay(&mut conn, &schema, &runner, letters[0].0).await;
+    assert!(
+        matches!(
+            replay,
+            Err(perspective_worker::dead_letters::ReplayError::FailedAgain { .. })
+        ),
+        "{replay:?}"
+    );
 }
 
 /// Migrates `yaml`, appends to one new stream with `insert` (`{schema}` replaced, `$1` the

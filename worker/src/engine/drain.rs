@@ -16,6 +16,7 @@ use super::runner::{ApplyMode, Group, WorkItem};
 use super::Ctx;
 use crate::config::CompletionStrategy;
 use crate::store::drain::{DrainArgs, FetchArgs};
+use crate::store::failure::Failure;
 
 pub(crate) type SharedReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Uuid>>>;
 
@@ -347,14 +348,17 @@ async fn fetch_and_apply(ctx: &Ctx, streams: &[Uuid]) -> Round {
     Round { applied, busy }
 }
 
-/// Rows leased more often than `maxPerspectiveEventAttempts` go to the dead letters before
-/// they are tried again; if moving them fails they stay (and are tried next time).
+/// Rows already tried `maxPerspectiveEventAttempts` times (a lease counts as a try, so a worker
+/// that died mid-apply counts too) go to the dead letters before they are tried again; if moving
+/// them fails they stay (and are tried next time).
 async fn dead_letter_filter(ctx: &Ctx, items: Vec<WorkItem>) -> Vec<WorkItem> {
     let Some(max) = ctx.config.worker.max_perspective_event_attempts else {
         return items;
     };
-    let (poison, good): (Vec<WorkItem>, Vec<WorkItem>) =
-        items.into_iter().partition(|i| i.attempts > max as i32);
+    // The lease that fetched them counted an attempt that has not run.
+    let (poison, good): (Vec<WorkItem>, Vec<WorkItem>) = items
+        .into_iter()
+        .partition(|i| exhausted(i.attempts - 1, Some(max)));
     if poison.is_empty() {
         return good;
     }
@@ -457,48 +461,149 @@ async fn apply_pair(ctx: &Ctx, chunks: Vec<Group>) -> u64 {
     };
     let mut applied = 0u64;
     for group in &chunks {
-        let outcome = async {
-            let mut conn = ctx.store.pool().acquire().await?;
-            ctx.runner.apply(&mut conn, group, mode).await
-        }
-        .await;
-        match outcome {
-            Ok(o) => {
-                applied += o.applied as u64;
-                record_outcome(ctx, group, &o, mode);
-                super::lifecycle::post_perspective(
-                    ctx,
-                    &group.perspective,
-                    group.stream_id,
-                    &o.applied_event_ids,
-                );
-                let completed: Vec<(Uuid, Uuid)> = o
-                    .completed_event_ids
-                    .iter()
-                    .map(|e| (group.stream_id, *e))
-                    .collect();
-                super::lifecycle::fire(ctx, &completed).await;
-                if o.failed.is_some() {
-                    break;
-                }
+        let (n, failed) = match apply_group(ctx, group, mode).await {
+            Applied::Ok { applied, failed } => (applied, failed),
+            // Nothing of the group committed. Like the SQL apply functions' slow path, apply it
+            // one event at a time: the good prefix commits and the failure is pinned on the
+            // event that causes it (not on an innocent first event).
+            Applied::Err(_) if group.items.len() > 1 => apply_one_by_one(ctx, group, mode).await,
+            Applied::Err(error) => {
+                fail_group(ctx, group, &error).await;
+                (0, true)
             }
-            Err(e) => {
-                // Nothing of this group committed; its leases will lapse or be re-fetched.
-                tracing::warn!(
-                    perspective = %group.perspective, stream_id = %group.stream_id,
-                    error = %crate::db::describe_error(&e, None), "apply call failed"
-                );
-                ctx.metrics
-                    .failures
-                    .with_label_values(&[group.perspective.as_str()])
-                    .inc();
-                break;
-            }
+        };
+        applied += n;
+        if failed {
+            break;
         }
     }
     drop(held);
     ctx.release_pair_gate(first.stream_id, &first.perspective, gate);
     applied
+}
+
+/// What applying one group through the runner did.
+enum Applied {
+    /// Committed; `failed`: the runner reported an event it could not apply.
+    Ok { applied: u64, failed: bool },
+    /// Nothing committed.
+    Err(String),
+}
+
+async fn apply_group(ctx: &Ctx, group: &Group, mode: ApplyMode) -> Applied {
+    let outcome = async {
+        let mut conn = ctx.store.pool().acquire().await?;
+        ctx.runner.apply(&mut conn, group, mode).await
+    }
+    .await;
+    let o = match outcome {
+        Ok(o) => o,
+        Err(e) => return Applied::Err(e.to_string()),
+    };
+    record_outcome(ctx, group, &o, mode);
+    if let Some((work_id, error)) = &o.failed {
+        record_failure(ctx, group, *work_id, error).await;
+    }
+    super::lifecycle::post_perspective(
+        ctx,
+        &group.perspective,
+        group.stream_id,
+        &o.applied_event_ids,
+    );
+    let completed: Vec<(Uuid, Uuid)> = o
+        .completed_event_ids
+        .iter()
+        .map(|e| (group.stream_id, *e))
+        .collect();
+    super::lifecycle::fire(ctx, &completed).await;
+    Applied::Ok {
+        applied: o.applied as u64,
+        failed: o.failed.is_some(),
+    }
+}
+
+/// Apply `group` as single-event groups, in order, up to the first failure. Returns (events
+/// applied, whether one failed).
+async fn apply_one_by_one(ctx: &Ctx, group: &Group, mode: ApplyMode) -> (u64, bool) {
+    let mut applied = 0;
+    for item in &group.items {
+        let single = Group {
+            stream_id: group.stream_id,
+            perspective: group.perspective.clone(),
+            items: vec![item.clone()],
+        };
+        match apply_group(ctx, &single, mode).await {
+            Applied::Ok { applied: n, failed } => {
+                applied += n;
+                if failed {
+                    return (applied, true);
+                }
+            }
+            Applied::Err(error) => {
+                fail_group(ctx, &single, &error).await;
+                return (applied, true);
+            }
+        }
+    }
+    (applied, false)
+}
+
+/// The runner refused `group` (nothing committed): its first event carries the failure.
+async fn fail_group(ctx: &Ctx, group: &Group, error: &str) {
+    let work_id = group.items[0].event_work_id;
+    report_failed(ctx, &group.perspective, group.stream_id, work_id, error);
+    record_failure(ctx, group, work_id, error).await;
+}
+
+/// Record a custom runner's failed event like a failing SQL handler's (error, backoff, Failed
+/// cursor); one that has now failed `maxPerspectiveEventAttempts` times goes to the dead letters
+/// at once. If recording fails, the row's lease lapses and it is offered again later.
+async fn record_failure(ctx: &Ctx, group: &Group, event_work_id: i64, error: &str) {
+    let w = &ctx.config.worker;
+    let failure = Failure {
+        stream_id: group.stream_id,
+        perspective: &group.perspective,
+        event_work_id,
+        error,
+    };
+    let recorded = ctx
+        .store
+        .record_failure(
+            failure,
+            w.failure_retry_base_milliseconds as f64,
+            w.failure_retry_max_milliseconds as f64,
+        )
+        .await;
+    let attempts = match recorded {
+        Ok(attempts) => attempts,
+        Err(e) => {
+            tracing::warn!(error = %crate::db::describe_error(&e, None), event_work_id,
+                           "could not record the failure; the event is retried when its lease lapses");
+            return;
+        }
+    };
+    if attempts.is_some_and(|a| exhausted(a, w.max_perspective_event_attempts)) {
+        match ctx
+            .store
+            .move_to_dead_letters(ctx.instance_id, &[event_work_id])
+            .await
+        {
+            Ok(_) => report_dead_lettered(
+                ctx,
+                &group.perspective,
+                group.stream_id,
+                vec![event_work_id],
+            ),
+            // Still scheduled for a retry: the next lease moves it (see dead_letter_filter).
+            Err(e) => tracing::warn!(error = %crate::db::describe_error(&e, None), event_work_id,
+                                     "moving to dead letters failed"),
+        }
+    }
+}
+
+/// Whether a row that has been tried `attempts` times may not be tried again.
+fn exhausted(attempts: i32, max_attempts: Option<u32>) -> bool {
+    max_attempts.is_some_and(|max| attempts >= max as i32)
 }
 
 fn record_outcome(ctx: &Ctx, group: &Group, o: &super::runner::ApplyOutcome, mode: ApplyMode) {
@@ -594,4 +699,17 @@ fn seconds_since(t: chrono::DateTime<chrono::Utc>, now: chrono::DateTime<chrono:
 fn report_rewound(ctx: &Ctx, perspective: &str, stream_id: Uuid) {
     ctx.metrics.rewinds.inc();
     tracing::info!(%perspective, %stream_id, "late event: stream rewound and replayed in event-id order");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exhausted;
+
+    #[test]
+    fn attempts_are_exhausted_at_the_limit() {
+        assert!(!exhausted(2, Some(3)));
+        assert!(exhausted(3, Some(3)));
+        assert!(exhausted(4, Some(3)));
+        assert!(!exhausted(1000, None), "no limit: never dead-lettered");
+    }
 }

@@ -33,7 +33,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 pub use hooks::{HookEvent, Hooks};
-pub use runner::{ApplyMode, ApplyOutcome, Group, PerspectiveRunner, SqlRunner, WorkItem};
+pub use runner::{
+    ApplyMode, ApplyOutcome, Group, PerspectiveRunner, RunnerError, SqlRunner, WorkItem,
+};
 
 use crate::apply_sql::definition_hash;
 use crate::config::Config;

@@ -72,9 +72,28 @@ pub struct ApplyOutcome {
     pub applied_event_ids: Vec<Uuid>,
 }
 
+/// Why a runner could not apply a group. Either way nothing of the group committed, and the
+/// engine treats it like a failing SQL handler: the group's first event records the error, is
+/// retried with backoff, and is dead-lettered after `maxPerspectiveEventAttempts`.
+#[derive(Debug, thiserror::Error)]
+pub enum RunnerError {
+    /// The database refused a statement (or the connection broke).
+    #[error("{}", crate::db::describe_error(.0, None))]
+    Database(#[from] sqlx::Error),
+    /// The runner refused the event (a payload it cannot apply, a rule it enforces).
+    #[error("{0}")]
+    Rejected(String),
+}
+
 /// Applies groups of events to perspectives. The model change and the cursor advance must
 /// commit together, and events at or below the cursor must be skipped: that is what makes
-/// delivery exactly-once. Implement it to compile your own perspectives into your own worker.
+/// delivery exactly-once ([`crate::store::cursor`] has the statements for it). Implement it to
+/// compile your own perspectives into your own worker; `examples/stream_history_runner.rs` is a
+/// complete one.
+///
+/// For runners that do not drain server-side, the engine records failures itself: an `Err`, or
+/// an outcome whose `failed` names an event, sets that event's error, backoff and attempts, and
+/// marks the cursor Failed, exactly as a failing SQL handler does.
 pub trait PerspectiveRunner: Send + Sync {
     /// Whether [`WorkItem`]s must carry `event_data`, `metadata` and `scope`. The SQL runner
     /// reads them inside the database and says no, which keeps payloads off the wire.
@@ -93,7 +112,7 @@ pub trait PerspectiveRunner: Send + Sync {
         conn: &'a mut PgConnection,
         group: &'a Group,
         mode: ApplyMode,
-    ) -> BoxFuture<'a, Result<ApplyOutcome, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<ApplyOutcome, RunnerError>>;
 }
 
 /// The runner for SQL handlers: one call of the perspective's apply function per group.
@@ -136,10 +155,10 @@ impl PerspectiveRunner for SqlRunner {
         conn: &'a mut PgConnection,
         group: &'a Group,
         mode: ApplyMode,
-    ) -> BoxFuture<'a, Result<ApplyOutcome, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<ApplyOutcome, RunnerError>> {
         Box::pin(async move {
             let Some(function) = self.functions.get(&group.perspective) else {
-                return Err(sqlx::Error::Protocol(format!(
+                return Err(RunnerError::Rejected(format!(
                     "perspective {} is not in the config",
                     group.perspective
                 )));
@@ -153,6 +172,7 @@ impl PerspectiveRunner for SqlRunner {
                 self.args,
             )
             .await
+            .map_err(RunnerError::from)
         })
     }
 }

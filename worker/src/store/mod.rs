@@ -15,6 +15,8 @@
 //! - [`drain`]: `wh_drain` (claim and apply in the database) and the custom-runner fetch
 //! - [`apply`]: one call of a perspective's compiled apply function
 //! - [`complete`]: completion of applied work rows and retirement of drained streams
+//! - [`cursor`]: locking and advancing a (stream, perspective) cursor, for custom runners
+//! - [`failure`]: recording an event a custom runner failed to apply (backoff, Failed cursor)
 //! - [`dead_letters`]: moving poison rows aside, listing and replaying them
 //! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
 //! - [`rebuild`]: resetting and re-queueing a perspective's streams
@@ -26,9 +28,11 @@ pub mod append;
 pub mod apply;
 pub mod claim;
 pub mod complete;
+pub mod cursor;
 pub mod dead_letters;
 pub mod demo;
 pub mod drain;
+pub mod failure;
 pub mod instances;
 pub mod lifecycle;
 pub mod migrations;
