@@ -11,6 +11,7 @@
 //! - [`append`]: JSON-lines event input (the `append` command)
 //! - [`rebuild`]: rebuild a perspective from the event store
 //! - [`status`]: read-only lag / failure / dead-letter queries
+//! - [`demo`]: the read-model tables the `demo` command prints
 //! - [`db`]: connections and human-readable database errors
 
 pub mod append;
@@ -20,6 +21,7 @@ pub mod config;
 pub mod db;
 pub mod dead_letters;
 pub mod dedup;
+pub mod demo;
 pub mod embedded;
 pub mod engine;
 pub mod http;
