@@ -6,15 +6,31 @@ use sqlx::Row;
 const COLUMNS: &str = "SELECT column_name::text FROM information_schema.columns
      WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position";
 
-/// A table's rows as text (NULL as empty), ordered by the first column.
+/// One read-model table: its columns in table order and every row, each value as text (NULL as
+/// the empty string), ordered by the first column.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelTable {
+    pub name: String,
     pub columns: Vec<String>,
     pub rows: Vec<Vec<String>>,
 }
 
+/// The tables of `schema` named like the perspectives `names`, in that order; a perspective
+/// without a table of its name is left out.
+pub async fn read_model_tables(
+    conn: &mut PgConnection,
+    schema: &str,
+    names: &[String],
+) -> Result<Vec<ModelTable>, sqlx::Error> {
+    let mut tables = Vec::new();
+    for name in names {
+        tables.extend(read_model_table(conn, schema, name).await?);
+    }
+    Ok(tables)
+}
+
 /// Table `schema.name`, or None when there is no such table.
-pub async fn read_model_table(
+async fn read_model_table(
     conn: &mut PgConnection,
     schema: &str,
     name: &str,
@@ -43,7 +59,11 @@ pub async fn read_model_table(
         .iter()
         .map(|r| (0..columns.len()).map(|i| r.get::<String, _>(i)).collect())
         .collect();
-    Ok(Some(ModelTable { columns, rows }))
+    Ok(Some(ModelTable {
+        name: name.to_string(),
+        columns,
+        rows,
+    }))
 }
 
 fn quote_ident(name: &str) -> String {

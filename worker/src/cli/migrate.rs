@@ -1,0 +1,86 @@
+//! `perspective-worker migrate`, and the migration `run --migrate` and `demo` do first.
+
+use std::time::Instant;
+
+use perspective_worker::migrate::{self, MigrateError, MigrateOptions, MigrateReport};
+
+use super::context::{connect, Context, InvalidInput};
+
+#[derive(clap::Args, Debug)]
+pub struct MigrateArgs {
+    /// Do everything, report it, then roll back: validates the config against the database.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn execute(ctx: &Context, args: &MigrateArgs) -> anyhow::Result<()> {
+    let mut conn = ctx.connect("migrate").await?;
+    let started = Instant::now();
+    let options = MigrateOptions {
+        dry_run: args.dry_run,
+    };
+    let report = migrate::migrate(&mut conn, &ctx.config, &ctx.config_source, options)
+        .await
+        .map_err(migrate_error)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report, started.elapsed().as_secs_f64());
+    }
+    Ok(())
+}
+
+/// Migrate the database at `url` before the engine starts (`run --migrate`, `demo`).
+pub async fn migrate_before_start(ctx: &Context, url: &str) -> anyhow::Result<()> {
+    let mut conn = connect(url, "migrate").await?;
+    let report = migrate::migrate(
+        &mut conn,
+        &ctx.config,
+        &ctx.config_source,
+        MigrateOptions::default(),
+    )
+    .await
+    .map_err(migrate_error)?;
+    print_report(&report, 0.0);
+    Ok(())
+}
+
+fn print_report(r: &MigrateReport, seconds: f64) {
+    let verb = if r.dry_run {
+        "dry run, rolled back:"
+    } else {
+        "migrated"
+    };
+    println!(
+        "{verb} schema {}: {} migration(s) applied, {} already applied; {} statement(s) prepared; {:.2}s",
+        r.schema,
+        r.applied.len(),
+        r.already_applied,
+        r.statements_prepared,
+        seconds
+    );
+    for m in &r.applied {
+        println!("  applied {m}");
+    }
+    for (p, e) in &r.subscriptions_added {
+        println!("  subscribed {p} to {e}");
+    }
+    for (p, e) in &r.subscriptions_removed {
+        println!("  unsubscribed {p} from {e}");
+    }
+    for p in &r.setups_run {
+        println!("  ran setup of {p}");
+    }
+}
+
+/// Config problems found by `migrate` are the caller's (exit 2); the rest are failures (exit 1).
+fn migrate_error(e: MigrateError) -> anyhow::Error {
+    if e.is_invalid_input() {
+        InvalidInput::error(e.to_string())
+    } else {
+        e.into()
+    }
+}

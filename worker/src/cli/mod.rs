@@ -1,0 +1,109 @@
+//! The `perspective-worker` command line: its arguments, and one module per subcommand that
+//! turns them into library calls and prints the result. Nothing here talks SQL.
+
+mod append;
+mod context;
+mod dead_letters;
+mod demo;
+mod migrate;
+mod rebuild;
+mod run;
+mod status;
+mod table;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use context::Context;
+pub use context::InvalidInput;
+
+const ABOUT: &str = "Materializes perspectives (read models) from a PostgreSQL event store.
+
+Applications append events with plain SQL (INSERT INTO <schema>.wh_event_store ...); each
+perspective declared in the config gets one work row per subscribed event in the same
+transaction. This binary creates the schema and compiles the perspectives (migrate), runs the
+engine that applies the work exactly once and in order (run), and inspects it (status,
+dead-letters).";
+
+const AFTER: &str = "Environment:
+  DATABASE_URL        PostgreSQL URL, e.g. postgres://app@127.0.0.1:5432/app
+  PERSPECTIVE_CONFIG  config file, instead of --config
+  RUST_LOG            log filter (default: info); logs are JSON when stderr is not a terminal
+
+Examples:
+  perspective-worker --config examples/shop.yaml migrate --dry-run
+  perspective-worker --config examples/shop.yaml migrate
+  echo '{\"stream_id\":\"0190f5c2-6c1a-7000-8000-000000000001\",\"event_type\":\"OrderPlaced\",\"event_data\":{\"total\":42}}' \\
+    | perspective-worker --config examples/shop.yaml append
+  perspective-worker --config examples/shop.yaml status --json";
+
+#[derive(Parser, Debug)]
+#[command(name = "perspective-worker", version, about = ABOUT, after_help = AFTER)]
+pub struct Cli {
+    /// Perspective config (YAML; the same document as a PerspectiveDeployment's spec).
+    #[arg(
+        long,
+        short = 'c',
+        env = "PERSPECTIVE_CONFIG",
+        global = true,
+        value_name = "FILE"
+    )]
+    config: Option<PathBuf>,
+
+    /// PostgreSQL connection URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        global = true,
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    database_url: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Create or upgrade the schema, register subscriptions, run each perspective's `setup`,
+    /// prepare every handler and compile it into the perspective's apply function. Idempotent;
+    /// concurrent runs serialise on an advisory lock.
+    Migrate(migrate::MigrateArgs),
+    /// Append events read as JSON lines: {"stream_id": uuid, "event_type": text,
+    /// "event_data"?: json, "metadata"?: object, "scope"?: object, "event_id"?: uuid,
+    /// "stream_version"?: expected version}. All lines are checked first and written in one
+    /// transaction: a bad line appends nothing.
+    Append(append::AppendArgs),
+    /// Run the engine: claim work, apply it to the perspectives, complete it. Serves /livez,
+    /// /readyz and /metrics on --http-addr. Stops gracefully on SIGTERM or Ctrl-C. Without
+    /// DATABASE_URL it starts an embedded PostgreSQL in --data-dir.
+    Run(run::RunArgs),
+    /// Zero-setup demo: embedded PostgreSQL (unless DATABASE_URL is set), migrate the config,
+    /// append sample events, run the engine until everything is applied, print the perspective
+    /// tables and the status.
+    Demo(demo::DemoArgs),
+    /// Rebuild a perspective from the event store: for every stream, run its `reset`, drop its
+    /// cursor and queue all its events again (running workers re-apply them). Needs `reset`.
+    Rebuild(rebuild::RebuildArgs),
+    /// Inspect and replay dead-lettered events.
+    #[command(subcommand)]
+    DeadLetters(dead_letters::DeadLettersCommand),
+    /// Show per-perspective pending work, oldest pending age, failed streams and dead letters.
+    Status(status::StatusArgs),
+}
+
+/// Load the config and run the command.
+pub async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    let ctx = Context::load(cli.config.as_deref(), cli.database_url)?;
+    match &cli.command {
+        Command::Migrate(args) => migrate::execute(&ctx, args).await,
+        Command::Append(args) => append::execute(&ctx, args).await,
+        Command::Run(args) => run::execute(&ctx, args).await,
+        Command::Demo(args) => demo::execute(&ctx, args).await,
+        Command::Rebuild(args) => rebuild::execute(&ctx, args).await,
+        Command::DeadLetters(command) => dead_letters::execute(&ctx, command).await,
+        Command::Status(args) => status::execute(&ctx, args).await,
+    }
+}

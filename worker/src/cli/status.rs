@@ -1,0 +1,133 @@
+//! `perspective-worker status`, and the status table the demo ends with.
+
+use perspective_worker::db;
+use perspective_worker::store::status::{read_status, Status};
+
+use super::context::Context;
+use super::table::{Column, Style, Table};
+
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn execute(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
+    let mut conn = ctx.connect("status").await?;
+    let schema = &ctx.config.schema;
+    let stale = ctx.config.worker.abandon_stale_instance_threshold_seconds as f64;
+    let st = read_status(&mut conn, schema, &ctx.perspective_names(), stale)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "reading status of schema {schema}: {}",
+                db::describe_error(&e, None)
+            )
+        })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&st)?);
+    } else {
+        print!("{}", render(&st));
+    }
+    Ok(())
+}
+
+/// A summary line, then one row per perspective.
+pub fn render(st: &Status) -> String {
+    let mut table = Table::new(
+        Style::Plain,
+        vec![
+            Column::left("PERSPECTIVE"),
+            Column::right("PENDING").min_width(10),
+            Column::right("OLDEST (s)").min_width(14),
+            Column::right("FAILED STREAMS").min_width(14),
+            Column::right("DEAD LETTERS").min_width(12),
+        ],
+    );
+    for p in &st.perspectives {
+        let name = if p.configured {
+            p.name.clone()
+        } else {
+            format!("{} (not configured)", p.name)
+        };
+        table.row(vec![
+            name,
+            p.pending_events.to_string(),
+            p.oldest_pending_seconds
+                .map_or("-".to_string(), |s| format!("{s:.1}")),
+            p.failed_streams.to_string(),
+            p.dead_letters.to_string(),
+        ]);
+    }
+    format!(
+        "schema {} (migration {}), {} live instance(s), {} active stream(s)\n{}",
+        st.schema,
+        st.schema_version
+            .map_or("none".to_string(), |v| v.to_string()),
+        st.live_instances,
+        st.active_streams,
+        table.render()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use perspective_worker::store::status::PerspectiveStatus;
+
+    fn perspective(name: &str, pending: i64, oldest: Option<f64>) -> PerspectiveStatus {
+        PerspectiveStatus {
+            name: name.into(),
+            configured: true,
+            pending_events: pending,
+            oldest_pending_seconds: oldest,
+            failed_streams: 0,
+            dead_letters: 0,
+        }
+    }
+
+    #[test]
+    fn the_table_is_the_one_status_always_printed() {
+        let st = Status {
+            schema: "shop".into(),
+            schema_version: Some(2),
+            perspectives: vec![
+                perspective("customer_stats", 0, None),
+                perspective("order_summary", 12, Some(3.04159)),
+            ],
+            live_instances: 1,
+            active_streams: 4,
+        };
+        assert_eq!(
+            render(&st),
+            "schema shop (migration 2), 1 live instance(s), 4 active stream(s)\n\
+             PERSPECTIVE        PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
+             customer_stats           0               -               0             0\n\
+             order_summary           12             3.0               0             0\n"
+        );
+    }
+
+    #[test]
+    fn an_unconfigured_perspective_widens_the_name_column() {
+        let st = Status {
+            schema: "s".into(),
+            perspectives: vec![
+                perspective("a", 0, None),
+                PerspectiveStatus {
+                    configured: false,
+                    dead_letters: 2,
+                    ..perspective("gone", 1, Some(10.0))
+                },
+            ],
+            ..Status::default()
+        };
+        assert_eq!(
+            render(&st),
+            "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
+             PERSPECTIVE               PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
+             a                               0               -               0             0\n\
+             gone (not configured)           1            10.0               0             2\n"
+        );
+    }
+}
