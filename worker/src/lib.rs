@@ -7,14 +7,14 @@
 //! - [`sql_params`]: the `:name` parameter lexer for handler SQL
 //! - [`migrations`]: the embedded, versioned schema SQL
 //! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
-//! - [`apply_sql`]: compiles a perspective's handlers into its server-side apply function
+//! - [`compile`]: generates the apply functions and `wh_drain` from `.sql` templates; definition hash
 //! - [`append`]: JSON-lines event input (the `append` command)
 //! - [`rebuild`]: rebuild a perspective from the event store
 //! - [`status`]: read-only lag / failure / dead-letter queries
 //! - [`db`]: connections and human-readable database errors
 
 pub mod append;
-pub mod apply_sql;
+pub mod compile;
 pub mod completion_tracker;
 pub mod config;
 pub mod db;

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::{Connection, Executor, Row};
 
-use crate::apply_sql::{
+use crate::compile::{
     apply_function_name, create_apply_function, create_drain_function, definition_hash,
 };
 use crate::config::{Config, ConfigError, Problem};
@@ -414,7 +414,7 @@ async fn setup_and_prepare(
              WHERE wh_perspectives.definition_hash <> excluded.definition_hash"
         ))
         .bind(&p.name)
-        .bind(definition_hash(p))
+        .bind(definition_hash(schema, p))
         .bind(apply_function_name(&p.name))
         .execute(&mut *conn)
         .await

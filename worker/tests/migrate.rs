@@ -156,7 +156,8 @@ async fn run_refuses_a_perspective_changed_without_migrate() {
     config.perspectives[0].reset =
         Some("DELETE FROM alpha_seen WHERE stream_id = :stream_id".into());
     migrate_config(&config).await;
-    let edits: [(&str, fn(&mut PerspectiveConfig)); 4] = [
+    type Edit = (&'static str, fn(&mut PerspectiveConfig));
+    let edits: [Edit; 4] = [
         ("reset", |p| {
             p.reset = Some("DELETE FROM alpha_seen WHERE alpha_seen.stream_id = :stream_id".into())
         }),

@@ -35,7 +35,7 @@ use uuid::Uuid;
 pub use hooks::{HookEvent, Hooks};
 pub use runner::{ApplyMode, ApplyOutcome, Group, PerspectiveRunner, SqlRunner, WorkItem};
 
-use crate::apply_sql::definition_hash;
+use crate::compile::definition_hash;
 use crate::config::Config;
 use crate::dedup::ProcessedEventCache;
 use crate::http::Readiness;
@@ -358,7 +358,7 @@ async fn verify_schema(pool: &PgPool, config: &Config) -> Result<(), EngineError
     .into_iter()
     .collect();
     for p in &config.perspectives {
-        if compiled.get(&p.name) != Some(&definition_hash(p)) {
+        if compiled.get(&p.name) != Some(&definition_hash(schema, p)) {
             return Err(EngineError::PerspectiveOutdated {
                 schema: schema.clone(),
                 perspective: p.name.clone(),

@@ -1,5 +1,5 @@
 //! Applying a (stream, perspective) group of events: the `PerspectiveRunner` trait and the SQL
-//! runner that calls the perspective's compiled apply function (see `apply_sql`).
+//! runner that calls the perspective's compiled apply function (see `compile`).
 
 use std::collections::HashMap;
 
@@ -10,7 +10,7 @@ use sqlx::postgres::PgConnection;
 use sqlx::Row;
 use uuid::Uuid;
 
-use crate::apply_sql::apply_function_name;
+use crate::compile::apply_function_name;
 use crate::config::Config;
 
 /// One claimed work row with its event (payload fields are JSON null when the runner does not
