@@ -1,10 +1,11 @@
 //! The migration Job: `perspective-worker migrate` for one migration target.
 //!
-//! The Job is named by the hash of what a migration depends on (worker image, the worker's
-//! embedded migrations, the schema and every perspective's setup, reset and handlers, which
-//! `migrate` compiles into apply functions). It is never patched: a new target is a new Job,
-//! and superseded Jobs are deleted. Worker-only options (batch sizes, intervals) are not part of
-//! the target, so changing them rolls the pods without a migration.
+//! The Job is named by the hash of what a migration depends on: the worker image, the worker's
+//! embedded migrations, and each perspective's definition hash as the worker computes it
+//! (`perspective_worker::compile::definition_hash`, the same hash `run` checks, so the two
+//! cannot disagree about what needs a migration). It is never patched: a new target is a new
+//! Job, and superseded Jobs are deleted. Worker-only options (batch sizes, intervals) are not
+//! part of the target, so changing them rolls the pods without a migration.
 
 use std::collections::BTreeMap;
 
@@ -12,6 +13,7 @@ use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
+use perspective_worker::compile::definition_hash;
 use perspective_worker::store::migrations::MIGRATIONS;
 use sha2::{Digest, Sha256};
 
@@ -34,25 +36,14 @@ pub fn target(instance: &str, spec: &PerspectiveDeploymentSpec, image: &str) -> 
         h.update((bytes.len() as u64).to_le_bytes());
         h.update(bytes);
     };
-    field(b"migration-target-v1");
+    field(b"migration-target-v2");
     field(image.as_bytes());
     for migration in MIGRATIONS {
         field(migration.checksum().as_bytes());
     }
     field(spec.schema.as_bytes());
     for p in &spec.perspectives {
-        field(p.name.as_bytes());
-        field(
-            serde_json::to_string(&p.ordering)
-                .unwrap_or_default()
-                .as_bytes(),
-        );
-        field(p.setup.as_deref().unwrap_or("").as_bytes());
-        field(p.reset.as_deref().unwrap_or("").as_bytes());
-        for (event_type, sql) in &p.handlers {
-            field(event_type.as_bytes());
-            field(sql.as_bytes());
-        }
+        field(definition_hash(&spec.schema, p).as_bytes());
     }
     let hash = hex::encode(h.finalize());
     MigrationTarget {

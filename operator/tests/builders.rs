@@ -135,6 +135,27 @@ fn migration_target_follows_handlers_and_image_not_worker_tuning() {
         migration_job::target("shop", &base, "worker:2").job_name,
         t0.job_name
     );
+    // Everything the worker's definition hash covers (what `run` verifies) moves the target too.
+    let mut reset = base.clone();
+    reset.perspectives[0].reset = Some("DELETE FROM order_summary WHERE id = :stream_id".into());
+    let mut ordering = reset.clone();
+    ordering.perspectives[0].ordering = perspective_worker::config::Ordering::EventId;
+    let mut setup = base.clone();
+    setup.perspectives[1].setup = Some("SELECT 1".into());
+    let mut schema = base.clone();
+    schema.schema = "shop2".into();
+    for (what, changed, from) in [
+        ("reset", &reset, &base),
+        ("ordering", &ordering, &reset),
+        ("setup", &setup, &base),
+        ("schema", &schema, &base),
+    ] {
+        assert_ne!(
+            migration_job::target("shop", changed, "worker:1").job_name,
+            migration_job::target("shop", from, "worker:1").job_name,
+            "{what}"
+        );
+    }
     let job = migration_job::build("shop", "ns", &base, "worker:1", "cm", &t0);
     let js = job.spec.unwrap();
     assert_eq!(js.backoff_limit, Some(2));

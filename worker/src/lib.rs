@@ -6,14 +6,14 @@
 //! - [`config`]: the perspective config (also the `spec` of the operator's CRD) and its validation
 //! - [`sql_params`]: the `:name` parameter lexer for handler SQL
 //! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
-//! - [`apply_sql`]: compiles a perspective's handlers into its server-side apply function
+//! - [`compile`]: generates the apply functions and `wh_drain` from `.sql` templates; definition hash
 //! - [`append`]: JSON-lines event input (the `append` command)
 //! - [`rebuild`]: rebuild a perspective from the event store
 //! - [`store`]: every SQL statement the worker sends at run time, one file per concern
 //! - [`db`]: connections and human-readable database errors
 
 pub mod append;
-pub mod apply_sql;
+pub mod compile;
 pub mod completion_tracker;
 pub mod config;
 pub mod db;

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::Connection;
 
-use crate::apply_sql::{
+use crate::compile::{
     apply_function_name, create_apply_function, create_drain_function, definition_hash,
 };
 use crate::config::{Config, ConfigError, Problem};
@@ -351,7 +351,7 @@ async fn setup_and_prepare(
             conn,
             schema,
             &p.name,
-            &definition_hash(p),
+            &definition_hash(schema, p),
             &apply_function_name(&p.name),
         )
         .await

@@ -142,6 +142,61 @@ async fn migrate_drops_apply_functions_of_an_older_shape() {
     assert!(shapes[1].1.contains("o_more"), "{shapes:?}");
 }
 
+/// `run` refuses apply functions compiled from another definition: every input of the compiled
+/// code counts (reset, ordering, setup, handlers), not only the handlers. Each step changes one
+/// of them, starts the engine without migrating (refused, naming the perspective), then migrates
+/// and starts it (accepted).
+#[tokio::test]
+async fn run_refuses_a_perspective_changed_without_migrate() {
+    use perspective_worker::config::{Ordering, PerspectiveConfig};
+    use perspective_worker::engine::{Engine, EngineError, EngineOptions};
+
+    let schema = unique_schema("stale");
+    let mut config = parse_config(&two_perspective_yaml(&schema));
+    config.perspectives[0].reset =
+        Some("DELETE FROM alpha_seen WHERE stream_id = :stream_id".into());
+    migrate_config(&config).await;
+    type Edit = (&'static str, fn(&mut PerspectiveConfig));
+    let edits: [Edit; 4] = [
+        ("reset", |p| {
+            p.reset = Some("DELETE FROM alpha_seen WHERE alpha_seen.stream_id = :stream_id".into())
+        }),
+        ("ordering", |p| p.ordering = Ordering::EventId),
+        ("setup", |p| {
+            p.setup = Some("CREATE TABLE IF NOT EXISTS alpha_seen (stream_id uuid, stream_version bigint, event_type text, note text);".into())
+        }),
+        ("handlers", |p| {
+            p.handlers.insert(
+                "A".into(),
+                "INSERT INTO alpha_seen (stream_id) VALUES (:stream_id)".into(),
+            );
+        }),
+    ];
+    let mut started_stale = Vec::new();
+    for (what, edit) in edits {
+        edit(&mut config.perspectives[0]);
+        let options = EngineOptions::new(config.clone(), database_url());
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        match Engine::start(options, shutdown.clone()).await {
+            Err(EngineError::PerspectiveOutdated { perspective, .. }) => {
+                assert_eq!(perspective, "alpha", "after changing {what}")
+            }
+            Err(e) => panic!("after changing {what}: unexpected error {e}"),
+            Ok(engine) => {
+                started_stale.push(what);
+                shutdown.cancel();
+                engine.run_until_stopped().await.unwrap();
+            }
+        }
+        migrate_config(&config).await;
+        RunningEngine::start(&config).await.stop().await;
+    }
+    assert!(
+        started_stale.is_empty(),
+        "the engine started on functions compiled before these changed: {started_stale:?}"
+    );
+}
+
 #[tokio::test]
 async fn three_concurrent_migrate_processes_apply_each_migration_once() {
     let schema = unique_schema("conc");

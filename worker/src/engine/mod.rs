@@ -37,7 +37,7 @@ pub use runner::{
     ApplyMode, ApplyOutcome, Group, PerspectiveRunner, RunnerError, SqlRunner, WorkItem,
 };
 
-use crate::apply_sql::definition_hash;
+use crate::compile::definition_hash;
 use crate::config::Config;
 use crate::dedup::ProcessedEventCache;
 use crate::http::Readiness;
@@ -349,7 +349,7 @@ async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError
         .await
         .map_err(|e| db("checking compiled perspectives", e))?;
     for p in &config.perspectives {
-        if compiled.get(&p.name) != Some(&definition_hash(p)) {
+        if compiled.get(&p.name) != Some(&definition_hash(schema, p)) {
             return Err(EngineError::PerspectiveOutdated {
                 schema: schema.clone(),
                 perspective: p.name.clone(),

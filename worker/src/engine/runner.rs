@@ -1,5 +1,5 @@
 //! Applying a (stream, perspective) group of events: the `PerspectiveRunner` trait and the SQL
-//! runner that calls the perspective's compiled apply function (see `apply_sql`).
+//! runner that calls the perspective's compiled apply function (see `compile`).
 
 use std::collections::HashMap;
 
@@ -9,7 +9,7 @@ use serde_json::Value;
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
-use crate::apply_sql::apply_function_name;
+use crate::compile::apply_function_name;
 use crate::config::Config;
 use crate::store::apply::ApplyArgs;
 

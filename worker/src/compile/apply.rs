@@ -1,0 +1,269 @@
+//! The slots of a perspective's apply function (`apply_function.sql`, `apply_body.sql` and the
+//! pieces it includes).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use minijinja::{context, Value};
+
+use super::{apply_function_name, render};
+use crate::config::{Ordering, PerspectiveConfig};
+use crate::sql_params::{Param, ParsedStatement};
+use crate::store::names::{applied_channel, cursor_status};
+
+/// `CREATE OR REPLACE FUNCTION` for `perspective` in `schema`, preceded by the drop of overloads
+/// of an older shape. The perspective must be valid (see [`crate::config::Config::validate`]).
+pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> String {
+    let body = render(
+        "apply_body.sql",
+        context! {
+            schema,
+            perspective => &perspective.name,
+            event_id_order => perspective.ordering == Ordering::EventId,
+            handled_types => perspective.handlers.keys().cloned().collect::<Vec<_>>(),
+            uses => uses(perspective),
+            handlers => handlers(perspective),
+            reset => reset(perspective),
+            cursor_completed => cursor_status::COMPLETED,
+            cursor_failed => cursor_status::FAILED,
+            applied_channel => applied_channel(schema),
+        },
+    );
+    render(
+        "apply_function.sql",
+        context! {
+            schema,
+            function => apply_function_name(&perspective.name),
+            tag => dollar_tag(&body),
+            body,
+        },
+    )
+}
+
+/// Per parameter name, whether any handler uses it: only those are bound, and only their
+/// columns read (every assignment costs, per event).
+fn uses(perspective: &PerspectiveConfig) -> Value {
+    let used: BTreeSet<Param> = perspective
+        .compiled_handlers()
+        .iter()
+        .flat_map(|(_, statements)| statements.iter().flat_map(|s| s.params()))
+        .collect();
+    Param::ALL
+        .iter()
+        .map(|p| (p.name(), used.contains(p)))
+        .collect::<BTreeMap<_, _>>()
+        .into()
+}
+
+/// The handlers in config order: event type and PL/pgSQL statements.
+fn handlers(perspective: &PerspectiveConfig) -> Value {
+    perspective
+        .compiled_handlers()
+        .iter()
+        .map(|(event_type, statements)| {
+            context! {
+                event_type,
+                statements => statements.iter().map(statement).collect::<Vec<_>>(),
+            }
+        })
+        .collect()
+}
+
+/// The `reset` statements as PL/pgSQL (none without a reset).
+fn reset(perspective: &PerspectiveConfig) -> Value {
+    perspective
+        .compiled_reset()
+        .unwrap_or_default()
+        .iter()
+        .map(statement)
+        .collect()
+}
+
+/// One handler statement as PL/pgSQL: parameters become variables; a bare SELECT becomes
+/// PERFORM (PL/pgSQL refuses a SELECT whose result goes nowhere).
+fn statement(stmt: &ParsedStatement) -> String {
+    let text = stmt.render_with(|p| format!("_wh_{}", p.name()));
+    if stmt.leading_keyword().as_deref() == Some("select") {
+        format!("PERFORM{}", &text["select".len()..])
+    } else {
+        text
+    }
+}
+
+/// A dollar-quote tag that occurs nowhere in `body`.
+fn dollar_tag(body: &str) -> String {
+    (0..)
+        .map(|n| {
+            if n == 0 {
+                "$wh_apply$".to_string()
+            } else {
+                format!("$wh_apply{n}$")
+            }
+        })
+        .find(|tag| !body.contains(tag.as_str()))
+        .expect("some tag is free")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn shop() -> Config {
+        Config::from_yaml_str(include_str!("../../../examples/shop.yaml"), "shop.yaml").unwrap()
+    }
+
+    /// A perspective `p` in schema `s` with the given extra YAML (indented under the perspective).
+    fn perspective(extra: &str) -> PerspectiveConfig {
+        let yaml = format!("schema: s\nperspectives:\n  - name: p\n{extra}");
+        Config::from_yaml_str(&yaml, "t").unwrap().perspectives[0].clone()
+    }
+
+    fn event_id_ordered() -> PerspectiveConfig {
+        perspective(
+            "    ordering: eventId
+    reset: DELETE FROM seen WHERE stream_id = :stream_id
+    handlers:
+      A: INSERT INTO seen VALUES (:stream_id, :data)
+      B: INSERT INTO seen VALUES (:stream_id, NULL)
+",
+        )
+    }
+
+    fn commit_ordered() -> PerspectiveConfig {
+        let mut p = event_id_ordered();
+        p.ordering = Ordering::Commit;
+        p
+    }
+
+    #[test]
+    fn handlers_become_static_sql_with_variables() {
+        let config = shop();
+        let sql = create_apply_function("shop", &config.perspectives[0]);
+        assert!(sql.starts_with("DO $wh_drop$"));
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION shop.wh_apply_order_summary("));
+        assert!(sql.contains("IF a_types[v_i] = 'OrderPlaced' THEN"));
+        assert!(sql.contains("ELSIF a_types[v_i] = 'OrderShipped' THEN"));
+        assert!(
+            sql.contains("_wh_data := a_data[v_i];"),
+            "handlers use :data"
+        );
+        assert!(
+            !sql.contains("_wh_scope := a_scope[v_i];"),
+            "no handler uses :scope"
+        );
+        assert!(sql.contains("WHERE order_id = _wh_stream_id"));
+        assert!(!sql.contains(":stream_id"), "no named parameter is left");
+    }
+
+    #[test]
+    fn bare_select_becomes_perform() {
+        let p = perspective("    handlers:\n      A: select pg_notify('x', :event_type)\n");
+        let sql = create_apply_function("s", &p);
+        assert!(
+            sql.contains("PERFORM pg_notify('x', _wh_event_type);"),
+            "{sql}"
+        );
+    }
+
+    #[test]
+    fn dollar_tag_avoids_collisions() {
+        assert_eq!(dollar_tag("x"), "$wh_apply$");
+        assert_eq!(dollar_tag("a $wh_apply$ b"), "$wh_apply1$");
+        let p = perspective("    handlers:\n      A: SELECT '$wh_apply$'\n");
+        let sql = create_apply_function("s", &p);
+        assert!(sql.contains("AS $wh_apply1$\n"), "{sql}");
+        assert!(sql.trim_end().ends_with("$wh_apply1$"), "{sql}");
+    }
+
+    /// event_arrays.sql: a column is read only when a handler uses it, in the slot's order.
+    #[test]
+    fn event_arrays_read_only_the_used_columns_in_version_order() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(sql.contains("array_agg(e.event_data ORDER BY e.stream_version)"));
+        assert!(!sql.contains("array_agg(e.metadata ORDER BY"), "{sql}");
+        assert!(
+            sql.contains("NULL::timestamptz[]"),
+            "no handler uses :created_at"
+        );
+        assert!(!sql.contains("ORDER BY e.event_id"), "{sql}");
+    }
+
+    /// rewind_detect.sql: with eventId ordering the replay reads the stream in event-id order.
+    #[test]
+    fn rewind_detection_only_with_event_id_ordering() {
+        let sql = create_apply_function("s", &event_id_ordered());
+        assert!(sql.contains("v_rewound := true;"), "{sql}");
+        assert!(sql.contains(
+            "SELECT array_agg(e.event_id ORDER BY e.event_id), array_agg(e.stream_version ORDER BY e.event_id),"
+        ));
+        assert!(sql.contains("array_agg(e.event_data ORDER BY e.event_id)"));
+        assert!(sql.contains("AND e.event_type IN ('A', 'B');"), "{sql}");
+        let commit = create_apply_function("s", &commit_ordered());
+        assert!(!commit.contains("v_rewound := true;"));
+        assert!(!commit.contains("ORDER BY e.event_id"));
+    }
+
+    /// rewind_reset.sql: the reset runs before the replay, only with eventId ordering.
+    #[test]
+    fn rewind_reset_only_with_event_id_ordering() {
+        let sql = create_apply_function("s", &event_id_ordered());
+        assert!(
+            sql.contains(
+                "IF v_rewound THEN\n      DELETE FROM seen WHERE stream_id = _wh_stream_id;\n    END IF;"
+            ),
+            "{sql}"
+        );
+        let commit = create_apply_function("s", &commit_ordered());
+        assert!(!commit.contains("DELETE FROM seen"), "{commit}");
+    }
+
+    /// apply_event.sql and slow_path.sql: the event is applied on the fast path and again, in
+    /// its own subtransaction, on the slow path.
+    #[test]
+    fn slow_path_isolates_the_failing_event() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(sql.contains("-- Slow path: event by event"), "{sql}");
+        assert!(sql.contains("        v_failed := v_i;"), "{sql}");
+        assert_eq!(sql.matches("IF a_types[v_i] = 'A' THEN").count(), 2);
+        assert_eq!(
+            sql.matches("v_set_user := set_config('perspective.user_id'")
+                .count(),
+            2
+        );
+    }
+
+    /// notify_applied.sql: applied ids, completed ids and the notification on `<schema>_applied`.
+    #[test]
+    fn lifecycle_notifies_completed_events() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(sql.contains("IF p_notify_applied AND v_applied > 0 THEN"));
+        assert!(sql.contains("v_applied_ids := a_event_ids[v_start:v_last_i];"));
+        assert!(sql.contains("s.perspective_name <> 'p'"), "{sql}");
+        assert!(
+            sql.contains("PERFORM pg_notify('s_applied', c::text) FROM unnest(v_completed) AS c;")
+        );
+    }
+
+    /// instant_completion.sql: done rows are completed in the apply transaction with p_instant.
+    #[test]
+    fn instant_completion_completes_done_rows() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(sql.contains(
+            "IF p_instant AND cardinality(v_done) > 0 THEN\n      PERFORM s.complete_perspective_events(v_done, p_debug);"
+        ), "{sql}");
+    }
+
+    /// apply_function.sql: the argument list the drop block keeps matches the CREATE statement.
+    #[test]
+    fn the_function_keeps_its_shape() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION s.wh_apply_p("));
+        assert!(sql.contains("p.proname = 'wh_apply_p'"));
+        assert!(sql.contains(
+            "oidvectortypes(p.proargtypes) <> 'uuid, bigint[], uuid[], bigint[], boolean, boolean, \
+             boolean, double precision, double precision, boolean, boolean, boolean'"
+        ));
+        assert!(sql.contains("SET search_path TO s, public"));
+        assert!(sql.contains("RETURNS TABLE (o_applied integer,"));
+    }
+}

@@ -1,0 +1,204 @@
+{#- The body of a perspective's apply function (between its dollar quotes): applies one
+    (stream, perspective) group of events. Pieces: event_arrays.sql (the events read),
+    rewind_detect.sql and rewind_reset.sql (ordering eventId only), apply_event.sql (one event),
+    slow_path.sql (failure isolation), notify_applied.sql (lifecycle), instant_completion.sql.
+    Slots: schema, perspective, event_id_order, handled_types, uses, handlers, reset,
+    cursor_completed and cursor_failed (status flags), applied_channel. #}
+#variable_conflict use_column
+DECLARE
+  _wh_stream_id      uuid := p_stream_id;
+  _wh_event_id       uuid;
+  _wh_stream_version bigint;
+  _wh_event_type     text;
+  _wh_data           jsonb;
+  _wh_metadata       jsonb;
+  _wh_scope          jsonb;
+  _wh_created_at     timestamptz;
+  _wh_user_id        text;
+  _wh_tenant_id      text;
+  -- Local copies: PL/pgSQL keeps local arrays expanded, so a[i] is O(1).
+  a_work_ids  bigint[]      := p_work_ids;
+  a_event_ids uuid[]        := p_event_ids;
+  a_versions  bigint[]      := p_versions;
+  a_types     text[];
+  a_data      jsonb[];
+  a_metadata  jsonb[];
+  a_scope     jsonb[];
+  a_users     text[];
+  a_tenants   text[];
+  v_last_i    integer;
+  a_created   timestamptz[];
+  v_n         integer := coalesce(array_length(p_work_ids, 1), 0);
+  v_i         integer;
+  -- The slice of the group to apply: past the cursor, before a gap.
+  v_start     integer := 1;
+  v_end       integer;
+  v_last      bigint;
+  v_gap       bigint;
+  v_ok        boolean := false;
+  v_failed    integer;
+  v_err       text;
+  v_applied   integer := 0;
+  v_new_last  bigint;
+  v_new_event uuid;
+  v_done      bigint[] := '{}';
+  -- The group as claimed (a rewind replaces the event arrays with the whole stream's).
+  g_versions  bigint[]      := p_versions;
+  v_last0     bigint;
+  v_last_event uuid;
+  v_prev      uuid;
+  v_rewound   boolean := false;
+  v_trigger   uuid;
+  -- Events every subscribed perspective has now applied (lifecycle complete).
+  v_completed uuid[] := '{}';
+  -- Events this call applied, in order (with p_notify_applied: PostPerspective is due for them).
+  v_applied_ids uuid[] := '{}';
+  -- What perspective.user_id / tenant_id are currently set to in this transaction (NULL: unknown).
+  v_set_user   text;
+  v_set_tenant text;
+BEGIN
+  IF v_n = 0 THEN
+    RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{}'::bigint[], false, '{}'::uuid[],
+                        '{}'::uuid[];
+    RETURN;
+  END IF;
+
+  -- The events themselves are read here, next to the data, rather than shipped through the
+  -- worker and parsed again; only the columns the handlers use are copied. One scan of the
+  -- stream's (stream_id, stream_version) index with the group's versions (the group is in
+  -- version order, so the i-th event is the i-th row): measured 5–10% less server time per apply
+  -- than joining the event ids through unnest.
+  SELECT {%+ with order_by = "e.stream_version" %}{% include "event_arrays.sql" %}{% endwith %}
+    INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants
+  FROM {{ schema }}.wh_event_store e
+  WHERE e.stream_id = p_stream_id AND e.stream_version = ANY (a_versions);
+  IF coalesce(array_length(a_types, 1), 0) <> v_n THEN
+    RAISE EXCEPTION 'events of % are missing from {{ schema }}.wh_event_store', p_stream_id
+      USING ERRCODE = 'WH404';
+  END IF;
+
+  -- The cursor row lock serialises every apply of this (stream, perspective), in any process.
+  -- The row usually exists; a first apply creates it (a concurrent creator makes the INSERT wait
+  -- for its commit, and the second SELECT, a new snapshot, then sees and locks its row).
+  SELECT c.last_version, c.last_event_id INTO v_last, v_last_event FROM {{ schema }}.wh_perspective_cursors c
+  WHERE c.stream_id = p_stream_id AND c.perspective_name = {{ perspective|literal }}
+  FOR UPDATE;
+  IF NOT FOUND THEN
+    INSERT INTO {{ schema }}.wh_perspective_cursors (stream_id, perspective_name)
+    VALUES (p_stream_id, {{ perspective|literal }}) ON CONFLICT DO NOTHING;
+    SELECT c.last_version, c.last_event_id INTO v_last, v_last_event FROM {{ schema }}.wh_perspective_cursors c
+    WHERE c.stream_id = p_stream_id AND c.perspective_name = {{ perspective|literal }}
+    FOR UPDATE;
+  END IF;
+  v_new_last := v_last;
+  v_last0 := v_last;
+{% if event_id_order %}
+{% include "rewind_detect.sql" %}
+{% endif %}
+
+  IF NOT p_force AND NOT v_rewound AND NOT p_contiguous THEN
+    -- A pending row of this pair that is not in the group but sorts inside it: apply only
+    -- what comes before it. (wh_drain passes p_contiguous: its group is every visible row past
+    -- the cursor up to the first unavailable one, and appends to a stream commit in version
+    -- order, so no such row can exist.)
+    SELECT min(w.stream_version) INTO v_gap FROM {{ schema }}.wh_perspective_events w
+    WHERE w.stream_id = p_stream_id AND w.perspective_name = {{ perspective|literal }} AND w.processed_at IS NULL
+      AND w.stream_version > v_last AND w.stream_version <= a_versions[v_n]
+      AND NOT (w.event_work_id = ANY (a_work_ids));
+  END IF;
+  v_end := v_n; -- (a rewind changed v_n)
+  IF NOT p_force THEN
+    -- A group is in version order (a rewound one is the replay from version 1), so what is at
+    -- or below the cursor is a prefix and what sorts past a gap a suffix: cut them off once
+    -- here rather than testing every event in the loops.
+    WHILE v_start <= v_n AND a_versions[v_start] <= v_last LOOP
+      v_start := v_start + 1;
+    END LOOP;
+    IF v_gap IS NOT NULL THEN
+      WHILE v_end >= v_start AND a_versions[v_end] > v_gap LOOP
+        v_end := v_end - 1;
+      END LOOP;
+    END IF;
+  END IF;
+
+  -- Fast path: the whole group in one subtransaction.
+  BEGIN
+{% if event_id_order %}
+{% include "rewind_reset.sql" %}
+{% endif %}
+    FOR v_i IN v_start..v_end LOOP
+{% include "apply_event.sql" %}
+    END LOOP;
+    v_ok := true;
+    IF v_end >= v_start THEN
+      v_applied := v_end - v_start + 1;
+      v_last_i := v_end;
+    END IF;
+  EXCEPTION WHEN OTHERS THEN
+    IF p_force THEN
+      RAISE;
+    END IF;
+    v_ok := false;
+    IF v_rewound THEN
+      -- A replay is all or nothing (a prefix would be out of order): the group's first new
+      -- row carries the failure, retried with backoff like any other.
+      v_err := 'rewind of the stream failed: ' || SQLERRM;
+      SELECT min(i) INTO v_failed FROM generate_subscripts(g_versions, 1) AS i WHERE g_versions[i] > v_last0;
+      v_applied := 0;
+      v_last_i := NULL;
+    END IF;
+    -- The rollback also undid the settings made inside the block.
+    v_set_user := NULL;
+    v_set_tenant := NULL;
+  END;
+
+{% include "slow_path.sql" %}
+  -- Versions ascend, so the last event applied is the new position (after a rewind: the
+  -- group's end, and the greatest event id, which was applied last).
+  IF v_rewound AND v_ok THEN
+    v_new_last := g_versions[array_length(g_versions, 1)];
+    v_new_event := a_event_ids[v_n];
+  ELSIF v_last_i IS NOT NULL THEN
+    v_new_last := a_versions[v_last_i];
+    v_new_event := a_event_ids[v_last_i];
+  END IF;
+
+  IF NOT p_force THEN
+    IF v_applied > 0 OR v_failed IS NOT NULL THEN
+      UPDATE {{ schema }}.wh_perspective_cursors c
+         SET last_version = v_new_last,
+             last_event_id = coalesce(v_new_event, c.last_event_id),
+             status = CASE WHEN v_failed IS NULL THEN {{ cursor_completed }} ELSE {{ cursor_failed }} END,
+             error = v_err,
+             processed_at = now(),
+             rewind_trigger_event_id = CASE WHEN v_rewound AND v_ok THEN v_trigger ELSE c.rewind_trigger_event_id END,
+             rewind_flagged_at = CASE WHEN v_rewound AND v_ok THEN now() ELSE c.rewind_flagged_at END,
+             rewind_first_flagged_at = CASE WHEN v_rewound AND v_ok
+                                            THEN coalesce(c.rewind_first_flagged_at, now())
+                                            ELSE c.rewind_first_flagged_at END
+       WHERE c.stream_id = p_stream_id AND c.perspective_name = {{ perspective|literal }};
+    END IF;
+{% include "notify_applied.sql" %}
+    IF v_failed IS NOT NULL THEN
+      UPDATE {{ schema }}.wh_perspective_events w
+         SET error = v_err, instance_id = NULL, lease_expiry = NULL,
+             attempts = w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END,
+             scheduled_for = now() + make_interval(secs =>
+               least(p_retry_base_ms * power(2, greatest(w.attempts - 1, 0)), p_retry_max_ms) / 1000.0)
+       WHERE w.event_work_id = a_work_ids[v_failed];
+    END IF;
+    -- Rows at or below the cursor are done, applied now or earlier (redelivered).
+    IF v_new_last >= g_versions[cardinality(g_versions)] THEN
+      v_done := a_work_ids;
+    ELSE
+      SELECT coalesce(array_agg(a_work_ids[i]), '{}') INTO v_done
+      FROM generate_subscripts(a_work_ids, 1) AS i
+      WHERE g_versions[i] <= v_new_last;
+    END IF;
+{% include "instant_completion.sql" %}
+  END IF;
+
+  RETURN QUERY SELECT v_applied, v_new_last,
+                      CASE WHEN v_failed IS NULL THEN NULL ELSE a_work_ids[v_failed] END,
+                      v_err, v_done, v_rewound AND v_ok, v_completed, v_applied_ids;
+END

@@ -1,0 +1,50 @@
+//! The slots of `wh_drain` (`drain.sql`).
+
+use minijinja::{context, Value};
+
+use super::{apply_function_name, render};
+use crate::config::PerspectiveConfig;
+
+/// `CREATE OR REPLACE FUNCTION <schema>.wh_drain(...)`, dispatching to the apply function of
+/// each of `perspectives` (see `drain.sql`), preceded by the drop of an older shape.
+pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -> String {
+    let perspectives: Vec<Value> = perspectives
+        .iter()
+        .map(|p| context! { name => &p.name, function => apply_function_name(&p.name) })
+        .collect();
+    render("drain.sql", context! { schema, perspectives })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn drain_dispatches_to_every_apply_function() {
+        let config =
+            Config::from_yaml_str(include_str!("../../../examples/shop.yaml"), "shop.yaml")
+                .unwrap();
+        let sql = create_drain_function("shop", &config.perspectives);
+        assert!(sql.starts_with("DO $wh_drop$"), "{sql}");
+        assert!(sql.contains("p.proname = 'wh_drain'"));
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION shop.wh_drain("));
+        for (i, p) in config.perspectives.iter().enumerate() {
+            let keyword = if i == 0 { "IF" } else { "ELSIF" };
+            assert!(
+                sql.contains(&format!(
+                    "{keyword} r.perspective_name = '{}' THEN\n      SELECT * INTO o FROM shop.{}(",
+                    p.name,
+                    apply_function_name(&p.name)
+                )),
+                "{sql}"
+            );
+        }
+        // The due-work probe, once past the cursor and once past what was applied.
+        assert!(sql.contains("AND w.stream_version > r.last_version AND w.processed_at IS NULL"));
+        assert!(sql.contains(
+            "AND w.stream_version > coalesce(o.o_last_version, r.last_version) AND w.processed_at IS NULL"
+        ));
+        assert!(sql.contains("PERFORM shop.move_to_dead_letters("));
+    }
+}

@@ -1,0 +1,119 @@
+{#- `<schema>.wh_drain`: claims and applies, in one call and one transaction, the pending work of
+    the listed streams this instance owns. Per (stream, perspective): the window above the
+    cursor (cut at the first unavailable row), the head row dead-lettered once it has failed
+    p_max_attempts times, the rest handed to the perspective's apply function. No row leases
+    are written: the rows are applied in the same transaction that selects them, under the
+    cursor lock; failures count `attempts` instead. One row per pair out.
+    Slots: schema, perspectives (name, function). #}
+{#- Whether the pair has due work past `version` (one index probe). #}
+{% macro due_after(version) -%}
+EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
+                       WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
+                         AND w.stream_version > {{ version }} AND w.processed_at IS NULL
+                         AND (w.scheduled_for IS NULL OR w.scheduled_for <= now()))
+{%- endmacro %}
+{% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer" %}
+{% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]" %}
+{% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
+CREATE OR REPLACE FUNCTION {{ schema }}.wh_drain(
+    p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
+    p_instant boolean, p_debug boolean, p_retry_base_ms double precision, p_retry_max_ms double precision,
+    p_notify_applied boolean, p_max_attempts integer)
+RETURNS TABLE ({{ result }})
+LANGUAGE plpgsql AS $wh_drain$
+DECLARE
+  v_owned    uuid[];
+  r          record;
+  o          record;
+  v_ids      bigint[];
+  v_events   uuid[];
+  v_versions bigint[];
+  v_attempts integer[];
+  v_oldest   timestamptz;
+  v_dead     bigint[];
+  v_budget   integer := p_max_rows;
+  v_retire   bigint[];
+  v_more     boolean;
+BEGIN
+  SELECT array_agg(a.stream_id) INTO v_owned
+  FROM {{ schema }}.wh_active_streams a
+  WHERE a.stream_id = ANY (p_stream_ids) AND a.assigned_instance_id = p_instance_id;
+  IF v_owned IS NULL THEN
+    RETURN;
+  END IF;
+  FOR r IN
+    SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
+    FROM unnest(v_owned) AS x(stream_id)
+    CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s) sub
+    LEFT JOIN {{ schema }}.wh_perspective_cursors c
+           ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
+    ORDER BY 1, 2
+  LOOP
+    IF v_budget <= 0 THEN
+      -- Not reached in this call: say so, so the worker comes back for it.
+      RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
+                          '{}'::bigint[], '{}'::bigint[], NULL::timestamptz, false, '{}'::uuid[], true,
+                          '{}'::uuid[];
+      CONTINUE;
+    END IF;
+    -- Rows at or below the cursor were applied already (completion pending or lost): retire.
+    v_retire := ARRAY(
+      SELECT w.event_work_id FROM {{ schema }}.wh_perspective_events w
+      WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
+        AND w.stream_version <= r.last_version AND w.processed_at IS NULL
+      OFFSET 0);
+    IF cardinality(v_retire) > 0 THEN
+      PERFORM {{ schema }}.complete_perspective_events(v_retire, p_debug);
+    END IF;
+    SELECT array_agg(h.event_work_id ORDER BY h.stream_version), array_agg(h.event_id ORDER BY h.stream_version),
+           array_agg(h.stream_version ORDER BY h.stream_version), array_agg(h.attempts ORDER BY h.stream_version),
+           min(h.created_at)
+      INTO v_ids, v_events, v_versions, v_attempts, v_oldest
+    FROM (
+      SELECT w.*, bool_or(w.unavailable) OVER (ORDER BY w.stream_version ROWS UNBOUNDED PRECEDING) AS fenced
+      FROM (
+        SELECT w0.event_work_id, w0.event_id, w0.stream_version, w0.attempts, w0.created_at,
+               (coalesce(w0.scheduled_for > now(), false)
+                OR (w0.instance_id IS NOT NULL AND w0.instance_id <> p_instance_id AND w0.lease_expiry > now()
+                    AND EXISTS (SELECT 1 FROM {{ schema }}.wh_service_instances i WHERE i.instance_id = w0.instance_id))
+               ) AS unavailable
+        FROM {{ schema }}.wh_perspective_events w0
+        WHERE w0.stream_id = r.stream_id AND w0.perspective_name = r.perspective_name
+          AND w0.stream_version > r.last_version AND w0.processed_at IS NULL
+        ORDER BY w0.stream_version
+        LIMIT least(p_per_pair, v_budget)
+      ) w
+    ) h
+    WHERE NOT h.fenced;
+    CONTINUE WHEN v_ids IS NULL;
+    v_dead := '{}';
+    IF p_max_attempts IS NOT NULL AND v_attempts[1] >= p_max_attempts THEN
+      PERFORM {{ schema }}.move_to_dead_letters(p_instance_id, ARRAY[v_ids[1]]);
+      v_dead := ARRAY[v_ids[1]];
+      v_ids := v_ids[2:];
+      v_events := v_events[2:];
+      v_versions := v_versions[2:];
+    END IF;
+    IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
+      RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
+                          '{}'::bigint[], v_dead, v_oldest, false, '{}'::uuid[],
+                          {{ due_after("r.last_version") }}, '{}'::uuid[];
+      CONTINUE;
+    END IF;
+    v_budget := v_budget - array_length(v_ids, 1);
+{% for p in perspectives %}
+    {{ "IF" if loop.first else "ELSIF" }} r.perspective_name = {{ p.name|literal }} THEN
+      SELECT * INTO o FROM {{ schema }}.{{ p.function }}(r.stream_id, v_ids, v_events, v_versions, p_instant, p_debug, false,
+                                        p_retry_base_ms, p_retry_max_ms, p_notify_applied, true, true);
+{% endfor %}
+    ELSE
+      CONTINUE;
+    END IF;
+    -- A new statement, so a new snapshot: also sees rows appended while this call ran.
+    v_more := {{ due_after("coalesce(o.o_last_version, r.last_version)") }};
+    RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
+                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound,
+                        o.o_completed_event_ids, v_more, o.o_applied_event_ids;
+  END LOOP;
+END
+$wh_drain$
