@@ -107,16 +107,10 @@ pub enum CompletionStrategy {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct WorkerOptions {
-    /// Wake-up interval when no NOTIFY listener is available, in ms (default 1000).
-    #[schemars(range(min = 1))]
-    pub polling_interval_milliseconds: u64,
-    /// Safety-net wake-up interval while LISTEN/NOTIFY is healthy, in ms (default 1000).
-    #[schemars(range(min = 1))]
-    pub notify_healthy_polling_interval_milliseconds: u64,
     /// Apply attempts before a work row is dead-lettered; null never dead-letters (default 10).
     #[schemars(range(min = 1))]
     pub max_perspective_event_attempts: Option<u32>,
-    /// Work lease duration, also the dedup cache retention, in seconds (default 300).
+    /// Custom PerspectiveRunner only: lease on the work rows handed to the runner (no other live instance takes a leased row before it expires), and how long the worker's dedup cache keeps skipping applied rows after their completion was flushed, in seconds (default 300). No effect on compiled SQL perspectives: wh_drain claims and applies rows in one transaction under the stream's ownership, without row leases or the dedup cache.
     #[schemars(range(min = 1))]
     pub lease_seconds: u32,
     /// Seconds without a heartbeat before an instance is abandoned and its leases released (default 30).
@@ -124,24 +118,18 @@ pub struct WorkerOptions {
     pub abandon_stale_instance_threshold_seconds: u32,
     /// Keep completed work rows for debugging instead of deleting them (default false).
     pub debug_mode: bool,
-    /// Number of partitions streams are hashed into for work distribution (default 10000).
-    #[schemars(range(min = 1))]
-    pub partition_count: u32,
     /// Consecutive empty polls before the worker reports itself idle (default 2).
     #[schemars(range(min = 1))]
     pub idle_threshold_polls: u32,
     /// Events applied per transaction before the model and cursor are committed (default 100).
     #[schemars(range(min = 1))]
     pub perspective_batch_size: u32,
-    /// Perspective groups applied concurrently within a batch (default 30).
+    /// Custom PerspectiveRunner only: (stream, perspective) groups of one drain batch applied concurrently, each on its own connection (default 30). No effect on compiled SQL perspectives: one wh_drain call applies a whole batch inside the database, so their parallelism is maxConcurrentDrainConsumers.
     #[schemars(range(min = 1))]
     pub max_concurrent_perspectives: u32,
     /// Parallel drain consumer loops (default 4).
     #[schemars(range(min = 1))]
     pub max_concurrent_drain_consumers: u32,
-    /// Streams claimed and processed per tick (default 300).
-    #[schemars(range(min = 1))]
-    pub max_streams_per_batch: u32,
     /// Refetch iterations of the per-stream drain loop while events keep arriving; 1 is single-pass (default 5).
     #[schemars(range(min = 1))]
     pub drain_loop_max_iterations: u32,
@@ -172,18 +160,14 @@ pub struct WorkerOptions {
 impl Default for WorkerOptions {
     fn default() -> Self {
         Self {
-            polling_interval_milliseconds: 1000,
-            notify_healthy_polling_interval_milliseconds: 1000,
             max_perspective_event_attempts: Some(10),
             lease_seconds: 300,
             abandon_stale_instance_threshold_seconds: 30,
             debug_mode: false,
-            partition_count: 10_000,
             idle_threshold_polls: 2,
             perspective_batch_size: 100,
             max_concurrent_perspectives: 30,
             max_concurrent_drain_consumers: 4,
-            max_streams_per_batch: 300,
             drain_loop_max_iterations: 5,
             drain_loop_refetch_min_batch: 2,
             drain_batcher: DrainBatcherOptions::default(),
@@ -206,7 +190,7 @@ pub struct DrainBatcherOptions {
     pub sliding_window_milliseconds: u64,
     /// Longest a batch of drain signals is held open, in ms (default 3000).
     pub max_wait_milliseconds: u64,
-    /// Signals that close a batch at once (default 1000).
+    /// Stream ids that close a batch at once (default 1000). The worker also caps a batch at 10000 / (perspectiveBatchSize × number of perspectives) ids, at least 1, so that one claim+fetch stays near 10000 rows: with the default perspectiveBatchSize of 100 and one perspective the cap is 100, so maxSize only matters below it.
     #[schemars(range(min = 1))]
     pub max_size: u32,
 }
@@ -279,6 +263,42 @@ impl Default for ClaimWorkerOptions {
     }
 }
 
+/// Options an older worker accepted that had no effect, with what to do instead. A config that
+/// still sets one is rejected with this message rather than serde's bare "unknown field".
+pub const REMOVED_OPTIONS: [(&str, &str); 4] = [
+    (
+        "worker.pollingIntervalMilliseconds",
+        "use claimWorker.pollingIntervalMilliseconds (the claim loop is the only poller)",
+    ),
+    (
+        "worker.notifyHealthyPollingIntervalMilliseconds",
+        "use claimWorker.notifyHealthyPollingIntervalMilliseconds (the claim loop is the only poller)",
+    ),
+    (
+        "worker.maxStreamsPerBatch",
+        "use claimWorker.maxStreamsPerBatch (streams claimed per poll)",
+    ),
+    (
+        "worker.partitionCount",
+        "streams are hashed into a fixed 10000 partitions (compute_partition); delete the option",
+    ),
+];
+
+/// A problem for every removed option `text` still sets (none when it is not YAML).
+fn removed_option_problems(text: &str) -> Vec<Problem> {
+    let Ok(document) = serde_yaml::from_str::<serde_yaml::Value>(text) else {
+        return Vec::new();
+    };
+    REMOVED_OPTIONS
+        .iter()
+        .filter(|(path, _)| {
+            let (section, field) = path.split_once('.').expect("section.field");
+            document.get(section).and_then(|s| s.get(field)).is_some()
+        })
+        .map(|(path, instead)| Problem::new(*path, format!("was removed: {instead}")))
+        .collect()
+}
+
 /// One thing wrong with a config: the field it concerns and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
@@ -339,9 +359,18 @@ impl Config {
             source: source.to_owned(),
             problems,
         };
-        let config: Config =
-            serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(text))
-                .map_err(|e| error(vec![yaml_problem(&e)]))?;
+        let config: Config = serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(
+            text,
+        ))
+        .map_err(|e| {
+            // A removed option is an unknown field to serde: say what replaced it.
+            let mut problems = removed_option_problems(text);
+            let problem = yaml_problem(&e);
+            if !problems.iter().any(|p| p.path == problem.path) {
+                problems.push(problem);
+            }
+            error(problems)
+        })?;
         let problems = config.problems();
         if problems.is_empty() {
             Ok(config)
@@ -512,23 +541,27 @@ impl PerspectiveConfig {
     }
 }
 
+/// Rows one drain claim+fetch aims for; it caps the stream ids of a drain batch (see
+/// [`WorkerOptions::drain_batch_limit`]).
+pub const DRAIN_ROWS_PER_FETCH: usize = 10_000;
+
 impl WorkerOptions {
+    /// Stream ids one drain batch may hold: `drainBatcher.maxSize`, capped so that the batch's
+    /// full-depth groups (`perspectiveBatchSize` rows for each of `perspectives`) stay within
+    /// [`DRAIN_ROWS_PER_FETCH`] rows; at least 1. What the channel holds beyond it goes to the
+    /// other drain consumers, which work in parallel.
+    pub fn drain_batch_limit(&self, perspectives: usize) -> usize {
+        let per_stream = self.perspective_batch_size.max(1) as usize * perspectives.max(1);
+        (self.drain_batcher.max_size as usize).min((DRAIN_ROWS_PER_FETCH / per_stream).max(1))
+    }
+
     fn check(&self, problems: &mut Vec<Problem>) {
         let at_least_one = [
-            (
-                "pollingIntervalMilliseconds",
-                self.polling_interval_milliseconds,
-            ),
-            (
-                "notifyHealthyPollingIntervalMilliseconds",
-                self.notify_healthy_polling_interval_milliseconds,
-            ),
             ("leaseSeconds", self.lease_seconds.into()),
             (
                 "abandonStaleInstanceThresholdSeconds",
                 self.abandon_stale_instance_threshold_seconds.into(),
             ),
-            ("partitionCount", self.partition_count.into()),
             ("idleThresholdPolls", self.idle_threshold_polls.into()),
             ("perspectiveBatchSize", self.perspective_batch_size.into()),
             (
@@ -539,7 +572,6 @@ impl WorkerOptions {
                 "maxConcurrentDrainConsumers",
                 self.max_concurrent_drain_consumers.into(),
             ),
-            ("maxStreamsPerBatch", self.max_streams_per_batch.into()),
             (
                 "drainLoopMaxIterations",
                 self.drain_loop_max_iterations.into(),
@@ -866,18 +898,14 @@ perspectives:
         assert_eq!(parse(MINIMAL).unwrap().worker, WorkerOptions::default());
 
         let worker = &config.worker;
-        assert_eq!(worker.polling_interval_milliseconds, 1000);
-        assert_eq!(worker.notify_healthy_polling_interval_milliseconds, 1000);
         assert_eq!(worker.max_perspective_event_attempts, Some(10));
         assert_eq!(worker.lease_seconds, 300);
         assert_eq!(worker.abandon_stale_instance_threshold_seconds, 30);
         assert!(!worker.debug_mode);
-        assert_eq!(worker.partition_count, 10_000);
         assert_eq!(worker.idle_threshold_polls, 2);
         assert_eq!(worker.perspective_batch_size, 100);
         assert_eq!(worker.max_concurrent_perspectives, 30);
         assert_eq!(worker.max_concurrent_drain_consumers, 4);
-        assert_eq!(worker.max_streams_per_batch, 300);
         assert_eq!(worker.drain_loop_max_iterations, 5);
         assert_eq!(worker.drain_loop_refetch_min_batch, 2);
         assert_eq!(worker.drain_batcher.sliding_window_milliseconds, 300);
@@ -1271,10 +1299,120 @@ worker:
     fn validate_checks_a_deserialized_config() {
         let mut config = parse(MINIMAL).unwrap();
         assert_eq!(config.validate(), Ok(()));
-        config.worker.partition_count = 0;
+        config.worker.perspective_batch_size = 0;
         let error = config.validate().unwrap_err();
         assert_eq!(error.source, "config");
-        assert_eq!(error.problems[0].path, "worker.partitionCount");
+        assert_eq!(error.problems[0].path, "worker.perspectiveBatchSize");
+    }
+
+    /// A config setting `option` under `worker:` is refused with exactly one problem, at the
+    /// option's path, that names what to do instead.
+    fn assert_removed(option: &str, instead: &str) {
+        let error = parse(&format!("{MINIMAL}worker:\n  {option}: 5\n")).unwrap_err();
+        let expected = Problem::new(
+            format!("worker.{option}"),
+            format!("was removed: {instead}"),
+        );
+        assert_eq!(error.problems, [expected], "{error}");
+    }
+
+    #[test]
+    fn removed_worker_polling_interval_milliseconds_names_the_claim_worker_option() {
+        assert_removed(
+            "pollingIntervalMilliseconds",
+            "use claimWorker.pollingIntervalMilliseconds (the claim loop is the only poller)",
+        );
+    }
+
+    #[test]
+    fn removed_worker_notify_healthy_polling_interval_names_the_claim_worker_option() {
+        assert_removed(
+            "notifyHealthyPollingIntervalMilliseconds",
+            "use claimWorker.notifyHealthyPollingIntervalMilliseconds (the claim loop is the only poller)",
+        );
+    }
+
+    #[test]
+    fn removed_worker_max_streams_per_batch_names_the_claim_worker_option() {
+        assert_removed(
+            "maxStreamsPerBatch",
+            "use claimWorker.maxStreamsPerBatch (streams claimed per poll)",
+        );
+    }
+
+    #[test]
+    fn removed_worker_partition_count_says_partitions_are_fixed() {
+        assert_removed(
+            "partitionCount",
+            "streams are hashed into a fixed 10000 partitions (compute_partition); delete the option",
+        );
+    }
+
+    #[test]
+    fn removed_options_are_reported_together_and_beside_other_errors() {
+        let text = format!(
+            "{MINIMAL}claimWorker:\n  pollingIntervalMillis: 1\nworker:\n  partitionCount: 5\n  maxStreamsPerBatch: 5\n"
+        );
+        let paths: Vec<String> = parse(&text)
+            .unwrap_err()
+            .problems
+            .into_iter()
+            .map(|p| p.path)
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                "worker.maxStreamsPerBatch",
+                "worker.partitionCount",
+                "claimWorker.pollingIntervalMillis",
+            ]
+        );
+        // The replacements themselves are accepted.
+        let claim = parse(&format!(
+            "{MINIMAL}claimWorker:\n  maxStreamsPerBatch: 7\n  pollingIntervalMilliseconds: 9\n"
+        ))
+        .unwrap()
+        .claim_worker;
+        assert_eq!(
+            (
+                claim.max_streams_per_batch,
+                claim.polling_interval_milliseconds
+            ),
+            (7, 9)
+        );
+    }
+
+    #[test]
+    fn removed_options_are_not_in_the_schema() {
+        let schema = serde_json::to_value(schemars::schema_for!(Config)).unwrap();
+        let worker = &schema["$defs"]["WorkerOptions"]["properties"];
+        for (path, _) in REMOVED_OPTIONS {
+            let field = path.strip_prefix("worker.").unwrap();
+            assert!(worker.get(field).is_none(), "{path} is still in the schema");
+        }
+    }
+
+    #[test]
+    fn drain_batcher_max_size_is_capped_by_the_rows_of_one_fetch() {
+        let with = |max_size: u32, batch: u32| WorkerOptions {
+            perspective_batch_size: batch,
+            drain_batcher: DrainBatcherOptions {
+                max_size,
+                ..DrainBatcherOptions::default()
+            },
+            ..WorkerOptions::default()
+        };
+        // The defaults (1000 ids, 100 rows per pair): one perspective caps a batch at 100 ids,
+        // as the option's doc says.
+        assert_eq!(WorkerOptions::default().drain_batch_limit(1), 100);
+        assert_eq!(WorkerOptions::default().drain_batch_limit(4), 25);
+        // Below the cap maxSize decides.
+        assert_eq!(with(10, 100).drain_batch_limit(1), 10);
+        assert_eq!(with(1000, 5).drain_batch_limit(2), 1000);
+        assert_eq!(with(5000, 1).drain_batch_limit(1), 5000);
+        // Never less than one id.
+        assert_eq!(with(1000, 20_000).drain_batch_limit(3), 1);
+        assert_eq!(with(1000, 100).drain_batch_limit(0), 100);
     }
 
     #[test]

@@ -444,6 +444,10 @@ async fn invalid_config_files_exit_2_naming_the_field() {
             "handlrs",
         ),
         ("schema: s\nperspectives: [\n", "s"),
+        (
+            "schema: s\nperspectives:\n  - name: a\n    handlers:\n      A: SELECT 1\nworker:\n  partitionCount: 100\n",
+            "worker.partitionCount: was removed: streams are hashed into a fixed 10000 partitions",
+        ),
     ];
     for (yaml, fragment) in cases {
         let file = write_config(yaml);
@@ -459,4 +463,50 @@ async fn invalid_config_files_exit_2_naming_the_field() {
         assert!(msg.contains(fragment), "expected `{fragment}` in {msg}");
         assert!(msg.contains(&file.path().display().to_string()), "{msg}");
     }
+}
+
+/// Migration 0003 drops what nothing used: the `complete_perspective_cursor_work` function, the
+/// never-written cursor columns and the index of a cursor state that is never stored.
+#[tokio::test]
+async fn unused_cursor_columns_index_and_function_are_dropped() {
+    let (schema, _) = migrated_schema("unused").await;
+    let mut conn = connect().await;
+    let functions: Vec<String> = sqlx::query_scalar(
+        "SELECT proname::text FROM pg_proc WHERE pronamespace = $1::regnamespace ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert!(functions.contains(&"complete_perspective_events".to_owned()));
+    assert!(!functions.contains(&"complete_perspective_cursor_work".to_owned()));
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns
+         WHERE table_schema = $1 AND table_name = 'wh_perspective_cursors' ORDER BY ordinal_position",
+    )
+    .bind(&schema)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        columns,
+        [
+            "stream_id",
+            "perspective_name",
+            "last_version",
+            "last_event_id",
+            "status",
+            "error",
+            "processed_at",
+            "rewind_trigger_event_id",
+            "rewind_flagged_at",
+            "rewind_first_flagged_at",
+        ]
+    );
+    let rewind_index: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("{schema}.wh_perspective_cursors_rewind"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(rewind_index, None);
 }

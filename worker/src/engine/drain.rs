@@ -21,7 +21,7 @@ use crate::store::failure::Failure;
 pub(crate) type SharedReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Uuid>>>;
 
 /// Rows one claim+fetch round trip aims for.
-const ROWS_PER_FETCH: usize = 10_000;
+const ROWS_PER_FETCH: usize = crate::config::DRAIN_ROWS_PER_FETCH;
 
 /// One consumer loop.
 pub(crate) async fn consumer(ctx: Arc<Ctx>, rx: SharedReceiver) {
@@ -41,11 +41,10 @@ pub(crate) async fn consumer(ctx: Arc<Ctx>, rx: SharedReceiver) {
 /// last batch.
 async fn next_batch(ctx: &Ctx, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     let opts = &ctx.config.worker.drain_batcher;
-    // Keep one fetch within ~ROWS_PER_FETCH rows of full-depth groups; what is left in the
-    // channel goes to the other consumers, which work in parallel.
-    let per_stream = ctx.config.worker.perspective_batch_size.max(1) as usize
-        * ctx.config.perspectives.len().max(1);
-    let max_size = (opts.max_size as usize).min((ROWS_PER_FETCH / per_stream).max(1));
+    let max_size = ctx
+        .config
+        .worker
+        .drain_batch_limit(ctx.config.perspectives.len());
     let mut rx = rx.lock().await;
     let first = tokio::select! {
         _ = ctx.shutdown.cancelled() => return None,
@@ -395,20 +394,9 @@ fn dedup_filter(ctx: &Ctx, items: Vec<WorkItem>) -> Vec<WorkItem> {
     if cache.is_empty() {
         return items;
     }
-    let mut by_pair: BTreeMap<(Uuid, String), Vec<i64>> = BTreeMap::new();
-    for i in &items {
-        by_pair
-            .entry((i.stream_id, i.perspective_name.clone()))
-            .or_default()
-            .push(i.event_work_id);
-    }
-    let mut keep: HashSet<i64> = HashSet::new();
-    for ((stream, perspective), ids) in by_pair {
-        keep.extend(cache.filter_new(&perspective, stream, &ids, now));
-    }
     items
         .into_iter()
-        .filter(|i| keep.contains(&i.event_work_id))
+        .filter(|i| !cache.contains(i.event_work_id, now))
         .collect()
 }
 
@@ -632,10 +620,7 @@ fn record_outcome(ctx: &Ctx, group: &Group, o: &super::runner::ApplyOutcome, mod
         report_failed(ctx, perspective, group.stream_id, *work_id, error);
     }
     if !mode.instant && !o.done_work_ids.is_empty() {
-        ctx.cache
-            .lock()
-            .unwrap()
-            .add_range(&o.done_work_ids, Instant::now());
+        ctx.cache.lock().unwrap().add_range(&o.done_work_ids);
         ctx.queue_completions(group.stream_id, &o.done_work_ids);
     }
 }

@@ -23,6 +23,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0002_engine.sql",
         template: include_str!("../../../migrations/0002_engine.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_drop_unused.sql",
+        template: include_str!("../../migrations/0003_drop_unused.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.
@@ -69,7 +74,11 @@ mod tests {
         for m in MIGRATIONS {
             let sql = m.render("shop");
             assert!(!sql.contains("{{"), "{} keeps a placeholder", m.name);
-            assert!(sql.contains("shop.wh_event_store"));
+            assert!(
+                sql.contains("shop.wh_"),
+                "{} names no schema object",
+                m.name
+            );
         }
     }
 
