@@ -1,8 +1,8 @@
 -- 0003: drop what nothing uses, so the schema shows only what the worker relies on.
 -- Template: `{{schema}}` is the deployment's schema (see 0001).
 
--- Runners record their progress through their apply function (the cursor moves in the apply
--- transaction); nothing called this.
+-- The compiled apply functions move the cursor in their apply transaction, and custom runners
+-- do the same with the worker library's cursor statements; nothing called this.
 DROP FUNCTION {{schema}}.complete_perspective_cursor_work(
   uuid, text, bigint, uuid, bigint[], smallint, text, boolean);
 

@@ -13,7 +13,7 @@ use common::*;
 use futures::future::BoxFuture;
 use perspective_worker::config::Config;
 use perspective_worker::engine::{
-    ApplyMode, ApplyOutcome, EngineOptions, Group, PerspectiveRunner, SqlRunner,
+    ApplyMode, ApplyOutcome, EngineOptions, Group, PerspectiveRunner, RunnerError, SqlRunner,
 };
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
@@ -50,7 +50,7 @@ impl PerspectiveRunner for Probe {
         conn: &'a mut PgConnection,
         group: &'a Group,
         mode: ApplyMode,
-    ) -> BoxFuture<'a, Result<ApplyOutcome, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<ApplyOutcome, RunnerError>> {
         Box::pin(async move {
             let now_running = self.running.fetch_add(1, Ordering::SeqCst) + 1;
             self.most_running.fetch_max(now_running, Ordering::SeqCst);

@@ -26,7 +26,7 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 3,
         name: "0003_drop_unused.sql",
-        template: include_str!("../../migrations/0003_drop_unused.sql"),
+        template: include_str!("../../../migrations/0003_drop_unused.sql"),
     },
 ];
 
