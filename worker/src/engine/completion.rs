@@ -3,142 +3,221 @@
 //! retires drained streams from `wh_active_streams` without losing a doorbell.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use uuid::Uuid;
 
 use super::hooks::HookEvent;
-use super::Ctx;
+use super::Shared;
 use crate::completion_tracker::{CompletionTracker, RetryPolicy};
+use crate::dedup::ProcessedEventCache;
+
+/// Applied work rows on their way to the flush worker (Batched), and per stream which ones are
+/// not deleted yet: such a stream cannot be retired before the flush, which settles it after.
+#[derive(Clone)]
+pub(crate) struct CompletionQueue {
+    tx: mpsc::UnboundedSender<(i64, Uuid)>,
+    unflushed: Arc<Mutex<HashMap<Uuid, HashSet<i64>>>>,
+}
+
+impl CompletionQueue {
+    /// The queue and the flush worker's end of it.
+    pub(crate) fn new() -> (Self, mpsc::UnboundedReceiver<(i64, Uuid)>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let queue = CompletionQueue {
+            tx,
+            unflushed: Arc::default(),
+        };
+        (queue, rx)
+    }
+
+    /// Hand applied work rows of `stream` to the completion flush worker.
+    pub(crate) fn queue(&self, stream: Uuid, ids: &[i64]) {
+        self.unflushed
+            .lock()
+            .unwrap()
+            .entry(stream)
+            .or_default()
+            .extend(ids);
+        for id in ids {
+            let _ = self.tx.send((*id, stream));
+        }
+    }
+
+    /// The flush worker deleted these rows.
+    fn flushed(&self, rows: &[(i64, Uuid)]) {
+        let mut unflushed = self.unflushed.lock().unwrap();
+        for (id, stream) in rows {
+            if let Some(ids) = unflushed.get_mut(stream) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    unflushed.remove(stream);
+                }
+            }
+        }
+    }
+
+    /// Whether applied rows of `stream` are still waiting for the flush worker.
+    pub(crate) fn awaiting_flush(&self, stream: &Uuid) -> bool {
+        self.unflushed.lock().unwrap().contains_key(stream)
+    }
+}
+
+/// The completion flush task.
+pub(crate) struct FlushWorker {
+    pub shared: Arc<Shared>,
+    pub completions: CompletionQueue,
+    /// Its retention starts once the rows it remembers are deleted.
+    pub cache: Arc<Mutex<ProcessedEventCache>>,
+    /// Streams whose rows were flushed, out: they may be drained.
+    pub settle_tx: mpsc::UnboundedSender<Uuid>,
+}
+
+/// The settler task.
+pub(crate) struct Settler {
+    pub shared: Arc<Shared>,
+    pub completions: CompletionQueue,
+    /// Streams that could not be retired go back to the drain, out.
+    pub drain_tx: mpsc::Sender<Uuid>,
+}
 
 /// Coalescing of completions: wait this long after the first one, or until this many.
 const FLUSH_WINDOW: Duration = Duration::from_millis(25);
 const FLUSH_MAX: usize = 1000;
 
-/// Completed work rows (work id, stream) → `complete_perspective_events`, in batches.
-pub(crate) async fn flush_worker(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<(i64, Uuid)>) {
-    let mut tracker: CompletionTracker<(i64, Uuid)> =
-        CompletionTracker::new(RetryPolicy::from_options(&ctx.config.worker.retry_options));
-    let mut closed = false;
-    loop {
-        if tracker.pending_count() == 0 && tracker.sent_count() == 0 {
-            if closed {
-                return;
-            }
-            // Wait for work (or shutdown: then drain what is queued and stop).
-            tokio::select! {
-                item = rx.recv() => match item {
-                    Some(item) => tracker.add(item),
-                    None => closed = true,
-                },
-                _ = ctx.shutdown.cancelled() => {
-                    rx.close();
+impl FlushWorker {
+    /// Completed work rows (work id, stream) → `complete_perspective_events`, in batches.
+    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<(i64, Uuid)>) {
+        let ctx = &self.shared;
+        let mut tracker: CompletionTracker<(i64, Uuid)> =
+            CompletionTracker::new(RetryPolicy::from_options(&ctx.config.worker.retry_options));
+        let mut closed = false;
+        loop {
+            if tracker.pending_count() == 0 && tracker.sent_count() == 0 {
+                if closed {
+                    return;
+                }
+                // Wait for work (or shutdown: then drain what is queued and stop).
+                tokio::select! {
+                    item = rx.recv() => match item {
+                        Some(item) => tracker.add(item),
+                        None => closed = true,
+                    },
+                    _ = ctx.shutdown.cancelled() => {
+                        rx.close();
+                    }
                 }
             }
-        }
-        // Coalesce.
-        let deadline = tokio::time::Instant::now() + FLUSH_WINDOW;
-        while !closed && tracker.pending_count() < FLUSH_MAX {
-            match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(item)) => tracker.add(item),
-                Ok(None) => closed = true,
-                Err(_) => break,
-            }
-        }
-        tracker.reset_stale(Instant::now());
-        let batch = tracker.take_pending_up_to(FLUSH_MAX, Instant::now());
-        if batch.is_empty() {
-            if tracker.sent_count() > 0 {
-                // Waiting for a retry of a failed flush.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            continue;
-        }
-        let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
-        let result = ctx
-            .store
-            .complete_events(&ids, ctx.config.worker.debug_mode)
-            .await;
-        match result {
-            Ok(_) => {
-                tracker.mark_acknowledged(batch.len());
-                ctx.completions_flushed(&batch);
-                tracker.clear_acknowledged();
-                ctx.cache.lock().unwrap().activate_retention(Instant::now());
-                ctx.metrics.completions_flushed.inc_by(batch.len() as u64);
-                ctx.hooks
-                    .emit(HookEvent::CompletionsFlushed { count: batch.len() });
-                let streams: HashSet<Uuid> = batch.iter().map(|(_, s)| *s).collect();
-                for s in streams {
-                    let _ = ctx.settle_tx.send(s);
+            // Coalesce.
+            let deadline = tokio::time::Instant::now() + FLUSH_WINDOW;
+            while !closed && tracker.pending_count() < FLUSH_MAX {
+                match tokio::time::timeout_at(deadline, rx.recv()).await {
+                    Ok(Some(item)) => tracker.add(item),
+                    Ok(None) => closed = true,
+                    Err(_) => break,
                 }
             }
-            Err(e) => {
-                // They stay Sent; reset_stale re-queues them after the backoff. If the process
-                // dies first, the rows are re-offered and the cursor skips them.
-                tracing::warn!(error = %crate::db::describe_error(&e, None), count = batch.len(), "completion flush failed; will retry");
+            tracker.reset_stale(Instant::now());
+            let batch = tracker.take_pending_up_to(FLUSH_MAX, Instant::now());
+            if batch.is_empty() {
+                if tracker.sent_count() > 0 {
+                    // Waiting for a retry of a failed flush.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                continue;
+            }
+            let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
+            let result = ctx
+                .store
+                .complete_events(&ids, ctx.config.worker.debug_mode)
+                .await;
+            match result {
+                Ok(_) => {
+                    tracker.mark_acknowledged(batch.len());
+                    self.completions.flushed(&batch);
+                    tracker.clear_acknowledged();
+                    self.cache
+                        .lock()
+                        .unwrap()
+                        .activate_retention(Instant::now());
+                    ctx.metrics.completions_flushed.inc_by(batch.len() as u64);
+                    ctx.hooks
+                        .emit(HookEvent::CompletionsFlushed { count: batch.len() });
+                    let streams: HashSet<Uuid> = batch.iter().map(|(_, s)| *s).collect();
+                    for s in streams {
+                        let _ = self.settle_tx.send(s);
+                    }
+                }
+                Err(e) => {
+                    // They stay Sent; reset_stale re-queues them after the backoff. If the process
+                    // dies first, the rows are re-offered and the cursor skips them.
+                    tracing::warn!(error = %crate::db::describe_error(&e, None), count = batch.len(), "completion flush failed; will retry");
+                }
             }
         }
     }
 }
 
-/// Streams that may be drained → `cleanup_completed_streams`. A stream that could not be
-/// retired (a producer was mid-append, or completions are not flushed yet, or it has work
-/// waiting for a retry) is handed back to the drain channel after a growing delay, a few times;
-/// after that the claim loop's own polls look after it.
-pub(crate) async fn settler(ctx: Arc<Ctx>, mut rx: mpsc::UnboundedReceiver<Uuid>) {
-    const RETRIES: u32 = 8;
-    let mut retries: HashMap<Uuid, u32> = HashMap::new();
-    loop {
-        let first = tokio::select! {
-            _ = ctx.shutdown.cancelled() => return,
-            s = rx.recv() => match s { Some(s) => s, None => return },
-        };
-        let mut streams: HashSet<Uuid> = HashSet::from([first]);
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
-        while let Ok(Some(s)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-            streams.insert(s);
-        }
-        let list: Vec<Uuid> = streams.iter().copied().collect();
-        let removed = ctx
-            .store
-            .cleanup_completed_streams(ctx.instance_id, &list)
-            .await;
-        let removed: HashSet<Uuid> = match removed {
-            Ok(r) => r.into_iter().collect(),
-            Err(e) => {
-                tracing::warn!(error = %crate::db::describe_error(&e, None), "cleanup_completed_streams failed");
-                HashSet::new()
+impl Settler {
+    /// Streams that may be drained → `cleanup_completed_streams`. A stream that could not be
+    /// retired (a producer was mid-append, or completions are not flushed yet, or it has work
+    /// waiting for a retry) is handed back to the drain channel after a growing delay, a few times;
+    /// after that the claim loop's own polls look after it.
+    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<Uuid>) {
+        let ctx = &self.shared;
+        const RETRIES: u32 = 8;
+        let mut retries: HashMap<Uuid, u32> = HashMap::new();
+        loop {
+            let first = tokio::select! {
+                _ = ctx.shutdown.cancelled() => return,
+                s = rx.recv() => match s { Some(s) => s, None => return },
+            };
+            let mut streams: HashSet<Uuid> = HashSet::from([first]);
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
+            while let Ok(Some(s)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+                streams.insert(s);
             }
-        };
-        for s in list {
-            if removed.contains(&s) {
-                retries.remove(&s);
-                continue;
-            }
-            if ctx.awaiting_flush(&s) {
-                // Its flush will bring it back here.
-                retries.remove(&s);
-                continue;
-            }
-            let n = retries.entry(s).or_insert(0);
-            *n += 1;
-            if *n > RETRIES {
-                retries.remove(&s);
-                continue;
-            }
-            let delay = Duration::from_millis(10u64 << (*n - 1).min(7));
-            tracing::debug!(stream = %s, attempt = *n, delay_ms = delay.as_millis() as u64, "stream not retired; draining it again");
-            let tx = ctx.drain_tx.clone();
-            let shutdown = ctx.shutdown.clone();
-            tokio::spawn(async move {
-                tokio::select! {
-                    _ = shutdown.cancelled() => {}
-                    _ = tokio::time::sleep(delay) => { let _ = tx.try_send(s); }
+            let list: Vec<Uuid> = streams.iter().copied().collect();
+            let removed = ctx
+                .store
+                .cleanup_completed_streams(ctx.instance_id, &list)
+                .await;
+            let removed: HashSet<Uuid> = match removed {
+                Ok(r) => r.into_iter().collect(),
+                Err(e) => {
+                    tracing::warn!(error = %crate::db::describe_error(&e, None), "cleanup_completed_streams failed");
+                    HashSet::new()
                 }
-            });
+            };
+            for s in list {
+                if removed.contains(&s) {
+                    retries.remove(&s);
+                    continue;
+                }
+                if self.completions.awaiting_flush(&s) {
+                    // Its flush will bring it back here.
+                    retries.remove(&s);
+                    continue;
+                }
+                let n = retries.entry(s).or_insert(0);
+                *n += 1;
+                if *n > RETRIES {
+                    retries.remove(&s);
+                    continue;
+                }
+                let delay = Duration::from_millis(10u64 << (*n - 1).min(7));
+                tracing::debug!(stream = %s, attempt = *n, delay_ms = delay.as_millis() as u64, "stream not retired; draining it again");
+                let tx = self.drain_tx.clone();
+                let shutdown = ctx.shutdown.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => {}
+                        _ = tokio::time::sleep(delay) => { let _ = tx.try_send(s); }
+                    }
+                });
+            }
         }
     }
 }

@@ -4,49 +4,77 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Ctx;
+use super::Shared;
+use crate::store::instances::InstanceInfo;
 
-/// One heartbeat plus a stale-instance sweep. Returns how many instances were abandoned.
-pub(crate) async fn beat(ctx: &Ctx) -> Result<i32, sqlx::Error> {
-    ctx.store.record_heartbeat(&ctx.instance).await?;
-    let abandoned = ctx
-        .store
-        .cleanup_stale_instances(
-            ctx.instance_id,
-            ctx.config.worker.abandon_stale_instance_threshold_seconds as f64,
-        )
-        .await?;
-    // Lag per perspective for /metrics (one small aggregate per heartbeat).
-    let pending = ctx.store.pending_per_perspective().await?;
-    for p in &ctx.config.perspectives {
-        let n = pending
-            .iter()
-            .find(|(name, _)| *name == p.name)
-            .map_or(0, |(_, n)| *n);
-        ctx.metrics
-            .pending_events
-            .with_label_values(&[p.name.as_str()])
-            .set(n);
-    }
-    if abandoned > 0 {
-        tracing::warn!(
-            abandoned,
-            "abandoned silent worker instances; their streams are up for grabs"
-        );
-        ctx.hooks.request_immediate_poll();
-    }
-    Ok(abandoned)
+/// The heartbeat task.
+pub(crate) struct Heartbeat {
+    shared: Arc<Shared>,
+    /// Who this instance is, as recorded with each heartbeat.
+    instance: InstanceInfo,
 }
 
-pub(crate) async fn run(ctx: Arc<Ctx>) {
-    let every = Duration::from_secs(ctx.config.worker.heartbeat_interval_seconds.max(1) as u64);
-    loop {
-        tokio::select! {
-            _ = ctx.shutdown.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
+impl Heartbeat {
+    pub(crate) fn new(shared: Arc<Shared>, service_name: &str) -> Self {
+        let instance = InstanceInfo {
+            instance_id: shared.instance_id,
+            service_name: service_name.to_string(),
+            host_name: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
+            process_id: std::process::id() as i32,
+            metadata: serde_json::to_value(&shared.config.worker.instance_metadata)
+                .unwrap_or_default(),
+        };
+        Heartbeat { shared, instance }
+    }
+
+    /// One heartbeat plus a stale-instance sweep. Returns how many instances were abandoned.
+    pub(crate) async fn beat(&self) -> Result<i32, sqlx::Error> {
+        let shared = &self.shared;
+        shared.store.record_heartbeat(&self.instance).await?;
+        let abandoned = shared
+            .store
+            .cleanup_stale_instances(
+                shared.instance_id,
+                shared
+                    .config
+                    .worker
+                    .abandon_stale_instance_threshold_seconds as f64,
+            )
+            .await?;
+        // Lag per perspective for /metrics (one small aggregate per heartbeat).
+        let pending = shared.store.pending_per_perspective().await?;
+        for p in &shared.config.perspectives {
+            let n = pending
+                .iter()
+                .find(|(name, _)| *name == p.name)
+                .map_or(0, |(_, n)| *n);
+            shared
+                .metrics
+                .pending_events
+                .with_label_values(&[p.name.as_str()])
+                .set(n);
         }
-        if let Err(e) = beat(&ctx).await {
-            tracing::warn!(error = %crate::db::describe_error(&e, None), "heartbeat failed");
+        if abandoned > 0 {
+            tracing::warn!(
+                abandoned,
+                "abandoned silent worker instances; their streams are up for grabs"
+            );
+            shared.hooks.request_immediate_poll();
+        }
+        Ok(abandoned)
+    }
+
+    pub(crate) async fn run(self) {
+        let every =
+            Duration::from_secs(self.shared.config.worker.heartbeat_interval_seconds.max(1) as u64);
+        loop {
+            tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            if let Err(e) = self.beat().await {
+                tracing::warn!(error = %crate::db::describe_error(&e, None), "heartbeat failed");
+            }
         }
     }
 }

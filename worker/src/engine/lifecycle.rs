@@ -13,7 +13,7 @@
 use uuid::Uuid;
 
 use super::hooks::HookEvent;
-use super::Ctx;
+use super::Shared;
 
 /// How far back startup reconciliation looks (30 minutes), and how much it does per pass.
 const LOOKBACK_SECONDS: f64 = 30.0 * 60.0;
@@ -23,7 +23,7 @@ const MAX_PASSES: usize = 20;
 const RETENTION_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 
 /// Fires PostPerspective for the events `perspective` just applied on `stream`, in order.
-pub(crate) fn post_perspective(ctx: &Ctx, perspective: &str, stream_id: Uuid, events: &[Uuid]) {
+pub(crate) fn post_perspective(ctx: &Shared, perspective: &str, stream_id: Uuid, events: &[Uuid]) {
     for &event_id in events {
         ctx.hooks.emit(HookEvent::PostPerspective {
             perspective: perspective.to_string(),
@@ -34,7 +34,7 @@ pub(crate) fn post_perspective(ctx: &Ctx, perspective: &str, stream_id: Uuid, ev
 }
 
 /// Fires the stages of `completed` (stream, event) pairs, in order, and records them.
-pub(crate) async fn fire(ctx: &Ctx, completed: &[(Uuid, Uuid)]) {
+pub(crate) async fn fire(ctx: &Shared, completed: &[(Uuid, Uuid)]) {
     if completed.is_empty() {
         return;
     }
@@ -62,7 +62,7 @@ pub(crate) async fn fire(ctx: &Ctx, completed: &[(Uuid, Uuid)]) {
 
 /// Fires the stages of recent events that every subscribed perspective applied but that were
 /// never recorded (their worker died in between); deletes old completion records. Best effort.
-pub(crate) async fn reconcile_orphans(ctx: &Ctx) {
+pub(crate) async fn reconcile_orphans(ctx: &Shared) {
     let _ = ctx
         .store
         .delete_old_lifecycle_completions(RETENTION_SECONDS)

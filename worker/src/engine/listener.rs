@@ -1,66 +1,78 @@
 //! The LISTEN connection: turns doorbell NOTIFYs into immediate claim polls, reports its health
 //! (the claim loop relaxes its safety-net cadence only while it is healthy), and reconnects.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPool};
 
-use super::Ctx;
+use super::Shared;
 
-pub(crate) async fn run(ctx: Arc<Ctx>) {
-    let channel = crate::store::names::work_channel(ctx.store.schema());
-    let mut backoff = Duration::from_millis(100);
-    while !ctx.shutdown.is_cancelled() {
-        let connected = async {
-            let mut l = PgListener::connect_with(&ctx.listen_pool).await?;
-            l.listen(&channel).await?;
-            Ok::<_, sqlx::Error>(l)
-        }
-        .await;
-        let mut listener = match connected {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "LISTEN connection failed");
-                tokio::select! {
-                    _ = ctx.shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
+/// The listener task.
+pub(crate) struct Listener {
+    pub shared: Arc<Shared>,
+    /// Its own pool of one connection, so LISTEN never waits behind applies.
+    pub pool: PgPool,
+    /// Whether the LISTEN connection is up, out (read by the claim loop).
+    pub healthy: Arc<AtomicBool>,
+}
+
+impl Listener {
+    pub(crate) async fn run(self) {
+        let ctx = &self.shared;
+        let channel = crate::store::names::work_channel(ctx.store.schema());
+        let mut backoff = Duration::from_millis(100);
+        while !ctx.shutdown.is_cancelled() {
+            let connected = async {
+                let mut l = PgListener::connect_with(&self.pool).await?;
+                l.listen(&channel).await?;
+                Ok::<_, sqlx::Error>(l)
             }
-        };
-        backoff = Duration::from_millis(100);
-        ctx.listener_healthy.store(true, Ordering::Relaxed);
-        ctx.metrics.listener_connected.set(1);
-        tracing::info!(channel, "listening for the doorbell");
-        // Work may have arrived while we were not listening.
-        ctx.hooks.request_immediate_poll();
-        loop {
-            let next = tokio::select! {
-                _ = ctx.shutdown.cancelled() => return,
-                n = listener.try_recv() => n,
-            };
-            match next {
-                Ok(Some(_)) => {
-                    ctx.metrics.notify_wakeups.inc();
-                    ctx.hooks.request_immediate_poll();
-                }
-                // Ok(None): the connection was lost; Err: something else broke. Either way
-                // drop it and reconnect ourselves, tight polling meanwhile.
-                Ok(None) => {
-                    tracing::warn!("LISTEN connection lost; reconnecting");
-                    break;
-                }
+            .await;
+            let mut listener = match connected {
+                Ok(l) => l,
                 Err(e) => {
-                    tracing::warn!(error = %e, "LISTEN connection failed; reconnecting");
-                    break;
+                    tracing::warn!(error = %e, retry_in = ?backoff, "LISTEN connection failed");
+                    tokio::select! {
+                        _ = ctx.shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(100);
+            self.healthy.store(true, Ordering::Relaxed);
+            ctx.metrics.listener_connected.set(1);
+            tracing::info!(channel, "listening for the doorbell");
+            // Work may have arrived while we were not listening.
+            ctx.hooks.request_immediate_poll();
+            loop {
+                let next = tokio::select! {
+                    _ = ctx.shutdown.cancelled() => return,
+                    n = listener.try_recv() => n,
+                };
+                match next {
+                    Ok(Some(_)) => {
+                        ctx.metrics.notify_wakeups.inc();
+                        ctx.hooks.request_immediate_poll();
+                    }
+                    // Ok(None): the connection was lost; Err: something else broke. Either way
+                    // drop it and reconnect ourselves, tight polling meanwhile.
+                    Ok(None) => {
+                        tracing::warn!("LISTEN connection lost; reconnecting");
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "LISTEN connection failed; reconnecting");
+                        break;
+                    }
                 }
             }
+            self.healthy.store(false, Ordering::Relaxed);
+            ctx.metrics.listener_connected.set(0);
+            ctx.hooks.request_immediate_poll();
         }
-        ctx.listener_healthy.store(false, Ordering::Relaxed);
-        ctx.metrics.listener_connected.set(0);
-        ctx.hooks.request_immediate_poll();
     }
 }

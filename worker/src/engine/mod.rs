@@ -1,17 +1,22 @@
 //! The perspective engine: claim → drain → apply → complete.
 //!
-//! Tasks, joined by channels and stopped by one cancellation token:
+//! Tasks, joined by channels and stopped by one cancellation token. Each owns what it uses (its
+//! channels in, its handles out) plus the `Shared` part: config, instance id, store, hooks,
+//! metrics, shutdown.
 //! - [`claim`]: polls `claim_work` (tight while NOTIFY is down, relaxed while it is healthy),
 //!   woken at once by the doorbell or [`Hooks::request_immediate_poll`]; feeds stream ids into
-//!   the bounded drain channel;
+//!   the bounded drain channel; marks the engine ready after its first claim;
 //! - [`listener`]: the LISTEN connection (doorbell → claim wake-up; health; reconnects);
 //! - [`drain`]: `maxConcurrentDrainConsumers` consumers: sliding-window batches of stream ids,
-//!   one claim+fetch round trip per batch, groups applied through the [`PerspectiveRunner`];
+//!   drained by `wh_drain` in the database or, for a custom [`PerspectiveRunner`], fetched and
+//!   applied group by group;
 //! - [`completion`]: the Batched completion flush worker and the settler that retires drained
 //!   streams;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
-//!   once per event, orphan reconciliation.
+//!   once per event, orphan reconciliation;
+//! - [`hooks`]: what the engine did, for tests and embedding applications;
+//! - [`runner`]: the [`PerspectiveRunner`] trait and the SQL runner.
 
 pub mod claim;
 pub mod completion;
@@ -22,12 +27,11 @@ pub mod lifecycle;
 pub mod listener;
 pub mod runner;
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPoolOptions;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -42,7 +46,6 @@ use crate::config::Config;
 use crate::dedup::ProcessedEventCache;
 use crate::http::Readiness;
 use crate::metrics::WorkerMetrics;
-use crate::store::instances::InstanceInfo;
 use crate::store::migrations::latest_version;
 use crate::store::Store;
 
@@ -95,105 +98,23 @@ pub enum EngineError {
     PerspectiveOutdated { schema: String, perspective: String },
 }
 
-/// The in-process mutex serialising applies of one (stream, perspective).
-pub(crate) type PairGate = Arc<tokio::sync::Mutex<()>>;
-
-/// Shared state of the engine's tasks.
-pub(crate) struct Ctx {
+/// What every task of one engine uses: who it is, where its schema is, where it reports, and
+/// when to stop. Each task owns the rest of what it needs (its channels in, its handles out).
+pub(crate) struct Shared {
     pub config: Arc<Config>,
     pub instance_id: Uuid,
-    /// Who this instance is, as recorded with each heartbeat.
-    pub instance: InstanceInfo,
     pub store: Store,
-    pub listen_pool: PgPool,
-    pub runner: Arc<dyn PerspectiveRunner>,
     pub hooks: Hooks,
     pub metrics: Arc<WorkerMetrics>,
-    pub readiness: Readiness,
-    pub cache: Mutex<ProcessedEventCache>,
-    pub drain_tx: mpsc::Sender<Uuid>,
-    pub completion_tx: mpsc::UnboundedSender<(i64, Uuid)>,
-    pub settle_tx: mpsc::UnboundedSender<Uuid>,
-    /// Applied work rows per stream queued for the completion flush worker (Batched): such a
-    /// stream cannot be retired before the flush, and the flush settles it afterwards.
-    pub unflushed: Mutex<HashMap<Uuid, HashSet<i64>>>,
-    pub in_flight: Mutex<HashMap<Uuid, bool>>,
-    pub pair_gates: Mutex<HashMap<(Uuid, String), PairGate>>,
-    pub listener_healthy: AtomicBool,
-    pub batches_in_flight: AtomicUsize,
-    pub first_claim: AtomicBool,
     pub shutdown: CancellationToken,
-}
-
-impl Ctx {
-    /// Hand applied work rows of `stream` to the completion flush worker.
-    pub(crate) fn queue_completions(&self, stream: Uuid, ids: &[i64]) {
-        self.unflushed
-            .lock()
-            .unwrap()
-            .entry(stream)
-            .or_default()
-            .extend(ids);
-        for id in ids {
-            let _ = self.completion_tx.send((*id, stream));
-        }
-    }
-
-    /// The flush worker deleted these rows.
-    pub(crate) fn completions_flushed(&self, rows: &[(i64, Uuid)]) {
-        let mut unflushed = self.unflushed.lock().unwrap();
-        for (id, stream) in rows {
-            if let Some(ids) = unflushed.get_mut(stream) {
-                ids.remove(id);
-                if ids.is_empty() {
-                    unflushed.remove(stream);
-                }
-            }
-        }
-    }
-
-    /// Whether applied rows of `stream` are still waiting for the flush worker.
-    pub(crate) fn awaiting_flush(&self, stream: &Uuid) -> bool {
-        self.unflushed.lock().unwrap().contains_key(stream)
-    }
-
-    /// The in-process mutex of one (stream, perspective).
-    pub(crate) fn pair_gate(&self, stream: Uuid, perspective: &str) -> PairGate {
-        self.pair_gates
-            .lock()
-            .unwrap()
-            .entry((stream, perspective.to_string()))
-            .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
-            .clone()
-    }
-
-    /// Forget a gate nobody else holds or waits for.
-    pub(crate) fn release_pair_gate(
-        &self,
-        stream: Uuid,
-        perspective: &str,
-        gate: Arc<tokio::sync::Mutex<()>>,
-    ) {
-        let mut gates = self.pair_gates.lock().unwrap();
-        // Ours plus the map's reference: nobody else holds or waits for it.
-        if Arc::strong_count(&gate) <= 2 {
-            gates.remove(&(stream, perspective.to_string()));
-        }
-    }
-
-    pub(crate) fn first_claim_done(&self) {
-        if !self.first_claim.swap(true, Ordering::Relaxed) {
-            self.readiness.set_ready();
-            tracing::info!(instance_id = %self.instance_id, "first claim succeeded; ready");
-        }
-    }
 }
 
 /// A running engine.
 pub struct Engine {
-    ctx: Arc<Ctx>,
+    shared: Arc<Shared>,
+    readiness: Readiness,
     tasks: Vec<tokio::task::JoinHandle<()>>,
-    flush_task: Option<tokio::task::JoinHandle<()>>,
+    flush_task: tokio::task::JoinHandle<()>,
 }
 
 impl Engine {
@@ -203,7 +124,6 @@ impl Engine {
         shutdown: CancellationToken,
     ) -> Result<Engine, EngineError> {
         let config = options.config.clone();
-        let schema = config.schema.clone();
         let connect = |app: &str| crate::db::connect_options(&options.database_url, app);
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections.max(2))
@@ -214,110 +134,122 @@ impl Engine {
         let listen_pool = PgPoolOptions::new().max_connections(1).connect_lazy_with(
             connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
         );
-
-        let store = Store::new(pool, &schema);
+        let store = Store::new(pool, &config.schema);
         verify_schema(&store, &config).await?;
-
-        let (drain_tx, drain_rx) =
-            mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
-        let (completion_tx, completion_rx) = mpsc::unbounded_channel();
-        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         for p in &config.perspectives {
             options.metrics.init_perspective(&p.name);
         }
+        let shared = Arc::new(Shared {
+            config: config.clone(),
+            instance_id: options.instance_id,
+            store,
+            hooks: options.hooks.clone(),
+            metrics: options.metrics.clone(),
+            shutdown,
+        });
+        let readiness = options.readiness.clone();
+        readiness.set_not_ready("first claim pending");
+
+        // Register before the first claim, so it ranks us among the live instances.
+        let heartbeat = heartbeat::Heartbeat::new(shared.clone(), &options.service_name);
+        heartbeat
+            .beat()
+            .await
+            .map_err(|e| db("registering the instance", e))?;
+        tracing::info!(instance_id = %shared.instance_id, schema = %config.schema, "worker instance registered");
+        if config.worker.notify_applied {
+            lifecycle::reconcile_orphans(&shared).await;
+        }
+
+        // The channels between the tasks.
+        let (drain_tx, drain_rx) =
+            mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
+        let (completions, completion_rx) = completion::CompletionQueue::new();
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        let listener_healthy = Arc::new(AtomicBool::new(false));
+        let cache = Arc::new(Mutex::new(ProcessedEventCache::new(Duration::from_secs(
+            config.worker.lease_seconds as u64,
+        ))));
         let runner = options
             .runner
             .clone()
             .unwrap_or_else(|| Arc::new(SqlRunner::new(&config)));
-        let instance = InstanceInfo {
-            instance_id: options.instance_id,
-            service_name: options.service_name.clone(),
-            host_name: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
-            process_id: std::process::id() as i32,
-            metadata: serde_json::to_value(&config.worker.instance_metadata).unwrap_or_default(),
-        };
-        let ctx = Arc::new(Ctx {
-            instance_id: options.instance_id,
-            instance,
-            store,
-            listen_pool,
-            runner,
-            hooks: options.hooks.clone(),
-            metrics: options.metrics.clone(),
-            readiness: options.readiness.clone(),
-            cache: Mutex::new(ProcessedEventCache::new(Duration::from_secs(
-                config.worker.lease_seconds as u64,
-            ))),
-            drain_tx,
-            completion_tx,
-            settle_tx,
-            unflushed: Mutex::new(HashMap::new()),
-            in_flight: Mutex::new(HashMap::new()),
-            pair_gates: Mutex::new(HashMap::new()),
-            listener_healthy: AtomicBool::new(false),
-            batches_in_flight: AtomicUsize::new(0),
-            first_claim: AtomicBool::new(false),
-            shutdown,
-            config,
-        });
-        ctx.readiness.set_not_ready("first claim pending");
 
-        // Register before the first claim, so it ranks us among the live instances.
-        heartbeat::beat(&ctx)
-            .await
-            .map_err(|e| db("registering the instance", e))?;
-        tracing::info!(instance_id = %ctx.instance_id, schema = %ctx.store.schema(), "worker instance registered");
-
-        if ctx.config.worker.notify_applied {
-            lifecycle::reconcile_orphans(&ctx).await;
-        }
         let mut tasks = Vec::new();
-        tasks.push(tokio::spawn(listener::run(ctx.clone())));
-        tasks.push(tokio::spawn(heartbeat::run(ctx.clone())));
-        tasks.push(tokio::spawn(completion::settler(ctx.clone(), settle_rx)));
+        let listener = listener::Listener {
+            shared: shared.clone(),
+            pool: listen_pool,
+            healthy: listener_healthy.clone(),
+        };
+        tasks.push(tokio::spawn(listener.run()));
+        tasks.push(tokio::spawn(heartbeat.run()));
+        let settler = completion::Settler {
+            shared: shared.clone(),
+            completions: completions.clone(),
+            drain_tx: drain_tx.clone(),
+        };
+        tasks.push(tokio::spawn(settler.run(settle_rx)));
+        let drainer = Arc::new(drain::Drainer::new(
+            shared.clone(),
+            runner,
+            cache.clone(),
+            completions.clone(),
+            drain_tx.clone(),
+            settle_tx.clone(),
+        ));
         let rx: drain::SharedReceiver = Arc::new(tokio::sync::Mutex::new(drain_rx));
-        for _ in 0..ctx.config.worker.max_concurrent_drain_consumers.max(1) {
-            tasks.push(tokio::spawn(drain::consumer(ctx.clone(), rx.clone())));
+        for _ in 0..config.worker.max_concurrent_drain_consumers.max(1) {
+            tasks.push(tokio::spawn(drainer.clone().consume(rx.clone())));
         }
-        tasks.push(tokio::spawn(claim::run(ctx.clone())));
-        let flush_task = Some(tokio::spawn(completion::flush_worker(
-            ctx.clone(),
-            completion_rx,
-        )));
+        let claim_loop = claim::ClaimLoop {
+            shared: shared.clone(),
+            drain_tx,
+            listener_healthy,
+            readiness: readiness.clone(),
+        };
+        tasks.push(tokio::spawn(claim_loop.run()));
+        let flush = completion::FlushWorker {
+            shared: shared.clone(),
+            completions,
+            cache,
+            settle_tx,
+        };
+        let flush_task = tokio::spawn(flush.run(completion_rx));
         Ok(Engine {
-            ctx,
+            shared,
+            readiness,
             tasks,
             flush_task,
         })
     }
 
     pub fn hooks(&self) -> &Hooks {
-        &self.ctx.hooks
+        &self.shared.hooks
     }
 
     pub fn instance_id(&self) -> Uuid {
-        self.ctx.instance_id
+        self.shared.instance_id
     }
 
     /// Wait for the shutdown token, then stop: no new claims, in-flight batches finish,
     /// completions are flushed, leases and streams are released, the instance deregisters.
-    pub async fn run_until_stopped(mut self) -> Result<(), EngineError> {
-        self.ctx.shutdown.cancelled().await;
+    pub async fn run_until_stopped(self) -> Result<(), EngineError> {
+        let shared = self.shared;
+        shared.shutdown.cancelled().await;
         tracing::info!("stopping: finishing in-flight work");
-        self.ctx.readiness.set_not_ready("shutting down");
-        for t in self.tasks.drain(..) {
+        self.readiness.set_not_ready("shutting down");
+        for t in self.tasks {
             let _ = t.await;
         }
-        if let Some(t) = self.flush_task.take() {
-            let _ = t.await;
-        }
-        self.ctx
+        // Last: the drain consumers may still have queued completions.
+        let _ = self.flush_task.await;
+        shared
             .store
-            .deregister_instance(self.ctx.instance_id)
+            .deregister_instance(shared.instance_id)
             .await
             .map_err(|e| db("deregistering the instance", e))?;
-        self.ctx.store.close().await;
-        tracing::info!(instance_id = %self.ctx.instance_id, "stopped; leases released and instance deregistered");
+        shared.store.close().await;
+        tracing::info!(instance_id = %shared.instance_id, "stopped; leases released and instance deregistered");
         Ok(())
     }
 }

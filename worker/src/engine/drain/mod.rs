@@ -1,0 +1,255 @@
+//! Drain consumers: take stream ids from the drain channel, batch them (sliding window), and
+//! drain each batch — in the database through `wh_drain` for compiled SQL perspectives
+//! (`server`), or by claiming and fetching rows for a custom runner (`fetch`) — re-fetching
+//! each stream while it keeps producing work. `report` turns outcomes into metrics, hooks and
+//! logs.
+
+mod fetch;
+mod report;
+mod server;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use uuid::Uuid;
+
+use super::completion::CompletionQueue;
+use super::hooks::HookEvent;
+use super::runner::PerspectiveRunner;
+use super::Shared;
+use crate::dedup::ProcessedEventCache;
+
+/// The drain channel's receiving end, shared by the consumers.
+pub(crate) type SharedReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Uuid>>>;
+
+/// Rows one claim+fetch round trip aims for.
+const ROWS_PER_FETCH: usize = crate::config::DRAIN_ROWS_PER_FETCH;
+
+/// What the drain consumers share.
+pub(crate) struct Drainer {
+    shared: Arc<Shared>,
+    runner: Arc<dyn PerspectiveRunner>,
+    /// Rows this pod applied whose completion is not flushed yet (custom runners).
+    cache: Arc<Mutex<ProcessedEventCache>>,
+    /// The in-process mutex of each (stream, perspective) being applied (custom runners).
+    gates: fetch::PairGates,
+    /// Streams being drained, and whether they were signalled again meanwhile.
+    in_flight: Mutex<HashMap<Uuid, bool>>,
+    /// Batches being drained right now (the sliding window only waits while one is).
+    batches_in_flight: std::sync::atomic::AtomicUsize,
+    /// Applied rows, out to the completion flush worker (Batched).
+    completions: CompletionQueue,
+    /// Streams still busy after the drain loop, back to the drain channel.
+    drain_tx: mpsc::Sender<Uuid>,
+    /// Streams that may be drained, out to the settler.
+    settle_tx: mpsc::UnboundedSender<Uuid>,
+}
+
+impl Drainer {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        runner: Arc<dyn PerspectiveRunner>,
+        cache: Arc<Mutex<ProcessedEventCache>>,
+        completions: CompletionQueue,
+        drain_tx: mpsc::Sender<Uuid>,
+        settle_tx: mpsc::UnboundedSender<Uuid>,
+    ) -> Self {
+        Drainer {
+            shared,
+            runner,
+            cache,
+            gates: fetch::PairGates::default(),
+            in_flight: Mutex::default(),
+            batches_in_flight: Default::default(),
+            completions,
+            drain_tx,
+            settle_tx,
+        }
+    }
+
+    /// One consumer loop.
+    pub(crate) async fn consume(self: Arc<Self>, rx: SharedReceiver) {
+        loop {
+            let Some(batch) = next_batch(&self, &rx).await else {
+                return;
+            };
+            process_streams(&self, batch).await;
+        }
+    }
+}
+
+/// Wait for the first stream id, then gather more with the sliding window. The window only
+/// applies while another batch is being processed (an idle engine applies a lone event at once,
+/// a busy one coalesces bursts for the same streams into one pass), and only to ids that
+/// trickle in: ids that were already queued behind the first one came from one claim, which
+/// delivers everything it found at once, so waiting after them would only delay a backlog's
+/// last batch.
+async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
+    let opts = &ctx.shared.config.worker.drain_batcher;
+    let max_size = ctx
+        .shared
+        .config
+        .worker
+        .drain_batch_limit(ctx.shared.config.perspectives.len());
+    let mut rx = rx.lock().await;
+    let first = tokio::select! {
+        _ = ctx.shared.shutdown.cancelled() => return None,
+        id = rx.recv() => id?,
+    };
+    let mut batch = vec![first];
+    let mut seen: HashSet<Uuid> = HashSet::from([first]);
+    let mut from_backlog = false;
+    let started = Instant::now();
+    let window = Duration::from_millis(opts.sliding_window_milliseconds);
+    let max_wait = Duration::from_millis(opts.max_wait_milliseconds);
+    while batch.len() < max_size {
+        // Whatever is already queued joins for free.
+        match rx.try_recv() {
+            Ok(id) => {
+                from_backlog = true;
+                if seen.insert(id) {
+                    batch.push(id);
+                }
+                continue;
+            }
+            Err(_)
+                if from_backlog
+                    || ctx
+                        .batches_in_flight
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                        == 0 =>
+            {
+                break
+            }
+            Err(_) => {}
+        }
+        let left = max_wait.saturating_sub(started.elapsed()).min(window);
+        if left.is_zero() {
+            break;
+        }
+        match tokio::time::timeout(left, rx.recv()).await {
+            Ok(Some(id)) => {
+                if seen.insert(id) {
+                    batch.push(id);
+                }
+            }
+            _ => break,
+        }
+    }
+    Some(batch)
+}
+/// Streams this pod is draining right now; a signal for one of them asks the running drain to
+/// look once more instead of starting a second one. The guard removes the entry on drop, so it
+/// can never be left set by a failed drain.
+struct InFlight<'a> {
+    ctx: &'a Drainer,
+    streams: Vec<Uuid>,
+}
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut map = self.ctx.in_flight.lock().unwrap();
+        for s in &self.streams {
+            map.remove(s);
+        }
+    }
+}
+/// Claim, fetch and apply `streams`, re-fetching busy streams up to `drainLoopMaxIterations`.
+async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
+    let mine: Vec<Uuid> = {
+        let mut map = ctx.in_flight.lock().unwrap();
+        streams
+            .into_iter()
+            .filter(|s| match map.get_mut(s) {
+                Some(rerun) => {
+                    *rerun = true;
+                    false
+                }
+                None => {
+                    map.insert(*s, false);
+                    true
+                }
+            })
+            .collect()
+    };
+    if mine.is_empty() {
+        return;
+    }
+    let _guard = InFlight {
+        ctx,
+        streams: mine.clone(),
+    };
+    ctx.batches_in_flight
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let started = Instant::now();
+    let mut applied_total = 0u64;
+    let mut current = mine.clone();
+    let mut iterations = 0;
+    let max_iterations = ctx.shared.config.worker.drain_loop_max_iterations.max(1);
+    while !current.is_empty() && iterations < max_iterations {
+        iterations += 1;
+        let Round { applied, busy } = drain_once(ctx, &current).await;
+        applied_total += applied;
+        // A stream signalled again while we drained it gets another pass.
+        let reruns: Vec<Uuid> = {
+            let mut map = ctx.in_flight.lock().unwrap();
+            mine.iter()
+                .filter(|s| {
+                    map.get_mut(s)
+                        .map(|r| std::mem::replace(r, false))
+                        .unwrap_or(false)
+                })
+                .copied()
+                .collect()
+        };
+        let mut next: Vec<Uuid> = busy;
+        for s in reruns {
+            if !next.contains(&s) {
+                next.push(s);
+            }
+        }
+        // Streams we stop looking at may be drained: try to retire them (see `settle`). Those
+        // with completions queued are settled by the flush worker once they are deleted
+        // (retiring before would fail and only bring them back here).
+        for s in current
+            .iter()
+            .filter(|s| !next.contains(s) && !ctx.completions.awaiting_flush(s))
+        {
+            let _ = ctx.settle_tx.send(*s);
+        }
+        current = next;
+    }
+    // Streams still busy after the last iteration go back to the channel for another consumer.
+    for s in current {
+        tracing::debug!(stream = %s, iterations, "stream still busy; back to the drain channel");
+        let _ = ctx.drain_tx.try_send(s);
+    }
+    ctx.batches_in_flight
+        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    ctx.shared.metrics.batches.inc();
+    ctx.shared
+        .metrics
+        .batch_duration
+        .observe(started.elapsed().as_secs_f64());
+    ctx.shared.hooks.emit(HookEvent::BatchCycleComplete {
+        streams: mine.len(),
+        events_applied: applied_total,
+    });
+}
+/// What one drain round did.
+#[derive(Default)]
+struct Round {
+    /// Events applied.
+    applied: u64,
+    /// Streams worth re-fetching.
+    busy: Vec<Uuid>,
+}
+/// One drain round for `streams`.
+async fn drain_once(ctx: &Drainer, streams: &[Uuid]) -> Round {
+    if ctx.runner.server_side_drain() {
+        server::drain(ctx, streams).await
+    } else {
+        fetch::fetch_and_apply(ctx, streams).await
+    }
+}

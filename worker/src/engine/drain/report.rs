@@ -1,0 +1,77 @@
+//! Metrics, hooks and logs for what a drain did.
+
+use uuid::Uuid;
+
+use crate::engine::hooks::HookEvent;
+use crate::engine::Shared;
+
+/// Metrics, hook and log for events of one (stream, perspective) applied and committed;
+/// `latencies` are append-commit → applied, seconds.
+pub(super) fn report_applied(
+    ctx: &Shared,
+    perspective: &str,
+    stream_id: Uuid,
+    applied: u32,
+    last_version: i64,
+    latencies: impl Iterator<Item = f64>,
+) {
+    ctx.metrics
+        .events_processed
+        .with_label_values(&[perspective])
+        .inc_by(applied as u64);
+    for l in latencies {
+        ctx.metrics.apply_latency.observe(l.max(0.0));
+    }
+    ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
+        perspective: perspective.to_string(),
+        stream_id,
+        event_count: applied,
+        last_version,
+    });
+}
+/// Metrics, hook and log for a handler failure (the event will be retried with backoff).
+pub(super) fn report_failed(
+    ctx: &Shared,
+    perspective: &str,
+    stream_id: Uuid,
+    event_work_id: i64,
+    error: &str,
+) {
+    tracing::warn!(perspective, %stream_id, event_work_id, error, "handler failed; the event will be retried with backoff");
+    ctx.metrics.failures.with_label_values(&[perspective]).inc();
+    ctx.hooks.emit(HookEvent::PerspectiveEventFailed {
+        perspective: perspective.to_string(),
+        stream_id,
+        event_work_id,
+        error: error.to_string(),
+    });
+}
+/// Metrics, hook and log for work rows moved to the dead letters.
+pub(super) fn report_dead_lettered(
+    ctx: &Shared,
+    perspective: &str,
+    stream_id: Uuid,
+    event_work_ids: Vec<i64>,
+) {
+    tracing::warn!(perspective, %stream_id, ?event_work_ids, "event moved to dead letters after too many attempts");
+    ctx.metrics
+        .dead_letters
+        .with_label_values(&[perspective])
+        .inc_by(event_work_ids.len() as u64);
+    ctx.hooks.emit(HookEvent::DeadLettered {
+        perspective: perspective.to_string(),
+        stream_id,
+        event_work_ids,
+    });
+}
+pub(super) fn seconds_since(
+    t: chrono::DateTime<chrono::Utc>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> f64 {
+    (now - t).num_microseconds().unwrap_or(0) as f64 / 1e6
+}
+/// A late event rewound a stream (ordering `eventId`): counted and logged.
+pub(super) fn report_rewound(ctx: &Shared, perspective: &str, stream_id: Uuid) {
+    ctx.metrics.rewinds.inc();
+    tracing::info!(%perspective, %stream_id, "late event: stream rewound and replayed in event-id order");
+}

@@ -1,0 +1,118 @@
+//! Draining in the database: one `wh_drain` call per batch of streams claims and applies
+//! through the compiled apply functions; no rows travel to the worker and no leases are written.
+
+use std::collections::{BTreeMap, HashSet};
+
+use uuid::Uuid;
+
+use super::report::{
+    report_applied, report_dead_lettered, report_failed, report_rewound, seconds_since,
+};
+use super::{Drainer, Round, ROWS_PER_FETCH};
+use crate::config::CompletionStrategy;
+use crate::store::drain::DrainArgs;
+
+/// Claim and apply in the database, one round trip per batch of streams (compiled SQL
+/// perspectives): no rows travel to the worker and no leases are written.
+pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
+    let per_pair = ctx.shared.config.worker.perspective_batch_size.max(1) as i64;
+    let max_rows = (per_pair * streams.len() as i64 * ctx.shared.config.perspectives.len() as i64)
+        .clamp(100, 2 * ROWS_PER_FETCH as i64);
+    let instant = ctx.shared.config.worker.completion_strategy == CompletionStrategy::Instant;
+    let w = &ctx.shared.config.worker;
+    let args = DrainArgs {
+        instance_id: ctx.shared.instance_id,
+        per_pair: per_pair as i32,
+        max_rows: max_rows as i32,
+        instant,
+        debug: w.debug_mode,
+        retry_base_ms: w.failure_retry_base_milliseconds as f64,
+        retry_max_ms: w.failure_retry_max_milliseconds as f64,
+        notify_applied: w.notify_applied,
+        max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
+    };
+    let outcomes = ctx.shared.store.drain(streams, args).await;
+    let outcomes = match outcomes {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::warn!(error = %crate::db::describe_error(&e, None), "wh_drain failed");
+            return Round::default();
+        }
+    };
+    let mut applied = 0u64;
+    let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
+    let mut more: HashSet<Uuid> = HashSet::new();
+    let now = chrono::Utc::now();
+    let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
+    for o in outcomes {
+        *rows_per_stream.entry(o.stream_id).or_default() += o.rows as i64;
+        if o.more {
+            more.insert(o.stream_id);
+        }
+        let perspective = o.perspective.as_str();
+        if o.rewound {
+            report_rewound(&ctx.shared, perspective, o.stream_id);
+        }
+        super::super::lifecycle::post_perspective(
+            &ctx.shared,
+            perspective,
+            o.stream_id,
+            &o.applied_event_ids,
+        );
+        completed.extend(o.completed_event_ids.iter().map(|e| (o.stream_id, *e)));
+        if !o.dead_lettered.is_empty() {
+            report_dead_lettered(
+                &ctx.shared,
+                perspective,
+                o.stream_id,
+                o.dead_lettered.clone(),
+            );
+        }
+        if o.applied > 0 {
+            applied += o.applied as u64;
+            let latency = o.oldest.map(|t| seconds_since(t, now));
+            report_applied(
+                &ctx.shared,
+                perspective,
+                o.stream_id,
+                o.applied as u32,
+                o.last_version.unwrap_or_default(),
+                latency.into_iter(),
+            );
+        }
+        if let Some(work_id) = o.failed_work_id {
+            report_failed(
+                &ctx.shared,
+                perspective,
+                o.stream_id,
+                work_id,
+                o.error.as_deref().unwrap_or_default(),
+            );
+        }
+        if !instant && !o.done_work_ids.is_empty() {
+            ctx.completions.queue(o.stream_id, &o.done_work_ids);
+        }
+    }
+    let min_batch = ctx.shared.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
+    super::super::lifecycle::fire(&ctx.shared, &completed).await;
+    tracing::debug!(
+        streams = streams.len(),
+        streams_with_work = rows_per_stream.len(),
+        rows = rows_per_stream.values().sum::<i64>(),
+        streams_with_more = more.len(),
+        "wh_drain round"
+    );
+    // The drain loop's rule (a stream that yielded at least drainLoopRefetchMinBatch rows is
+    // fetched again), except that the database has just said whether anything is left: a
+    // refetch that would find nothing is skipped, and the stream goes to the settler instead.
+    // A pair the row budget did not reach (0 rows, more) is always fetched again.
+    let busy = streams
+        .iter()
+        .filter(|s| {
+            let rows = rows_per_stream.get(s).copied().unwrap_or(0);
+            more.contains(s) && (rows >= min_batch || rows == 0)
+        })
+        .copied()
+        .collect();
+    Round { applied, busy }
+}
