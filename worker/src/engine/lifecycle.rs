@@ -7,7 +7,7 @@
 //! one worker gets each event.
 //!
 //! A crash between that commit and the record leaves an orphan: at startup
-//! [`reconcile_orphans`] finds recent events that every perspective applied but that have no
+//! `reconcile_orphans` finds recent events that every perspective applied but that have no
 //! completion record, and fires their stages then.
 
 use uuid::Uuid;

@@ -2,7 +2,7 @@
 //! function. Nothing outside this module builds or sends SQL text (the generated apply functions
 //! come from [`crate::compile`] templates and are executed by [`schema`]).
 //!
-//! Statements are written as constants with a `{schema}` placeholder, filled by [`sql`] with the
+//! Statements are written as constants with a `{schema}` placeholder, filled by `sql` with the
 //! deployment's (validated) schema name; sqlx prepares and caches each one per connection.
 //! The names shared with the SQL side (channels, cursor status flags, dead-letter states) are
 //! defined once in [`names`].
