@@ -1025,15 +1025,20 @@ perspectives:
     }
 
     /// Each case: config text, expected problem path, fragment of the message.
-    #[test]
-    fn invalid_configs_name_the_field_and_the_problem() {
-        let with_handler = |sql: &str| {
-            format!(
-                "schema: shop\nperspectives:\n  - name: order_summary\n    handlers:\n      OrderPlaced: {sql}\n"
-            )
-        };
-        let long_name_path = format!("perspectives[0] ({}).name", "p".repeat(64));
-        let cases: Vec<(String, &str, &str)> = vec![
+    /// A config that fails validation, the problem path it must report and a fragment of the
+    /// message.
+    type Case = (String, &'static str, &'static str);
+
+    /// A one-perspective config whose OrderPlaced handler is `sql`.
+    fn with_handler(sql: &str) -> String {
+        format!(
+            "schema: shop\nperspectives:\n  - name: order_summary\n    handlers:\n      OrderPlaced: {sql}\n"
+        )
+    }
+
+    /// Cases about identifiers, names, handlers and the document's shape.
+    fn shape_cases() -> Vec<Case> {
+        vec![
             (
                 MINIMAL.replace("schema: shop", "schema: Shop"),
                 "schema",
@@ -1070,14 +1075,9 @@ perspectives:
                 "invalid perspective name",
             ),
             (
-                MINIMAL.replace("name: order_summary", &format!("name: {}", "p".repeat(64))),
-                &long_name_path,
-                "at most 63",
-            ),
-            (
                 format!(
-                    "{MINIMAL}  - name: order_summary\n    handlers:\n      OrderShipped: SELECT 1\n"
-                ),
+                "{MINIMAL}  - name: order_summary\n    handlers:\n      OrderShipped: SELECT 1\n"
+            ),
                 "perspectives[1] (order_summary).name",
                 "duplicate perspective name",
             ),
@@ -1096,6 +1096,12 @@ perspectives:
                 "perspectives[0].handlrs",
                 "unknown field `handlrs`, expected one of",
             ),
+        ]
+    }
+
+    /// Cases about worker and claim-worker options.
+    fn option_cases() -> Vec<Case> {
+        vec![
             (
                 format!("{MINIMAL}worker:\n  leaseSecs: 5\n"),
                 "worker.leaseSecs",
@@ -1110,74 +1116,6 @@ perspectives:
                 format!("{MINIMAL}worker:\n  leaseSeconds: -5\n"),
                 "worker.leaseSeconds",
                 "integer `-5`, expected u32",
-            ),
-            (
-                with_handler("|\n        UPDATE order_summary\n        SET total = :totl"),
-                "perspectives[0] (order_summary).handlers.OrderPlaced",
-                "unknown parameter :totl at line 2, column 13 (known: :stream_id",
-            ),
-            (
-                with_handler("SELECT 'unterminated"),
-                "perspectives[0] (order_summary).handlers.OrderPlaced",
-                "unterminated quoted string starting at line 1, column 8",
-            ),
-            (
-                with_handler("UPDATE t SET a = 1 WHERE id = $1"),
-                "perspectives[0] (order_summary).handlers.OrderPlaced",
-                "positional parameter $1",
-            ),
-            (
-                with_handler("-- nothing here"),
-                "perspectives[0] (order_summary).handlers.OrderPlaced",
-                "handler contains no SQL statement",
-            ),
-            (
-                with_handler("SELECT 1; COMMIT"),
-                "perspectives[0] (order_summary).handlers.OrderPlaced",
-                "COMMIT is not allowed",
-            ),
-            (
-                MINIMAL.replace(
-                    "    handlers:",
-                    "    setup: CREATE TABLE t (id uuid DEFAULT :stream_id)\n    handlers:",
-                ),
-                "perspectives[0] (order_summary).setup",
-                "setup runs at migrate time and cannot use :stream_id (line 1, column 33)",
-            ),
-            (
-                MINIMAL.replace("    handlers:", "    reset: DELETE FROM t WHERE x = :nope\n    handlers:"),
-                "perspectives[0] (order_summary).reset",
-                "unknown parameter :nope",
-            ),
-            (
-                MINIMAL.replace("    handlers:", "    reset: ''\n    handlers:"),
-                "perspectives[0] (order_summary).reset",
-                "reset contains no SQL statement",
-            ),
-            (
-                "schema: shop\nperspectives:\n  - name: p\n    handlers: {}\n".to_owned(),
-                "perspectives[0] (p).handlers",
-                "at least one handler",
-            ),
-            (
-                with_handler("SELECT 1\n      Order Placed: SELECT 2"),
-                "perspectives[0] (order_summary).handlers[\"Order Placed\"]",
-                "invalid event type mapping",
-            ),
-            (
-                with_handler("SELECT 1\n      1Order: SELECT 2"),
-                "perspectives[0] (order_summary).handlers[\"1Order\"]",
-                "must start with a letter",
-            ),
-            (
-                with_handler("SELECT 1\n      OrderPlaced: SELECT 2"),
-                "perspectives[0].handlers",
-                "duplicate event type `OrderPlaced`",
-            ),
-            (
-                with_handler("\n        sql: SELECT 1"),
-                "perspectives[0].handlers.OrderPlaced",
-                "invalid type: map, expected a string",
             ),
             (
                 "schema: shop\nperspectives: [\n".to_owned(),
@@ -1229,7 +1167,99 @@ perspectives:
                 "worker.completionStrategy",
                 "unknown variant `Eventually`",
             ),
-        ];
+        ]
+    }
+
+    /// Cases about handler and reset SQL.
+    fn handler_cases() -> Vec<Case> {
+        vec![
+            (
+                with_handler("|\n        UPDATE order_summary\n        SET total = :totl"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "unknown parameter :totl at line 2, column 13 (known: :stream_id",
+            ),
+            (
+                with_handler("SELECT 'unterminated"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "unterminated quoted string starting at line 1, column 8",
+            ),
+            (
+                with_handler("UPDATE t SET a = 1 WHERE id = $1"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "positional parameter $1",
+            ),
+            (
+                with_handler("-- nothing here"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "handler contains no SQL statement",
+            ),
+            (
+                with_handler("SELECT 1; COMMIT"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "COMMIT is not allowed",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    setup: CREATE TABLE t (id uuid DEFAULT :stream_id)\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).setup",
+                "setup runs at migrate time and cannot use :stream_id (line 1, column 33)",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    reset: DELETE FROM t WHERE x = :nope\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).reset",
+                "unknown parameter :nope",
+            ),
+            (
+                MINIMAL.replace("    handlers:", "    reset: ''\n    handlers:"),
+                "perspectives[0] (order_summary).reset",
+                "reset contains no SQL statement",
+            ),
+            (
+                "schema: shop\nperspectives:\n  - name: p\n    handlers: {}\n".to_owned(),
+                "perspectives[0] (p).handlers",
+                "at least one handler",
+            ),
+            (
+                with_handler("SELECT 1\n      Order Placed: SELECT 2"),
+                "perspectives[0] (order_summary).handlers[\"Order Placed\"]",
+                "invalid event type mapping",
+            ),
+            (
+                with_handler("SELECT 1\n      1Order: SELECT 2"),
+                "perspectives[0] (order_summary).handlers[\"1Order\"]",
+                "must start with a letter",
+            ),
+            (
+                with_handler("SELECT 1\n      OrderPlaced: SELECT 2"),
+                "perspectives[0].handlers",
+                "duplicate event type `OrderPlaced`",
+            ),
+            (
+                with_handler("\n        sql: SELECT 1"),
+                "perspectives[0].handlers.OrderPlaced",
+                "invalid type: map, expected a string",
+            ),
+        ]
+    }
+
+    #[test]
+    fn invalid_configs_name_the_field_and_the_problem() {
+        let long_name_path = format!("perspectives[0] ({}).name", "p".repeat(64));
+        let mut cases: Vec<(String, &str, &str)> = shape_cases()
+            .into_iter()
+            .chain(handler_cases())
+            .chain(option_cases())
+            .collect();
+        cases.push((
+            MINIMAL.replace("name: order_summary", &format!("name: {}", "p".repeat(64))),
+            &long_name_path,
+            "at most 63",
+        ));
         // Check every case before failing, so one run shows all mismatches.
         let mut failures = Vec::new();
         for (text, path, fragment) in &cases {

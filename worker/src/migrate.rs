@@ -15,6 +15,7 @@ use crate::compile::{
 };
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
+use crate::sql_params::ParsedStatement;
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
 use crate::store::schema as store;
 
@@ -240,33 +241,25 @@ async fn sync_subscriptions(
 }
 
 /// Run each perspective's `setup`, then prepare its `reset` and handler statements with the
-/// parameter types the runner binds, so a typo fails here rather than on the first event.
-/// Every problem is collected (each statement runs in its own savepoint) and reported together.
+/// parameter types the runner binds, so a typo fails here rather than on the first event, then
+/// compile every perspective. Every problem is collected (each statement runs in its own
+/// savepoint) and reported together.
 async fn setup_and_prepare(
     conn: &mut PgConnection,
     config: &Config,
     source: &str,
     report: &mut MigrateReport,
 ) -> Result<(), MigrateError> {
-    let schema = &config.schema;
-    store::set_local_search_path(conn, schema)
+    store::set_local_search_path(conn, &config.schema)
         .await
         .map_err(db_err("setting search_path"))?;
-
     let mut problems = Vec::new();
     for (index, p) in config.perspectives.iter().enumerate() {
         let at = |field: &str| format!("perspectives[{index}] ({}).{field}", p.name);
         if let Some(setup) = p.setup.as_deref().filter(|s| !s.trim().is_empty()) {
-            let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
-            match store::execute_script(&mut sp, setup).await {
-                Ok(_) => {
-                    sp.commit().await.map_err(db_err("releasing a savepoint"))?;
-                    report.setups_run.push(p.name.clone());
-                }
+            match in_savepoint(conn, Step::Script(setup)).await? {
+                Ok(()) => report.setups_run.push(p.name.clone()),
                 Err(e) => {
-                    sp.rollback()
-                        .await
-                        .map_err(db_err("rolling back a savepoint"))?;
                     problems.push(Problem {
                         path: at("setup"),
                         message: describe_error(&e, Some(setup)),
@@ -276,49 +269,24 @@ async fn setup_and_prepare(
                 }
             }
         }
-
-        let mut statements = Vec::new();
-        if let Some(reset) = p.reset.as_deref() {
-            for stmt in crate::sql_params::parse_statements(reset).map_err(|e| {
-                MigrateError::InvalidPerspectives(ConfigError {
-                    source: source.to_string(),
-                    problems: vec![Problem {
-                        path: at("reset"),
-                        message: e.to_string(),
-                    }],
-                })
-            })? {
-                statements.push((at("reset"), stmt));
-            }
-        }
-        for (event_type, stmts) in p.compiled_handlers() {
-            for stmt in stmts {
-                statements.push((at(&format!("handlers.{event_type}")), stmt));
-            }
-        }
-        for (path, stmt) in statements {
+        for (path, stmt) in statements(p, &at, source)? {
             let (sql, params) = stmt.to_positional();
             let types: Vec<PgTypeInfo> = params
                 .iter()
                 .map(|p| PgTypeInfo::with_name(p.pg_type()))
                 .collect();
-            let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
-            match store::prepare(&mut sp, &sql, &types).await {
-                Ok(_) => {
-                    sp.commit().await.map_err(db_err("releasing a savepoint"))?;
-                    report.statements_prepared += 1;
-                }
-                Err(e) => {
-                    sp.rollback()
-                        .await
-                        .map_err(db_err("rolling back a savepoint"))?;
-                    problems.push(Problem {
-                        path,
-                        message: describe_error(&e, Some(&sql)),
-                    });
-                }
+            match in_savepoint(conn, Step::Prepare(&sql, &types)).await? {
+                Ok(()) => report.statements_prepared += 1,
+                Err(e) => problems.push(Problem {
+                    path,
+                    message: describe_error(&e, Some(&sql)),
+                }),
             }
         }
+    }
+    if problems.is_empty() {
+        // Every statement prepares: compile each perspective into its apply function.
+        problems = compile(conn, config, report).await?;
     }
     if !problems.is_empty() {
         return Err(MigrateError::InvalidPerspectives(ConfigError {
@@ -326,26 +294,55 @@ async fn setup_and_prepare(
             problems,
         }));
     }
+    Ok(())
+}
 
-    // Every statement prepares: compile each perspective into its apply function.
+/// The `reset` and handler statements of `p`, each with its field path.
+fn statements(
+    p: &crate::config::PerspectiveConfig,
+    at: &dyn Fn(&str) -> String,
+    source: &str,
+) -> Result<Vec<(String, ParsedStatement)>, MigrateError> {
+    let mut statements = Vec::new();
+    if let Some(reset) = p.reset.as_deref() {
+        let parsed = crate::sql_params::parse_statements(reset).map_err(|e| {
+            MigrateError::InvalidPerspectives(ConfigError {
+                source: source.to_string(),
+                problems: vec![Problem {
+                    path: at("reset"),
+                    message: e.to_string(),
+                }],
+            })
+        })?;
+        statements.extend(parsed.into_iter().map(|stmt| (at("reset"), stmt)));
+    }
+    for (event_type, stmts) in p.compiled_handlers() {
+        let path = at(&format!("handlers.{event_type}"));
+        statements.extend(stmts.into_iter().map(|stmt| (path.clone(), stmt)));
+    }
+    Ok(statements)
+}
+
+/// Compile each perspective into its apply function and record its definition hash, then the
+/// drain function. Returns the perspectives that did not compile.
+async fn compile(
+    conn: &mut PgConnection,
+    config: &Config,
+    report: &mut MigrateReport,
+) -> Result<Vec<Problem>, MigrateError> {
+    let schema = &config.schema;
+    let mut problems = Vec::new();
     for (index, p) in config.perspectives.iter().enumerate() {
         let sql = create_apply_function(schema, p);
-        let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
-        match store::execute_script(&mut sp, &sql).await {
-            Ok(_) => sp.commit().await.map_err(db_err("releasing a savepoint"))?,
-            Err(e) => {
-                sp.rollback()
-                    .await
-                    .map_err(db_err("rolling back a savepoint"))?;
-                problems.push(Problem {
-                    path: format!("perspectives[{index}] ({}).handlers", p.name),
-                    message: format!(
-                        "cannot compile the apply function: {}",
-                        describe_error(&e, None)
-                    ),
-                });
-                continue;
-            }
+        if let Err(e) = in_savepoint(conn, Step::Script(&sql)).await? {
+            problems.push(Problem {
+                path: format!("perspectives[{index}] ({}).handlers", p.name),
+                message: format!(
+                    "cannot compile the apply function: {}",
+                    describe_error(&e, None)
+                ),
+            });
+            continue;
         }
         store::record_compiled_perspective(
             conn,
@@ -358,14 +355,37 @@ async fn setup_and_prepare(
         .map_err(db_err("recording the compiled perspective"))?;
         report.apply_functions += 1;
     }
-    if !problems.is_empty() {
-        return Err(MigrateError::InvalidPerspectives(ConfigError {
-            source: source.to_string(),
-            problems,
-        }));
+    if problems.is_empty() {
+        store::execute_script(conn, &create_drain_function(schema, &config.perspectives))
+            .await
+            .map_err(db_err("compiling the drain function"))?;
     }
-    store::execute_script(conn, &create_drain_function(schema, &config.perspectives))
-        .await
-        .map_err(db_err("compiling the drain function"))?;
-    Ok(())
+    Ok(problems)
+}
+
+/// A statement run in its own savepoint.
+enum Step<'a> {
+    Script(&'a str),
+    Prepare(&'a str, &'a [PgTypeInfo]),
+}
+
+/// Run `step` in a savepoint: released when it succeeds, rolled back when it fails (so the
+/// migration transaction stays usable), with the step's own error as the inner result.
+async fn in_savepoint(
+    conn: &mut PgConnection,
+    step: Step<'_>,
+) -> Result<Result<(), sqlx::Error>, MigrateError> {
+    let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
+    let result = match step {
+        Step::Script(script) => store::execute_script(&mut sp, script).await,
+        Step::Prepare(sql, types) => store::prepare(&mut sp, sql, types).await,
+    };
+    match result {
+        Ok(()) => sp.commit().await.map_err(db_err("releasing a savepoint"))?,
+        Err(_) => sp
+            .rollback()
+            .await
+            .map_err(db_err("rolling back a savepoint"))?,
+    }
+    Ok(result)
 }
