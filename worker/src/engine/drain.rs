@@ -1,7 +1,8 @@
-//! Drain consumers: take stream ids from the drain channel, batch them, claim and fetch their
-//! work in one round trip, and apply every (stream, perspective) group through the runner —
-//! groups in parallel, each pair under its in-process mutex, each stream re-fetched while it
-//! keeps producing work.
+//! Drain consumers: take stream ids from the drain channel, batch them, and drain each batch in
+//! one round trip — compiled SQL perspectives with `wh_drain` (claim and apply in the database),
+//! a custom runner by claiming and fetching the rows and applying every (stream, perspective)
+//! group through it, groups in parallel, each pair under its in-process mutex — re-draining each
+//! stream while it keeps producing work.
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;

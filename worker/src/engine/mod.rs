@@ -6,7 +6,8 @@
 //!   the bounded drain channel;
 //! - [`listener`]: the LISTEN connection (doorbell → claim wake-up; health; reconnects);
 //! - [`drain`]: `maxConcurrentDrainConsumers` consumers: sliding-window batches of stream ids,
-//!   one claim+fetch round trip per batch, groups applied through the [`PerspectiveRunner`];
+//!   one round trip per batch: `wh_drain` for compiled SQL perspectives, or a claim+fetch whose
+//!   groups a custom [`PerspectiveRunner`] applies;
 //! - [`completion`]: the Batched completion flush worker and the settler that retires drained
 //!   streams;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
