@@ -5,11 +5,12 @@
 //!
 //! It shows the whole contract of [`PerspectiveRunner`]: in one transaction, lock the cursor,
 //! skip what it already covers, apply, advance the cursor, commit; report what was applied and
-//! which work rows are done. Run it against a migrated config whose `setup` creates the tables:
+//! which work rows are done. Run it against a migrated config whose `setup` creates the tables,
+//! such as `examples/stream_history.yaml` (migrate it and append events as its comment shows):
 //!
 //! ```sh
 //! DATABASE_URL=postgres://… cargo run -p perspective-worker --example stream_history_runner -- \
-//!     examples/shop.yaml history_
+//!     examples/stream_history.yaml history_
 //! ```
 
 use std::sync::Arc;

@@ -8,7 +8,7 @@
 //!   [`workers`] (StatefulSet, headless Service, PodDisruptionBudget), with [`pod`] shared
 //! - [`reconcile`]: the pipeline validate → build → server-side apply → status
 //! - [`status`] and [`conditions`]: status computed from observations, condition transitions
-//! - [`lag`]: read-only lag / dead-letter queries against the deployment's database
+//! - [`lag`]: lag / dead letters read from the deployment's database (`store::status`, read-only)
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
 //! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 

@@ -20,12 +20,14 @@
 //! Pending by [`CompletionTracker::reset_stale`] and goes out with a later flush; the delay
 //! grows with every retry according to a [`RetryPolicy`].
 //!
-//! Losing a report is not fatal: the work row stays in the database and is delivered again
-//! after its lease expires, and the dedup cache plus the cursor stop it from being applied
-//! twice. The tracker's retries make that recovery faster and cheaper, nothing more.
+//! Losing a report is not fatal: the work row stays in the database, at or below its cursor,
+//! and the next drain of its stream retires it without applying it again (`wh_drain` retires
+//! such rows; a custom runner skips them by the cursor, and the dedup cache saves it the work).
+//! The tracker's retries make that recovery faster and cheaper, nothing more.
 //!
-//! The engine keeps one tracker per report kind (completions and failures), so the two are
-//! acknowledged independently. The tracker never reads the clock; callers pass `now`.
+//! The engine keeps one tracker, in the completion flush worker; failures are not queued (the
+//! apply transaction, or for a custom runner one statement, records them at once). The tracker
+//! never reads the clock; callers pass `now`.
 
 use std::time::{Duration, Instant};
 

@@ -113,7 +113,7 @@ pub struct WorkerOptions {
     /// Custom PerspectiveRunner only: lease on the work rows handed to the runner (no other live instance takes a leased row before it expires), and how long the worker's dedup cache keeps skipping applied rows after their completion was flushed, in seconds (default 300). No effect on compiled SQL perspectives: wh_drain claims and applies rows in one transaction under the stream's ownership, without row leases or the dedup cache.
     #[schemars(range(min = 1))]
     pub lease_seconds: u32,
-    /// Seconds without a heartbeat before an instance is abandoned and its leases released (default 30).
+    /// Seconds without a heartbeat before an instance is abandoned and its streams and leases released (default 30).
     #[schemars(range(min = 1))]
     pub abandon_stale_instance_threshold_seconds: u32,
     /// Keep completed work rows for debugging instead of deleting them (default false).
@@ -121,7 +121,7 @@ pub struct WorkerOptions {
     /// Consecutive empty polls before the worker reports itself idle (default 2).
     #[schemars(range(min = 1))]
     pub idle_threshold_polls: u32,
-    /// Events applied per transaction before the model and cursor are committed (default 100).
+    /// Most events of one (stream, perspective) handed to one call of its apply function (or of a custom PerspectiveRunner); the model change and the cursor advance of a call commit together (default 100).
     #[schemars(range(min = 1))]
     pub perspective_batch_size: u32,
     /// Custom PerspectiveRunner only: (stream, perspective) groups of one drain batch applied concurrently, each on its own connection (default 30). No effect on compiled SQL perspectives: one wh_drain call applies a whole batch inside the database, so their parallelism is maxConcurrentDrainConsumers.

@@ -3,14 +3,29 @@
 //! Producers append events with plain SQL; the schema's insert trigger assigns commit-ordered
 //! stream versions and creates one work row per subscribed perspective in the same transaction.
 //!
+//! Configuration and compilation:
 //! - [`config`]: the perspective config (also the `spec` of the operator's CRD) and its validation
 //! - [`sql_params`]: the `:name` parameter lexer for handler SQL
-//! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
-//! - [`compile`]: generates the apply functions and `wh_drain` from `.sql` templates; definition hash
-//! - [`append`]: JSON-lines event input (the `append` command)
-//! - [`rebuild`]: rebuild a perspective from the event store
-//! - [`store`]: every SQL statement the worker sends at run time, one file per concern
+//! - [`compile`]: apply functions and `wh_drain` rendered from `.sql` templates; definition hash
+//!
+//! The database:
+//! - [`store`]: every SQL statement the worker sends at run time, one file per concern; the
+//!   embedded migrations; channel names and cursor flags
 //! - [`db`]: connections and human-readable database errors
+//! - [`embedded`]: a private PostgreSQL for `run` and `demo` when `DATABASE_URL` is unset
+//!
+//! The runtime:
+//! - [`engine`]: claim → drain → apply → complete; `PerspectiveRunner`, hooks, lifecycle
+//! - [`dedup`]: the custom-runner path's cache of recently applied work rows
+//! - [`completion_tracker`]: batched completion reports, pending → sent → acknowledged
+//! - [`http`]: `/livez`, `/readyz` and `/metrics`
+//! - [`metrics`]: the worker's Prometheus collectors
+//!
+//! What the commands do (the command line itself is the binary's `cli` module):
+//! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
+//! - [`append`]: JSON-lines event input
+//! - [`rebuild`]: rebuild a perspective from the event store
+//! - [`dead_letters`]: replay dead letters through the perspective's runner
 
 pub mod append;
 pub mod compile;
