@@ -46,9 +46,8 @@ pub async fn rebuild(
     let reset = p
         .compiled_reset()
         .ok_or_else(|| RebuildError::NoReset(perspective.to_string()))?;
-    let event_types: Vec<String> = p.event_types().map(str::to_string).collect();
     store::set_search_path(conn, schema).await?;
-    let streams = store::streams_with_types(conn, schema, &event_types).await?;
+    let streams = store::streams_of(conn, schema, perspective).await?;
 
     let mut report = RebuildReport {
         streams: streams.len(),
@@ -66,7 +65,7 @@ pub async fn rebuild(
                 })?;
         }
         report.work_rows +=
-            store::requeue_stream(&mut tx, schema, *stream, perspective, &event_types).await?;
+            store::requeue_stream(&mut tx, schema, *stream, perspective).await? as u64;
         tx.commit().await?;
         progress(i + 1, streams.len());
     }

@@ -238,7 +238,12 @@ mod tests {
         let sql = create_apply_function("s", &commit_ordered());
         assert!(sql.contains("IF p_notify_applied AND v_applied > 0 THEN"));
         assert!(sql.contains("v_applied_ids := a_event_ids[v_start:v_last_i];"));
-        assert!(sql.contains("s.perspective_name <> 'p'"), "{sql}");
+        assert!(
+            sql.contains(
+                "IN (SELECT v FROM s.wh_applied_by_all(p_stream_id, a_versions, a_types) AS v)"
+            ),
+            "{sql}"
+        );
         assert!(
             sql.contains("PERFORM pg_notify('s_applied', c::text) FROM unnest(v_completed) AS c;")
         );

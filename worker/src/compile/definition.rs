@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v13";
+const FORMAT_VERSION: &str = "apply-v14";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, ordering, setup, reset and handlers. Options that are passed to the
@@ -119,8 +119,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v13",
-                "a18dc0a23ca9e56202b895dc5eba26e9f0df29eb94465fb80ceb07e1d2a84d0c"
+                "apply-v14",
+                "3a37adf846fc35952094cafb4ced787c5320ce409b410419bb3da5b7e7ab44ba"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -9,17 +9,14 @@ const RECORD_COMPLETIONS: &str =
      SELECT unnest($1::uuid[]), $2 ON CONFLICT (event_id) DO NOTHING";
 const DELETE_OLD_COMPLETIONS: &str = "DELETE FROM {schema}.wh_lifecycle_completions
      WHERE completed_at < now() - make_interval(secs => $1)";
-/// Recent events of a subscribed type that every subscribed perspective has applied (its cursor
-/// is at or past the event) but whose lifecycle was never recorded.
+/// Recent events of a subscribed type that every subscribed perspective has applied but whose
+/// lifecycle was never recorded.
 const ORPHANED_EVENTS: &str = "SELECT e.stream_id, e.event_id FROM {schema}.wh_event_store e
      WHERE e.created_at > now() - make_interval(secs => $1)
        AND EXISTS (SELECT 1 FROM {schema}.wh_perspective_subscriptions s WHERE s.event_type = e.event_type)
        AND NOT EXISTS (SELECT 1 FROM {schema}.wh_lifecycle_completions l WHERE l.event_id = e.event_id)
-       AND NOT EXISTS (
-         SELECT 1 FROM {schema}.wh_perspective_subscriptions s
-         LEFT JOIN {schema}.wh_perspective_cursors c
-                ON c.stream_id = e.stream_id AND c.perspective_name = s.perspective_name
-         WHERE s.event_type = e.event_type AND coalesce(c.last_version, 0) < e.stream_version)
+       AND EXISTS (SELECT 1 FROM {schema}.wh_applied_by_all(
+                     e.stream_id, ARRAY[e.stream_version], ARRAY[e.event_type]))
      ORDER BY e.stream_id, e.stream_version
      LIMIT $2";
 

@@ -28,6 +28,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_drop_unused.sql",
         template: include_str!("../../../migrations/0003_drop_unused.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_shared_definitions.sql",
+        template: include_str!("../../../migrations/0004_shared_definitions.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.

@@ -1,5 +1,5 @@
-//! Rebuilding a perspective: per stream, reset its share of the model and queue every stored
-//! event of a subscribed type again.
+//! Rebuilding a perspective: per stream, reset its share of the model and queue its history
+//! again (`wh_queue_stream`, which reads the same subscriptions as the insert trigger).
 
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::{Executor, Statement};
@@ -8,24 +8,17 @@ use uuid::Uuid;
 use crate::sql_params::{Param, ParsedStatement};
 
 const SET_SEARCH_PATH: &str = "SET search_path TO {schema}, public";
-const STREAMS_WITH_TYPES: &str = "SELECT DISTINCT stream_id FROM {schema}.wh_event_store
-     WHERE event_type = ANY ($1) ORDER BY stream_id";
+const STREAMS_OF: &str = "SELECT DISTINCT e.stream_id FROM {schema}.wh_event_store e
+     JOIN {schema}.wh_perspective_subscriptions s
+       ON s.event_type = e.event_type AND s.perspective_name = $1
+     ORDER BY e.stream_id";
 const LOCK_CURSOR: &str = "SELECT 1 FROM {schema}.wh_perspective_cursors
      WHERE stream_id = $1 AND perspective_name = $2 FOR UPDATE";
 const DELETE_CURSOR: &str = "DELETE FROM {schema}.wh_perspective_cursors
      WHERE stream_id = $1 AND perspective_name = $2";
 const DELETE_WORK: &str = "DELETE FROM {schema}.wh_perspective_events
      WHERE stream_id = $1 AND perspective_name = $2";
-const QUEUE_EVENTS: &str = "INSERT INTO {schema}.wh_perspective_events
-         (stream_id, perspective_name, event_id, stream_version, partition_number)
-     SELECT e.stream_id, $2, e.event_id, e.stream_version, {schema}.compute_partition(e.stream_id)
-     FROM {schema}.wh_event_store e
-     WHERE e.stream_id = $1 AND e.event_type = ANY ($3)
-     ORDER BY e.stream_version";
-/// The stream needs an active-stream row to be claimed; the doorbell wakes idle workers.
-const ACTIVATE_STREAM: &str = "INSERT INTO {schema}.wh_active_streams (stream_id, partition_number)
-     VALUES ($1, {schema}.compute_partition($1)) ON CONFLICT (stream_id) DO NOTHING";
-const RING_DOORBELL: &str = "SELECT pg_notify($1, '')";
+const QUEUE_STREAM: &str = "SELECT {schema}.wh_queue_stream($1, $2)";
 
 /// Resolve the perspective's tables (named as `setup` created them) for this session.
 pub async fn set_search_path(conn: &mut PgConnection, schema: &str) -> Result<(), sqlx::Error> {
@@ -35,14 +28,14 @@ pub async fn set_search_path(conn: &mut PgConnection, schema: &str) -> Result<()
     Ok(())
 }
 
-/// Streams holding at least one event of `event_types`, in id order.
-pub async fn streams_with_types(
+/// Streams holding at least one event `perspective` subscribes to, in id order.
+pub async fn streams_of(
     conn: &mut PgConnection,
     schema: &str,
-    event_types: &[String],
+    perspective: &str,
 ) -> Result<Vec<Uuid>, sqlx::Error> {
-    sqlx::query_scalar(&super::sql(schema, STREAMS_WITH_TYPES))
-        .bind(event_types)
+    sqlx::query_scalar(&super::sql(schema, STREAMS_OF))
+        .bind(perspective)
         .fetch_all(&mut *conn)
         .await
 }
@@ -94,37 +87,24 @@ pub async fn run_reset(
     result.map(|_| ()).map_err(|e| (e, sql))
 }
 
-/// Drop the (stream, perspective) cursor and pending work, queue one work row per stored event
-/// of `event_types`, and ring the doorbell. Returns the rows queued.
+/// Drop the (stream, perspective) cursor and pending work, then queue the stream's history for
+/// the perspective again (which rings the doorbell). Returns the rows queued.
 pub async fn requeue_stream(
     tx: &mut PgConnection,
     schema: &str,
     stream: Uuid,
     perspective: &str,
-    event_types: &[String],
-) -> Result<u64, sqlx::Error> {
-    let sql = |t| super::sql(schema, t);
+) -> Result<i64, sqlx::Error> {
     for delete in [DELETE_CURSOR, DELETE_WORK] {
-        sqlx::query(&sql(delete))
+        sqlx::query(&super::sql(schema, delete))
             .bind(stream)
             .bind(perspective)
             .execute(&mut *tx)
             .await?;
     }
-    let rows = sqlx::query(&sql(QUEUE_EVENTS))
+    sqlx::query_scalar(&super::sql(schema, QUEUE_STREAM))
         .bind(stream)
         .bind(perspective)
-        .bind(event_types)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    sqlx::query(&sql(ACTIVATE_STREAM))
-        .bind(stream)
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(RING_DOORBELL)
-        .bind(super::names::work_channel(schema))
-        .execute(&mut *tx)
-        .await?;
-    Ok(rows)
+        .fetch_one(&mut *tx)
+        .await
 }
