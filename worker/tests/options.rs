@@ -249,9 +249,15 @@ async fn instance_metadata_is_recorded_with_the_instance() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_streams_per_batch_bounds_the_streams_one_claim_offers() {
     let schema = unique_schema("opt_msb");
+    // Fast polls: a full claim does not poll again at once, the rest waits for the next one.
     let config = parse_config(&recording_yaml(
         &schema,
-        "claimWorker:\n  maxStreamsPerBatch: 2\n",
+        "claimWorker:
+  maxStreamsPerBatch: 2
+  pollingIntervalMilliseconds: 20
+  notifyHealthyPollingIntervalMilliseconds: 20
+  pollingMaxIntervalMilliseconds: 50
+",
     ));
     migrate_config(&config).await;
     let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
