@@ -116,9 +116,9 @@ pub struct WorkerOptions {
     /// Seconds without a heartbeat before an instance is abandoned and its streams and leases released (default 30).
     #[schemars(range(min = 1))]
     pub abandon_stale_instance_threshold_seconds: u32,
-    /// Keep completed work rows for debugging instead of deleting them (default false).
+    /// Keep completed work rows for debugging, stamped with processed_at, instead of deleting them (default false).
     pub debug_mode: bool,
-    /// Consecutive empty polls before the worker reports itself idle (default 2).
+    /// Consecutive empty claim polls before the worker reports itself idle (the WorkProcessingIdle hook) (default 2).
     #[schemars(range(min = 1))]
     pub idle_threshold_polls: u32,
     /// Most events of one (stream, perspective) handed to one call of its apply function (or of a custom PerspectiveRunner); the model change and the cursor advance of a call commit together (default 100).
@@ -127,13 +127,13 @@ pub struct WorkerOptions {
     /// Custom PerspectiveRunner only: (stream, perspective) groups of one drain batch applied concurrently, each on its own connection (default 30). No effect on compiled SQL perspectives: one wh_drain call applies a whole batch inside the database, so their parallelism is maxConcurrentDrainConsumers.
     #[schemars(range(min = 1))]
     pub max_concurrent_perspectives: u32,
-    /// Parallel drain consumer loops (default 4).
+    /// Parallel drain consumer loops, each applying its own batch of streams (default 4).
     #[schemars(range(min = 1))]
     pub max_concurrent_drain_consumers: u32,
-    /// Refetch iterations of the per-stream drain loop while events keep arriving; 1 is single-pass (default 5).
+    /// Drain rounds one batch runs for a stream that still has due work before handing it back to the drain queue; 1 is single-pass (default 5).
     #[schemars(range(min = 1))]
     pub drain_loop_max_iterations: u32,
-    /// Smallest batch size that triggers another drain-loop refetch (default 2).
+    /// Work rows a drain round must take for a stream (all perspectives together) for the stream to be fetched again in the same batch (default 2).
     #[schemars(range(min = 1))]
     pub drain_loop_refetch_min_batch: u32,
     /// Sliding-window batching of drain signals (defaults 300 ms window, 3000 ms max wait, 1000 signals).
@@ -186,7 +186,7 @@ impl Default for WorkerOptions {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct DrainBatcherOptions {
-    /// Quiet period that closes a batch of drain signals, in ms (default 300).
+    /// Quiet period that closes a batch of drain signals, in ms (default 300). Only while another batch is being applied: an idle worker drains a lone signal at once, and signals that arrive together never wait.
     pub sliding_window_milliseconds: u64,
     /// Longest a batch of drain signals is held open, in ms (default 3000).
     pub max_wait_milliseconds: u64,
@@ -235,16 +235,16 @@ impl Default for RetryOptions {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct ClaimWorkerOptions {
-    /// Base interval between claim polls, in ms (default 250).
+    /// Base interval between claim polls while LISTEN/NOTIFY is unavailable, in ms (default 250).
     #[schemars(range(min = 1))]
     pub polling_interval_milliseconds: u64,
-    /// Base interval between claim polls while LISTEN/NOTIFY is healthy, in ms (default 5000).
+    /// Base interval between claim polls while LISTEN/NOTIFY is healthy, in ms; never below pollingIntervalMilliseconds (default 5000).
     #[schemars(range(min = 1))]
     pub notify_healthy_polling_interval_milliseconds: u64,
-    /// Cap of the backed-off interval after consecutive empty polls, in ms (default 10000).
+    /// Cap of the interval, which doubles with each consecutive empty poll, in ms; never below the base interval nor above a third of abandonStaleInstanceThresholdSeconds (default 10000).
     #[schemars(range(min = 1))]
     pub polling_max_interval_milliseconds: u64,
-    /// Streams claimed per poll (default 1000).
+    /// Streams one claim poll offers to the drain consumers at most (default 1000).
     #[schemars(range(min = 1))]
     pub max_streams_per_batch: u32,
     /// Keep polling on a timer while NOTIFY is healthy, in case a notification is lost (default true).

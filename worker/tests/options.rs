@@ -1,7 +1,9 @@
-//! Options whose effect is specific to the custom `PerspectiveRunner` path (rows fetched by the
-//! worker and applied through the runner), shown through the real engine: `leaseSeconds` is the
-//! lease on the rows the runner gets, `maxConcurrentPerspectives` bounds the groups it applies
-//! at once.
+//! Each worker option's documented effect, shown through the real engine against a real
+//! PostgreSQL (the claim loop's interval options and the drain batcher's window are unit-tested
+//! next to their code, in engine/claim.rs and engine/drain.rs). Some options only concern the
+//! custom `PerspectiveRunner` path (rows fetched by the worker and applied through the runner):
+//! `leaseSeconds` is the lease on the rows the runner gets, `maxConcurrentPerspectives` bounds
+//! the groups it applies at once.
 
 mod common;
 
@@ -13,9 +15,11 @@ use common::*;
 use futures::future::BoxFuture;
 use perspective_worker::config::Config;
 use perspective_worker::engine::{
-    ApplyMode, ApplyOutcome, EngineOptions, Group, PerspectiveRunner, RunnerError, SqlRunner,
+    ApplyMode, ApplyOutcome, EngineOptions, Group, HookEvent, PerspectiveRunner, RunnerError,
+    SqlRunner,
 };
 use sqlx::postgres::PgConnection;
+use tokio::sync::broadcast;
 use uuid::Uuid;
 
 /// A custom runner (the engine fetches rows for it) that applies through the SQL runner and
@@ -126,4 +130,236 @@ async fn most_concurrent_applies(limit: usize) -> usize {
 async fn max_concurrent_perspectives_bounds_the_groups_a_custom_runner_applies_at_once() {
     assert_eq!(most_concurrent_applies(1).await, 1);
     assert_eq!(most_concurrent_applies(2).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_concurrent_drain_consumers_bounds_the_batches_applied_at_once() {
+    let schema = unique_schema("opt_consumers");
+    // One stream per batch and one group at a time per batch: concurrent applies are batches.
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  maxConcurrentDrainConsumers: 2
+  maxConcurrentPerspectives: 1
+  drainBatcher: { maxSize: 1 }
+",
+    ));
+    migrate_config(&config).await;
+    // Calls wait for a third partner: only more than two consumers reach it.
+    let probe = Probe::new(&config, 3);
+    run_through(&schema, &config, probe.clone(), 4).await;
+    assert_eq!(probe.most_running.load(Ordering::SeqCst), 2);
+}
+
+/// The next hook event, or a panic naming `what` after 10 s.
+async fn next_hook(rx: &mut broadcast::Receiver<HookEvent>, what: &str) -> HookEvent {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
+        .expect("hook channel")
+}
+
+/// Start an engine whose hooks are subscribed before its first poll.
+async fn start_subscribed(config: &Config) -> (RunningEngine, broadcast::Receiver<HookEvent>) {
+    let options = EngineOptions::new(config.clone(), database_url());
+    let hooks = options.hooks.subscribe();
+    (RunningEngine::start_with(options).await, hooks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn perspective_batch_size_bounds_events_per_apply_transaction() {
+    let schema = unique_schema("opt_pbs");
+    let config = parse_config(&format!(
+        "schema: {schema}
+perspectives:
+  - name: tx
+    setup: CREATE TABLE IF NOT EXISTS tx_seen (stream_version bigint, txid bigint)
+    handlers:
+      A: INSERT INTO tx_seen VALUES (:stream_version, txid_current())
+worker:
+  perspectiveBatchSize: 3
+"
+    ));
+    migrate_config(&config).await;
+    // Ten events in one stream, all due before the engine starts.
+    append_load(&schema, &[Uuid::now_v7()], 10, 1, 10).await;
+    let engine = RunningEngine::start(&config).await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    let mut conn = connect().await;
+    let per_transaction: Vec<Vec<i64>> = sqlx::query_scalar(&format!(
+        "SELECT array_agg(stream_version ORDER BY stream_version) FROM {schema}.tx_seen
+         GROUP BY txid ORDER BY min(stream_version)"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        per_transaction,
+        [vec![1, 2, 3], vec![4, 5, 6], vec![7, 8, 9], vec![10]]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debug_mode_keeps_completed_work_rows_stamped_with_processed_at() {
+    let schema = unique_schema("opt_debug");
+    let config = parse_config(&recording_yaml(&schema, "worker:\n  debugMode: true\n"));
+    migrate_config(&config).await;
+    let streams: Vec<Uuid> = (0..3).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 2, 1, 6).await;
+    let engine = RunningEngine::start(&config).await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 3).await;
+    let mut conn = connect().await;
+    let (kept, stamped): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT count(*), count(processed_at) FROM {schema}.wh_perspective_events"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        (kept, stamped),
+        (12, 12),
+        "3 streams × 2 events × 2 perspectives, kept and stamped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instance_metadata_is_recorded_with_the_instance() {
+    let schema = unique_schema("opt_meta");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:\n  instanceMetadata: { zone: eu-1, build: \"42\" }\n",
+    ));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let mut conn = connect().await;
+    let metadata: serde_json::Value = sqlx::query_scalar(&format!(
+        "SELECT metadata FROM {schema}.wh_service_instances WHERE instance_id = $1"
+    ))
+    .bind(engine.instance_id)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    engine.stop().await;
+    assert_eq!(metadata, serde_json::json!({"zone": "eu-1", "build": "42"}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_streams_per_batch_bounds_the_streams_one_claim_offers() {
+    let schema = unique_schema("opt_msb");
+    // Fast polls: a full claim does not poll again at once, the rest waits for the next one.
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "claimWorker:
+  maxStreamsPerBatch: 2
+  pollingIntervalMilliseconds: 20
+  notifyHealthyPollingIntervalMilliseconds: 20
+  pollingMaxIntervalMilliseconds: 50
+",
+    ));
+    migrate_config(&config).await;
+    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 1, 1, 5).await;
+    let (engine, mut hooks) = start_subscribed(&config).await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 5).await;
+    let offered: Vec<usize> = std::iter::from_fn(|| hooks.try_recv().ok())
+        .filter_map(|e| match e {
+            HookEvent::ClaimPolled { streams } => Some(streams),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        offered.iter().find(|n| **n > 0),
+        Some(&2),
+        "the first claim found 5 streams and offered 2; polls: {offered:?}"
+    );
+    assert!(offered.iter().all(|n| *n <= 2), "polls: {offered:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_threshold_polls_is_the_number_of_empty_polls_before_idle() {
+    let schema = unique_schema("opt_idle");
+    // Fast polls whether or not NOTIFY is up, so the empty polls come quickly.
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  idleThresholdPolls: 5
+claimWorker:
+  pollingIntervalMilliseconds: 10
+  notifyHealthyPollingIntervalMilliseconds: 10
+  pollingMaxIntervalMilliseconds: 20
+",
+    ));
+    migrate_config(&config).await;
+    append_load(&schema, &[Uuid::now_v7()], 1, 1, 1).await;
+    let (engine, mut hooks) = start_subscribed(&config).await;
+    let (mut worked, mut empty_polls) = (false, 0);
+    loop {
+        match next_hook(&mut hooks, "the engine to go idle").await {
+            HookEvent::ClaimPolled { streams: 0 } => empty_polls += 1,
+            HookEvent::ClaimPolled { .. } => {
+                worked = true;
+                empty_polls = 0;
+            }
+            // Emitted by the threshold's poll, before that poll's ClaimPolled.
+            HookEvent::WorkProcessingIdle => break,
+            _ => {}
+        }
+    }
+    engine.stop().await;
+    assert!(worked, "idle only after having had work");
+    assert_eq!(
+        empty_polls + 1,
+        5,
+        "the 5th consecutive empty poll went idle"
+    );
+}
+
+/// Events applied by the first batch of an engine started on one stream with 10 due events,
+/// applied 2 at a time per perspective (`extra` sets the drain-loop options).
+async fn first_batch_events(prefix: &str, extra: &str) -> u64 {
+    let schema = unique_schema(prefix);
+    let config = parse_config(&recording_yaml(
+        &schema,
+        &format!("worker:\n  perspectiveBatchSize: 2\n{extra}"),
+    ));
+    migrate_config(&config).await;
+    append_load(&schema, &[Uuid::now_v7()], 10, 1, 10).await;
+    let (engine, mut hooks) = start_subscribed(&config).await;
+    let applied = loop {
+        if let HookEvent::BatchCycleComplete { events_applied, .. } =
+            next_hook(&mut hooks, "the first batch").await
+        {
+            break events_applied;
+        }
+    };
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 1).await;
+    applied
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_loop_max_iterations_bounds_the_rounds_of_one_batch() {
+    // Rounds of 2 events × 2 perspectives.
+    let applied = first_batch_events("opt_iter", "  drainLoopMaxIterations: 2\n").await;
+    assert_eq!(applied, 8, "2 rounds");
+    let applied = first_batch_events("opt_iter1", "  drainLoopMaxIterations: 1\n").await;
+    assert_eq!(applied, 4, "single pass");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_loop_refetch_min_batch_is_the_round_size_that_earns_a_refetch() {
+    // A round takes 4 rows of the stream (2 per perspective); up to 5 rounds per batch.
+    let applied = first_batch_events("opt_refetch4", "  drainLoopRefetchMinBatch: 4\n").await;
+    assert_eq!(
+        applied, 20,
+        "4 rows are enough: fetched again until drained"
+    );
+    let applied = first_batch_events("opt_refetch5", "  drainLoopRefetchMinBatch: 5\n").await;
+    assert_eq!(applied, 4, "4 rows are too few: no refetch");
 }

@@ -130,3 +130,107 @@ impl ClaimLoop {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Option<Duration> {
+        Some(Duration::from_millis(v))
+    }
+
+    /// The waits after 0, 1, 2, … consecutive empty polls.
+    fn waits(
+        opts: &ClaimWorkerOptions,
+        stale_seconds: u32,
+        healthy: bool,
+    ) -> Vec<Option<Duration>> {
+        (0..7)
+            .map(|empty| next_interval(opts, stale_seconds, healthy, empty))
+            .collect()
+    }
+
+    #[test]
+    fn polling_interval_doubles_per_empty_poll_up_to_the_max_interval() {
+        let opts = ClaimWorkerOptions {
+            polling_interval_milliseconds: 100,
+            polling_max_interval_milliseconds: 1000,
+            ..Default::default()
+        };
+        assert_eq!(
+            waits(&opts, 30, false),
+            [
+                ms(100),
+                ms(100),
+                ms(200),
+                ms(400),
+                ms(800),
+                ms(1000),
+                ms(1000)
+            ]
+        );
+        // Many empty polls do not overflow.
+        assert_eq!(next_interval(&opts, 30, false, u64::MAX), ms(1000));
+    }
+
+    #[test]
+    fn polling_max_interval_milliseconds_caps_the_backoff() {
+        let opts = |max| ClaimWorkerOptions {
+            polling_interval_milliseconds: 100,
+            polling_max_interval_milliseconds: max,
+            ..Default::default()
+        };
+        assert_eq!(next_interval(&opts(300), 30, false, 6), ms(300));
+        assert_eq!(next_interval(&opts(5000), 30, false, 6), ms(3200));
+        // A cap below the base interval does not shorten the base.
+        assert_eq!(next_interval(&opts(50), 30, false, 6), ms(100));
+        // Nor may the backoff outgrow a third of the abandon threshold.
+        assert_eq!(next_interval(&opts(5000), 1, false, 6), ms(333));
+    }
+
+    #[test]
+    fn notify_healthy_polling_interval_milliseconds_is_the_base_while_notify_is_healthy() {
+        let opts = ClaimWorkerOptions {
+            polling_interval_milliseconds: 100,
+            notify_healthy_polling_interval_milliseconds: 700,
+            polling_max_interval_milliseconds: 5000,
+            ..Default::default()
+        };
+        assert_eq!(
+            waits(&opts, 30, true),
+            [
+                ms(700),
+                ms(700),
+                ms(1400),
+                ms(2800),
+                ms(5000),
+                ms(5000),
+                ms(5000)
+            ]
+        );
+        // Without NOTIFY the tight interval applies.
+        assert_eq!(next_interval(&opts, 30, false, 1), ms(100));
+        // It never makes polling tighter than pollingIntervalMilliseconds.
+        let tighter = ClaimWorkerOptions {
+            notify_healthy_polling_interval_milliseconds: 10,
+            ..opts
+        };
+        assert_eq!(next_interval(&tighter, 30, true, 1), ms(100));
+    }
+
+    #[test]
+    fn enable_safety_net_poll_false_stops_timed_polls_only_while_notify_is_healthy() {
+        let opts = ClaimWorkerOptions {
+            polling_interval_milliseconds: 100,
+            enable_safety_net_poll: false,
+            ..Default::default()
+        };
+        assert_eq!(waits(&opts, 30, true), [None; 7]);
+        assert_eq!(next_interval(&opts, 30, false, 1), ms(100));
+        let on = ClaimWorkerOptions {
+            enable_safety_net_poll: true,
+            ..opts
+        };
+        assert_eq!(next_interval(&on, 30, true, 1), ms(5000));
+    }
+}

@@ -9,6 +9,7 @@ mod report;
 mod server;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,6 +20,7 @@ use super::completion::CompletionQueue;
 use super::hooks::HookEvent;
 use super::runner::PerspectiveRunner;
 use super::Shared;
+use crate::config::DrainBatcherOptions;
 use crate::dedup::ProcessedEventCache;
 
 /// The drain channel's receiving end, shared by the consumers.
@@ -80,28 +82,38 @@ impl Drainer {
     }
 }
 
-/// Wait for the first stream id, then gather more with the sliding window. The window only
-/// applies while another batch is being processed (an idle engine applies a lone event at once,
-/// a busy one coalesces bursts for the same streams into one pass), and only to ids that
-/// trickle in: ids that were already queued behind the first one came from one claim, which
-/// delivers everything it found at once, so waiting after them would only delay a backlog's
-/// last batch.
+/// Wait for the first stream id, then gather more with the sliding window (see [`gather`]).
 async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
-    let opts = &ctx.shared.config.worker.drain_batcher;
-    let max_size = ctx
-        .shared
-        .config
-        .worker
-        .drain_batch_limit(ctx.shared.config.perspectives.len());
+    let config = &ctx.shared.config;
+    let max_size = config.worker.drain_batch_limit(config.perspectives.len());
     let mut rx = rx.lock().await;
     let first = tokio::select! {
         _ = ctx.shared.shutdown.cancelled() => return None,
         id = rx.recv() => id?,
     };
+    let busy = || ctx.batches_in_flight.load(Ordering::Relaxed) > 0;
+    let opts = &config.worker.drain_batcher;
+    Some(gather(&mut rx, first, opts, max_size, busy).await)
+}
+
+/// A batch starting with `first`, of at most `max_size` distinct ids. The sliding window only
+/// applies while another batch is being processed (`busy`: an idle engine applies a lone event
+/// at once, a busy one coalesces bursts for the same streams into one pass), and only to ids
+/// that trickle in: ids that were already queued behind the first one came from one claim,
+/// which delivers everything it found at once, so waiting after them would only delay a
+/// backlog's last batch.
+async fn gather(
+    rx: &mut mpsc::Receiver<Uuid>,
+    first: Uuid,
+    opts: &DrainBatcherOptions,
+    max_size: usize,
+    busy: impl Fn() -> bool,
+) -> Vec<Uuid> {
     let mut batch = vec![first];
     let mut seen: HashSet<Uuid> = HashSet::from([first]);
     let mut from_backlog = false;
-    let started = Instant::now();
+    // Tokio's clock, like the timeouts below.
+    let started = tokio::time::Instant::now();
     let window = Duration::from_millis(opts.sliding_window_milliseconds);
     let max_wait = Duration::from_millis(opts.max_wait_milliseconds);
     while batch.len() < max_size {
@@ -114,15 +126,7 @@ async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
                 }
                 continue;
             }
-            Err(_)
-                if from_backlog
-                    || ctx
-                        .batches_in_flight
-                        .load(std::sync::atomic::Ordering::Relaxed)
-                        == 0 =>
-            {
-                break
-            }
+            Err(_) if from_backlog || !busy() => break,
             Err(_) => {}
         }
         let left = max_wait.saturating_sub(started.elapsed()).min(window);
@@ -138,8 +142,9 @@ async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
             _ => break,
         }
     }
-    Some(batch)
+    batch
 }
+
 /// Streams this pod is draining right now; a signal for one of them asks the running drain to
 /// look once more instead of starting a second one. The guard removes the entry on drop, so it
 /// can never be left set by a failed drain.
@@ -251,5 +256,94 @@ async fn drain_once(ctx: &Drainer, streams: &[Uuid]) -> Round {
         server::drain(ctx, streams).await
     } else {
         fetch::fetch_and_apply(ctx, streams).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batcher(window: u64, max_wait: u64) -> DrainBatcherOptions {
+        DrainBatcherOptions {
+            sliding_window_milliseconds: window,
+            max_wait_milliseconds: max_wait,
+            max_size: 1000,
+        }
+    }
+
+    /// Send `ids` one by one, `gap` apart, then close the channel.
+    fn trickle(tx: mpsc::Sender<Uuid>, ids: Vec<Uuid>, gap: Duration) {
+        tokio::spawn(async move {
+            for id in ids {
+                tokio::time::sleep(gap).await;
+                if tx.send(id).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    #[tokio::test]
+    async fn sliding_window_milliseconds_is_the_quiet_period_that_closes_a_busy_batch() {
+        let ids: Vec<Uuid> = (0..3).map(|_| Uuid::now_v7()).collect();
+        // Ids 600 ms apart: twice the default window, well inside this one.
+        let (tx, mut rx) = mpsc::channel(16);
+        trickle(tx, ids[1..].to_vec(), Duration::from_millis(600));
+        let batch = gather(&mut rx, ids[0], &batcher(5000, 60_000), 1000, || true).await;
+        assert_eq!(
+            batch, ids,
+            "the channel closing ends the batch, not the window"
+        );
+        // A short window closes before the next id arrives.
+        let (tx, mut rx) = mpsc::channel(16);
+        trickle(tx, ids[1..].to_vec(), Duration::from_millis(600));
+        let batch = gather(&mut rx, ids[0], &batcher(50, 60_000), 1000, || true).await;
+        assert_eq!(batch, ids[..1]);
+    }
+
+    #[tokio::test]
+    async fn max_wait_milliseconds_bounds_how_long_a_busy_batch_stays_open() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let ids: Vec<Uuid> = (0..1000).map(|_| Uuid::now_v7()).collect();
+        // An id every 50 ms: the 5 s window never closes the batch.
+        trickle(tx, ids[1..].to_vec(), Duration::from_millis(50));
+        let started = Instant::now();
+        let batch = gather(&mut rx, ids[0], &batcher(5000, 400), 1000, || true).await;
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_millis(400) && took < Duration::from_millis(2500),
+            "closed after {took:?}, expected at 400 ms (the default is 3 s)"
+        );
+        assert!(batch.len() > 1 && batch.len() < 60, "{} ids", batch.len());
+        assert_eq!(batch[..], ids[..batch.len()]);
+    }
+
+    #[tokio::test]
+    async fn an_idle_engine_or_a_backlog_does_not_wait_for_the_window() {
+        let ids: Vec<Uuid> = (0..3).map(|_| Uuid::now_v7()).collect();
+        let (tx, mut rx) = mpsc::channel(16);
+        let started = Instant::now();
+        let batch = gather(&mut rx, ids[0], &batcher(5000, 60_000), 1000, || false).await;
+        assert_eq!(batch, ids[..1]);
+        // Queued ids join, duplicates once, and the batch closes when the queue is empty.
+        for id in [ids[1], ids[0], ids[2], ids[1]] {
+            tx.send(id).await.unwrap();
+        }
+        let batch = gather(&mut rx, ids[0], &batcher(5000, 60_000), 1000, || true).await;
+        assert_eq!(batch, ids);
+        assert!(started.elapsed() < Duration::from_secs(4));
+        drop(tx);
+    }
+
+    #[tokio::test]
+    async fn a_batch_holds_at_most_max_size_ids() {
+        let ids: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+        let (tx, mut rx) = mpsc::channel(16);
+        for id in &ids[1..] {
+            tx.send(*id).await.unwrap();
+        }
+        let batch = gather(&mut rx, ids[0], &batcher(5000, 60_000), 3, || true).await;
+        assert_eq!(batch, ids[..3]);
+        assert_eq!(rx.try_recv().unwrap(), ids[3], "the rest stays queued");
     }
 }
