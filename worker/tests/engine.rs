@@ -116,7 +116,7 @@ async fn fetch(schema: &str, instance: Uuid, streams: &[Uuid]) -> Vec<WorkItem> 
     .await
     .unwrap();
     let _: Vec<Uuid> = sqlx::query_scalar(&format!(
-        "SELECT stream_id FROM {schema}.claim_work($1, 100, 300, 30)"
+        "SELECT stream_id FROM {schema}.claim_work($1, 100, 30)"
     ))
     .bind(instance)
     .fetch_all(&mut conn)
@@ -876,7 +876,7 @@ async fn drained_streams_left_pinned_are_retired_so_the_doorbell_rings_again() {
             ""
         );
         let claimed: Vec<Uuid> = sqlx::query_scalar(&format!(
-            "SELECT stream_id FROM {schema}.claim_work($1, 100, 300, 30)"
+            "SELECT stream_id FROM {schema}.claim_work($1, 100, 30)"
         ))
         .bind(owner)
         .fetch_all(&mut conn)
@@ -909,7 +909,7 @@ async fn drained_streams_left_pinned_are_retired_so_the_doorbell_rings_again() {
             }
             _ => {
                 let again: Vec<Uuid> = sqlx::query_scalar(&format!(
-                    "SELECT stream_id FROM {schema}.claim_work($1, 100, 300, 30)"
+                    "SELECT stream_id FROM {schema}.claim_work($1, 100, 30)"
                 ))
                 .bind(owner)
                 .fetch_all(&mut conn)

@@ -468,7 +468,7 @@ async fn invalid_config_files_exit_2_naming_the_field() {
 /// Migration 0003 drops what nothing used: the `complete_perspective_cursor_work` function, the
 /// never-written cursor columns and the index of a cursor state that is never stored.
 #[tokio::test]
-async fn unused_cursor_columns_index_and_function_are_dropped() {
+async fn unused_columns_indexes_and_functions_are_dropped() {
     let (schema, _) = migrated_schema("unused").await;
     let mut conn = connect().await;
     let functions: Vec<String> = sqlx::query_scalar(
@@ -509,4 +509,31 @@ async fn unused_cursor_columns_index_and_function_are_dropped() {
         .await
         .unwrap();
     assert_eq!(rewind_index, None);
+    // 0005: streams are owned while their owner heartbeats; no stream lease is kept.
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns
+         WHERE table_schema = $1 AND table_name = 'wh_active_streams' ORDER BY ordinal_position",
+    )
+    .bind(&schema)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        columns,
+        [
+            "stream_id",
+            "partition_number",
+            "assigned_instance_id",
+            "created_at"
+        ]
+    );
+    let claim_args: Vec<String> = sqlx::query_scalar(
+        "SELECT oidvectortypes(proargtypes) FROM pg_proc
+         WHERE pronamespace = $1::regnamespace AND proname = 'claim_work'",
+    )
+    .bind(&schema)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(claim_args, ["uuid, integer, double precision"]);
 }

@@ -61,7 +61,6 @@ impl ClaimLoop {
             .claim_work(ClaimArgs {
                 instance_id: shared.instance_id,
                 max_streams: shared.config.claim_worker.max_streams_per_batch as i32,
-                lease_seconds: shared.config.worker.lease_seconds as i32,
                 stale_seconds: shared
                     .config
                     .worker

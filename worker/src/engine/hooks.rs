@@ -1,7 +1,7 @@
 //! Processing hooks: what tests and embedding applications wait on instead of sleeping.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tokio::sync::{broadcast, Notify};
 use uuid::Uuid;
@@ -61,9 +61,15 @@ pub struct Hooks {
     inner: Arc<Inner>,
 }
 
+/// Events a subscriber may fall behind by before it misses some.
+const CAPACITY: usize = 65_536;
+
 #[derive(Debug)]
 struct Inner {
-    events: broadcast::Sender<HookEvent>,
+    /// Created by the first subscriber: the buffer is megabytes, and a worker nobody subscribes
+    /// to (every `perspective-worker run`) has no use for it; events emitted before then had no
+    /// receiver anyway.
+    events: OnceLock<broadcast::Sender<HookEvent>>,
     consecutive_empty_polls: AtomicU64,
     idle: AtomicBool,
     wake: Notify,
@@ -77,10 +83,9 @@ impl Default for Hooks {
 
 impl Hooks {
     pub fn new() -> Self {
-        let (events, _) = broadcast::channel(65_536);
         Hooks {
             inner: Arc::new(Inner {
-                events,
+                events: OnceLock::new(),
                 consecutive_empty_polls: AtomicU64::new(0),
                 idle: AtomicBool::new(true),
                 wake: Notify::new(),
@@ -90,12 +95,17 @@ impl Hooks {
 
     /// Receive every hook event from now on.
     pub fn subscribe(&self) -> broadcast::Receiver<HookEvent> {
-        self.inner.events.subscribe()
+        self.inner
+            .events
+            .get_or_init(|| broadcast::channel(CAPACITY).0)
+            .subscribe()
     }
 
     pub(crate) fn emit(&self, event: HookEvent) {
         // No subscriber is fine.
-        let _ = self.inner.events.send(event);
+        if let Some(events) = self.inner.events.get() {
+            let _ = events.send(event);
+        }
     }
 
     /// Consecutive claim polls that returned nothing.

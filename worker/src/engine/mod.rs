@@ -93,7 +93,7 @@ pub enum EngineError {
         expected: i32,
     },
     #[error(
-        "perspective {perspective} in schema {schema} was compiled from a different definition than the config's: run `perspective-worker migrate` to compile the current handlers"
+        "perspective {perspective} in schema {schema} was compiled from a different definition than the config's (handlers, reset, ordering or setup): run `perspective-worker migrate` to compile the current one"
     )]
     PerspectiveOutdated { schema: String, perspective: String },
 }

@@ -4,7 +4,7 @@ use uuid::Uuid;
 
 use super::Store;
 
-const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3, $4)";
+const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3)";
 
 /// The arguments of one claim.
 #[derive(Debug, Clone, Copy)]
@@ -12,8 +12,6 @@ pub struct ClaimArgs {
     pub instance_id: Uuid,
     /// Streams offered at most.
     pub max_streams: i32,
-    /// Seconds a claimed stream stays assigned to this instance.
-    pub lease_seconds: i32,
     /// Heartbeat age after which an instance no longer counts as live.
     pub stale_seconds: f64,
 }
@@ -25,7 +23,6 @@ impl Store {
         sqlx::query_scalar(&self.sql(CLAIM_WORK))
             .bind(args.instance_id)
             .bind(args.max_streams)
-            .bind(args.lease_seconds)
             .bind(args.stale_seconds)
             .fetch_all(self.pool())
             .await

@@ -33,6 +33,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_shared_definitions.sql",
         template: include_str!("../../../migrations/0004_shared_definitions.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_stream_ownership.sql",
+        template: include_str!("../../../migrations/0005_stream_ownership.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.
