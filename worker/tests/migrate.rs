@@ -467,6 +467,19 @@ async fn invalid_config_files_exit_2_naming_the_field() {
 
 /// Migration 0003 drops what nothing used: the `complete_perspective_cursor_work` function, the
 /// never-written cursor columns and the index of a cursor state that is never stored.
+/// The columns of `schema.table`, in order.
+async fn columns_of(conn: &mut sqlx::PgConnection, schema: &str, table: &str) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns
+         WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn unused_columns_indexes_and_functions_are_dropped() {
     let (schema, _) = migrated_schema("unused").await;
@@ -480,16 +493,8 @@ async fn unused_columns_indexes_and_functions_are_dropped() {
     .unwrap();
     assert!(functions.contains(&"complete_perspective_events".to_owned()));
     assert!(!functions.contains(&"complete_perspective_cursor_work".to_owned()));
-    let columns: Vec<String> = sqlx::query_scalar(
-        "SELECT column_name::text FROM information_schema.columns
-         WHERE table_schema = $1 AND table_name = 'wh_perspective_cursors' ORDER BY ordinal_position",
-    )
-    .bind(&schema)
-    .fetch_all(&mut conn)
-    .await
-    .unwrap();
     assert_eq!(
-        columns,
+        columns_of(&mut conn, &schema, "wh_perspective_cursors").await,
         [
             "stream_id",
             "perspective_name",
@@ -510,16 +515,8 @@ async fn unused_columns_indexes_and_functions_are_dropped() {
         .unwrap();
     assert_eq!(rewind_index, None);
     // 0005: streams are owned while their owner heartbeats; no stream lease is kept.
-    let columns: Vec<String> = sqlx::query_scalar(
-        "SELECT column_name::text FROM information_schema.columns
-         WHERE table_schema = $1 AND table_name = 'wh_active_streams' ORDER BY ordinal_position",
-    )
-    .bind(&schema)
-    .fetch_all(&mut conn)
-    .await
-    .unwrap();
     assert_eq!(
-        columns,
+        columns_of(&mut conn, &schema, "wh_active_streams").await,
         [
             "stream_id",
             "partition_number",

@@ -15,6 +15,7 @@ use super::report::{
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
+use crate::engine::lifecycle;
 use crate::engine::runner::{ApplyMode, ApplyOutcome, Group, WorkItem};
 use crate::store::drain::FetchArgs;
 use crate::store::failure::Failure;
@@ -241,7 +242,7 @@ async fn apply_group(ctx: &Drainer, group: &Group, mode: ApplyMode) -> Applied {
     if let Some((work_id, error)) = &o.failed {
         record_failure(ctx, group, *work_id, error).await;
     }
-    super::super::lifecycle::post_perspective(
+    lifecycle::post_perspective(
         &ctx.shared,
         &group.perspective,
         group.stream_id,
@@ -252,7 +253,7 @@ async fn apply_group(ctx: &Drainer, group: &Group, mode: ApplyMode) -> Applied {
         .iter()
         .map(|e| (group.stream_id, *e))
         .collect();
-    super::super::lifecycle::fire(&ctx.shared, &completed).await;
+    lifecycle::fire(&ctx.shared, &completed).await;
     Applied::Ok {
         applied: o.applied as u64,
         failed: o.failed.is_some(),

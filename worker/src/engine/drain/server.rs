@@ -10,10 +10,10 @@ use super::report::{
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
+use crate::engine::lifecycle;
 use crate::store::drain::DrainArgs;
 
-/// Claim and apply in the database, one round trip per batch of streams (compiled SQL
-/// perspectives): no rows travel to the worker and no leases are written.
+/// One `wh_drain` round for `streams`, reported.
 pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
     let per_pair = ctx.shared.config.worker.perspective_batch_size.max(1) as i64;
     let max_rows = (per_pair * streams.len() as i64 * ctx.shared.config.perspectives.len() as i64)
@@ -53,12 +53,7 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         if o.rewound {
             report_rewound(&ctx.shared, perspective, o.stream_id);
         }
-        super::super::lifecycle::post_perspective(
-            &ctx.shared,
-            perspective,
-            o.stream_id,
-            &o.applied_event_ids,
-        );
+        lifecycle::post_perspective(&ctx.shared, perspective, o.stream_id, &o.applied_event_ids);
         completed.extend(o.completed_event_ids.iter().map(|e| (o.stream_id, *e)));
         if !o.dead_lettered.is_empty() {
             report_dead_lettered(
@@ -94,7 +89,7 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         }
     }
     let min_batch = ctx.shared.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
-    super::super::lifecycle::fire(&ctx.shared, &completed).await;
+    lifecycle::fire(&ctx.shared, &completed).await;
     tracing::debug!(
         streams = streams.len(),
         streams_with_work = rows_per_stream.len(),
