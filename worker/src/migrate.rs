@@ -17,6 +17,7 @@ use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
 use crate::sql_params::ParsedStatement;
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
+use crate::store::removal::{self, Removed};
 use crate::store::schema as store;
 
 /// Oldest server we support (`gen_random_uuid()` in core, `EXECUTE FUNCTION` triggers).
@@ -40,6 +41,11 @@ pub struct MigrateReport {
     /// (perspective, event type) pairs added / removed.
     pub subscriptions_added: Vec<(String, String)>,
     pub subscriptions_removed: Vec<(String, String)>,
+    /// Perspectives that left the config, with the work rows and cursors removed for each
+    /// (their model tables are kept).
+    pub perspectives_removed: Vec<Removed>,
+    /// Streams unpinned because nothing is pending for them any more.
+    pub streams_unpinned: u64,
     /// Perspectives whose `setup` ran.
     pub setups_run: Vec<String>,
     /// Handler and reset statements prepared successfully.
@@ -178,7 +184,43 @@ async fn migrate_in(
     }
 
     sync_subscriptions(tx, config, report).await?;
+    remove_perspectives(tx, config, report).await?;
     setup_and_prepare(tx, config, source, report).await
+}
+
+/// Perspectives that left the config leave nothing behind but their model tables (the user's):
+/// pending work, cursors, compiled function and record are removed, and streams left with
+/// nothing pending are unpinned.
+async fn remove_perspectives(
+    tx: &mut PgConnection,
+    config: &Config,
+    report: &mut MigrateReport,
+) -> Result<(), MigrateError> {
+    let schema = config.schema.as_str();
+    let configured: Vec<String> = config.perspectives.iter().map(|p| p.name.clone()).collect();
+    let gone = removal::removed_perspectives(tx, schema, &configured)
+        .await
+        .map_err(db_err("looking for removed perspectives"))?;
+    if gone.is_empty() {
+        return Ok(());
+    }
+    for perspective in gone {
+        let removed = removal::remove_perspective(tx, schema, &perspective)
+            .await
+            .map_err(db_err(format!("removing perspective {perspective}")))?;
+        tracing::info!(
+            schema,
+            perspective,
+            work_rows = removed.work_rows,
+            cursors = removed.cursors,
+            "removed a perspective that left the config; its tables are kept"
+        );
+        report.perspectives_removed.push(removed);
+    }
+    report.streams_unpinned = removal::unpin_drained_streams(tx, schema)
+        .await
+        .map_err(db_err("unpinning drained streams"))?;
+    Ok(())
 }
 
 /// Refuse to touch a schema whose history disagrees with this binary.

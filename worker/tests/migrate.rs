@@ -534,3 +534,121 @@ async fn unused_columns_indexes_and_functions_are_dropped() {
     .unwrap();
     assert_eq!(claim_args, ["uuid, integer, double precision"]);
 }
+
+/// Acceptance 4 of the perspective lifecycle: a perspective removed from the config with work
+/// pending leaves nothing behind after `migrate` but its tables, and the worker goes idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_perspective_leaves_no_work_cursors_or_pinned_streams() {
+    let (schema, config) = migrated_schema("removed").await;
+    let stream = uuid::Uuid::now_v7();
+    let append = |types: &'static [&'static str]| {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            for t in types {
+                sqlx::query(&format!(
+                    "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, $2)"
+                ))
+                .bind(stream)
+                .bind(*t)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            }
+        }
+    };
+    // Both perspectives apply some events (cursors), then more wait (pending work).
+    let engine = RunningEngine::start(&config).await;
+    append(&["A", "B", "C"]).await;
+    wait_drained(&schema, std::time::Duration::from_secs(30)).await;
+    engine.stop().await;
+    append(&["B", "C", "A"]).await;
+
+    // beta leaves the config.
+    let alpha_only = two_perspective_yaml(&schema);
+    let alpha_only = &alpha_only[..alpha_only.find("  - name: beta").unwrap()];
+    let file = std::env::temp_dir().join(format!("{schema}.yaml"));
+    std::fs::write(&file, alpha_only).unwrap();
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(
+            "removed perspective beta (no longer in the config): 2 pending work row(s) and 1 cursor(s) deleted; its tables are yours and were kept"
+        ),
+        "{stdout}"
+    );
+    let mut conn = connect().await;
+    let left: (i64, i64, i64, bool, bool) = sqlx::query_as(&format!(
+        "SELECT (SELECT count(*) FROM {schema}.wh_perspective_events WHERE perspective_name = 'beta'),
+                (SELECT count(*) FROM {schema}.wh_perspective_cursors WHERE perspective_name = 'beta'),
+                (SELECT count(*) FROM {schema}.wh_perspectives WHERE perspective_name = 'beta'),
+                to_regproc('{schema}.wh_apply_beta') IS NULL,
+                to_regclass('{schema}.beta_seen') IS NOT NULL"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        left,
+        (0, 0, 0, true, true),
+        "work, cursors, record, function gone; table kept"
+    );
+
+    // The worker applies alpha's event, retires the stream and goes idle.
+    let alpha = parse_config(alpha_only);
+    let engine = RunningEngine::start(&alpha).await;
+    let mut hooks = engine.hooks.subscribe();
+    wait_drained(&schema, std::time::Duration::from_secs(30)).await;
+    wait_until(
+        "the stream is unpinned",
+        std::time::Duration::from_secs(30),
+        || async {
+            let mut conn = connect().await;
+            sqlx::query_scalar::<_, i64>(&format!(
+                "SELECT count(*) FROM {schema}.wh_active_streams"
+            ))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+                == 0
+        },
+    )
+    .await;
+    let idle = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        loop {
+            if let Ok(perspective_worker::engine::HookEvent::WorkProcessingIdle) =
+                hooks.recv().await
+            {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        idle.is_ok() || engine.hooks.is_idle(),
+        "the worker goes idle"
+    );
+    engine.stop().await;
+    let versions: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT stream_version FROM {schema}.alpha_seen WHERE stream_id = $1 ORDER BY 1"
+    ))
+    .bind(stream)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        versions,
+        vec![1, 2, 4, 6],
+        "alpha applied each of its events once"
+    );
+}

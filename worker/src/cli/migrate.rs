@@ -74,6 +74,18 @@ fn print_report(r: &MigrateReport, seconds: f64) {
     for p in &r.setups_run {
         println!("  ran setup of {p}");
     }
+    for removed in &r.perspectives_removed {
+        println!(
+            "  removed perspective {} (no longer in the config): {} pending work row(s) and {} cursor(s) deleted; its tables are yours and were kept",
+            removed.perspective, removed.work_rows, removed.cursors
+        );
+    }
+    if r.streams_unpinned > 0 {
+        println!(
+            "  unpinned {} stream(s) with nothing left to apply",
+            r.streams_unpinned
+        );
+    }
 }
 
 /// Config problems found by `migrate` are the caller's (exit 2); the rest are failures (exit 1).

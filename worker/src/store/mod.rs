@@ -20,6 +20,7 @@
 //! - [`dead_letters`]: moving poison rows aside, listing and replaying them
 //! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
 //! - [`rebuild`]: resetting and re-queueing a perspective's streams
+//! - [`removal`]: removing what a perspective that left the config leaves behind
 //! - [`status`]: read-only lag / failure / dead-letter figures
 //! - [`append`]: the producer INSERT used by the `append` command
 //! - [`demo`]: reading a perspective's model table for the demo
@@ -38,6 +39,7 @@ pub mod lifecycle;
 pub mod migrations;
 pub mod names;
 pub mod rebuild;
+pub mod removal;
 pub mod schema;
 pub mod status;
 
