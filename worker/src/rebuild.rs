@@ -92,6 +92,7 @@ async fn rebuild_stream(
     perspective: &str,
 ) -> Result<u64, RebuildError> {
     let mut tx = conn.begin().await?;
+    store::lock_stream(&mut tx, schema, stream).await?;
     store::lock_cursor(&mut tx, schema, stream, perspective).await?;
     for stmt in reset {
         store::run_reset(&mut tx, stmt, stream)

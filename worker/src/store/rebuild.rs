@@ -12,6 +12,7 @@ const STREAMS_OF: &str = "SELECT DISTINCT e.stream_id FROM {schema}.wh_event_sto
      JOIN {schema}.wh_perspective_subscriptions s
        ON s.event_type = e.event_type AND s.perspective_name = $1
      ORDER BY e.stream_id";
+const LOCK_STREAM: &str = "SELECT 1 FROM {schema}.wh_streams WHERE stream_id = $1 FOR UPDATE";
 const CREATE_CURSOR: &str =
     "INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name)
      VALUES ($1, $2) ON CONFLICT DO NOTHING";
@@ -41,6 +42,22 @@ pub async fn streams_of(
         .bind(perspective)
         .fetch_all(&mut *conn)
         .await
+}
+
+/// Hold the stream's head row like a producer does: the cleanup of drained streams skips a
+/// stream whose head is locked, so it cannot drop the stream from `wh_active_streams` after
+/// looking past the rows this transaction re-queues (the queue's insert there finds the row
+/// still present and adds nothing, and the rows would wait for an owner forever).
+pub async fn lock_stream(
+    tx: &mut PgConnection,
+    schema: &str,
+    stream: Uuid,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&super::sql(schema, LOCK_STREAM))
+        .bind(stream)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
 }
 
 /// Lock the (stream, perspective) cursor for the rest of the transaction, so no apply runs
