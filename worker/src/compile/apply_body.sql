@@ -90,6 +90,15 @@ BEGIN
     WHERE c.stream_id = p_stream_id AND c.perspective_name = {{ perspective|literal }}
     FOR UPDATE;
   END IF;
+  IF p_contiguous AND NOT EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
+                                  WHERE w.event_work_id = a_work_ids[1]) THEN
+    -- wh_drain read the group (and the cursor it follows) before this lock. A rebuild that
+    -- committed in between reset the model, dropped the cursor and replaced every work row of
+    -- the pair, so the group's first row is gone: applying the group would put its versions on
+    -- the reset model and move the cursor past the replayed rows below them, retiring those
+    -- unapplied. Apply nothing; wh_drain reports the pair's new rows as more work.
+    v_n := 0;
+  END IF;
   v_new_last := v_last;
   v_last0 := v_last;
 {% if event_id_order %}

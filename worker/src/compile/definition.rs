@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v14";
+const FORMAT_VERSION: &str = "apply-v15";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, ordering, setup, reset and handlers. Options that are passed to the
@@ -119,8 +119,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v14",
-                "3a37adf846fc35952094cafb4ced787c5320ce409b410419bb3da5b7e7ab44ba"
+                "apply-v15",
+                "e2a58fc8c1f2e5574c67a463fe62d450b6e72ed04058738bca7c1e5112bcf56f"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

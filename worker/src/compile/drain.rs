@@ -41,10 +41,12 @@ mod tests {
             );
         }
         // The due-work probe, once past the cursor and once past what was applied.
-        assert!(sql.contains("AND w.stream_version > r.last_version AND w.processed_at IS NULL"));
+        assert!(sql.contains("AND w.stream_version > v_last AND w.processed_at IS NULL"));
         assert!(sql.contains(
-            "AND w.stream_version > coalesce(o.o_last_version, r.last_version) AND w.processed_at IS NULL"
+            "AND w.stream_version > coalesce(o.o_last_version, v_last) AND w.processed_at IS NULL"
         ));
         assert!(sql.contains("PERFORM shop.move_to_dead_letters("));
+        // Retired rows are those at or below the cursor read with them, after the apply.
+        assert!(sql.contains("AND NOT (w.event_work_id = ANY (o.o_done_work_ids))"));
     }
 }

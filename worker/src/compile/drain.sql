@@ -12,6 +12,22 @@ EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
                          AND w.stream_version > {{ version }} AND w.processed_at IS NULL
                          AND (w.scheduled_for IS NULL OR w.scheduled_for <= now()))
 {%- endmacro %}
+{#- Retire the pair's rows at or below its cursor: applied already (completion pending or lost).
+    The cursor is read in the same statement as the rows (one snapshot: a rebuild committing in
+    between cannot pair its new rows with the old cursor), and this runs after the pair's apply,
+    so work rows are locked after the cursor row, in the order `rebuild` takes them. #}
+{% macro retire(except) -%}
+    v_retire := ARRAY(
+      SELECT w.event_work_id FROM {{ schema }}.wh_perspective_events w
+      WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
+        AND w.stream_version <= (SELECT c.last_version FROM {{ schema }}.wh_perspective_cursors c
+                                 WHERE c.stream_id = r.stream_id AND c.perspective_name = r.perspective_name)
+        AND w.processed_at IS NULL{{ except }}
+      OFFSET 0);
+    IF cardinality(v_retire) > 0 THEN
+      PERFORM {{ schema }}.complete_perspective_events(v_retire, p_debug);
+    END IF;
+{%- endmacro %}
 {% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer" %}
 {% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]" %}
 {% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
@@ -33,6 +49,7 @@ DECLARE
   v_dead     bigint[];
   v_budget   integer := p_max_rows;
   v_retire   bigint[];
+  v_last     bigint;
   v_more     boolean;
 BEGIN
   SELECT array_agg(a.stream_id) INTO v_owned
@@ -56,19 +73,16 @@ BEGIN
                           '{}'::uuid[];
       CONTINUE;
     END IF;
-    -- Rows at or below the cursor were applied already (completion pending or lost): retire.
-    v_retire := ARRAY(
-      SELECT w.event_work_id FROM {{ schema }}.wh_perspective_events w
-      WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
-        AND w.stream_version <= r.last_version AND w.processed_at IS NULL
-      OFFSET 0);
-    IF cardinality(v_retire) > 0 THEN
-      PERFORM {{ schema }}.complete_perspective_events(v_retire, p_debug);
-    END IF;
+    -- The window above the cursor, the cursor read in the same statement (one snapshot; the
+    -- loop's value is from the loop's older snapshot). The apply function checks, under the
+    -- cursor lock, that no rebuild replaced the window since.
+    WITH cur AS (
+      SELECT coalesce((SELECT c.last_version FROM {{ schema }}.wh_perspective_cursors c
+                       WHERE c.stream_id = r.stream_id AND c.perspective_name = r.perspective_name), 0) AS v)
     SELECT array_agg(h.event_work_id ORDER BY h.stream_version), array_agg(h.event_id ORDER BY h.stream_version),
            array_agg(h.stream_version ORDER BY h.stream_version), array_agg(h.attempts ORDER BY h.stream_version),
-           min(h.created_at)
-      INTO v_ids, v_events, v_versions, v_attempts, v_oldest
+           min(h.created_at), (SELECT cur.v FROM cur)
+      INTO v_ids, v_events, v_versions, v_attempts, v_oldest, v_last
     FROM (
       SELECT w.*, bool_or(w.unavailable) OVER (ORDER BY w.stream_version ROWS UNBOUNDED PRECEDING) AS fenced
       FROM (
@@ -79,13 +93,16 @@ BEGIN
                ) AS unavailable
         FROM {{ schema }}.wh_perspective_events w0
         WHERE w0.stream_id = r.stream_id AND w0.perspective_name = r.perspective_name
-          AND w0.stream_version > r.last_version AND w0.processed_at IS NULL
+          AND w0.stream_version > (SELECT cur.v FROM cur) AND w0.processed_at IS NULL
         ORDER BY w0.stream_version
         LIMIT least(p_per_pair, v_budget)
       ) w
     ) h
     WHERE NOT h.fenced;
-    CONTINUE WHEN v_ids IS NULL;
+    IF v_ids IS NULL THEN
+      {{ retire("") }}
+      CONTINUE;
+    END IF;
     v_dead := '{}';
     IF p_max_attempts IS NOT NULL AND v_attempts[1] >= p_max_attempts THEN
       PERFORM {{ schema }}.move_to_dead_letters(p_instance_id, ARRAY[v_ids[1]]);
@@ -95,9 +112,10 @@ BEGIN
       v_versions := v_versions[2:];
     END IF;
     IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
-      RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
+      {{ retire("") }}
+      RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, v_last, NULL::bigint, NULL::text,
                           '{}'::bigint[], v_dead, v_oldest, false, '{}'::uuid[],
-                          {{ due_after("r.last_version") }}, '{}'::uuid[];
+                          {{ due_after("v_last") }}, '{}'::uuid[];
       CONTINUE;
     END IF;
     v_budget := v_budget - array_length(v_ids, 1);
@@ -109,8 +127,9 @@ BEGIN
     ELSE
       CONTINUE;
     END IF;
+    {{ retire("\n        AND NOT (w.event_work_id = ANY (o.o_done_work_ids))") }}
     -- A new statement, so a new snapshot: also sees rows appended while this call ran.
-    v_more := {{ due_after("coalesce(o.o_last_version, r.last_version)") }};
+    v_more := {{ due_after("coalesce(o.o_last_version, v_last)") }};
     RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
                         o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound,
                         o.o_completed_event_ids, v_more, o.o_applied_event_ids;

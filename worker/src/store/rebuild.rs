@@ -12,6 +12,10 @@ const STREAMS_OF: &str = "SELECT DISTINCT e.stream_id FROM {schema}.wh_event_sto
      JOIN {schema}.wh_perspective_subscriptions s
        ON s.event_type = e.event_type AND s.perspective_name = $1
      ORDER BY e.stream_id";
+const LOCK_STREAM: &str = "SELECT 1 FROM {schema}.wh_streams WHERE stream_id = $1 FOR UPDATE";
+const CREATE_CURSOR: &str =
+    "INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name)
+     VALUES ($1, $2) ON CONFLICT DO NOTHING";
 const LOCK_CURSOR: &str = "SELECT 1 FROM {schema}.wh_perspective_cursors
      WHERE stream_id = $1 AND perspective_name = $2 FOR UPDATE";
 const DELETE_CURSOR: &str = "DELETE FROM {schema}.wh_perspective_cursors
@@ -40,19 +44,40 @@ pub async fn streams_of(
         .await
 }
 
+/// Hold the stream's head row like a producer does: the cleanup of drained streams skips a
+/// stream whose head is locked, so it cannot drop the stream from `wh_active_streams` after
+/// looking past the rows this transaction re-queues (the queue's insert there finds the row
+/// still present and adds nothing, and the rows would wait for an owner forever).
+pub async fn lock_stream(
+    tx: &mut PgConnection,
+    schema: &str,
+    stream: Uuid,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&super::sql(schema, LOCK_STREAM))
+        .bind(stream)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
 /// Lock the (stream, perspective) cursor for the rest of the transaction, so no apply runs
-/// concurrently.
+/// concurrently. A pair not applied yet has no cursor row, and locking nothing would let a
+/// first apply commit between the reset and the requeue (its events then applied twice): the
+/// row is created first (an apply creating it concurrently makes the insert wait for its commit,
+/// and the lock then takes its row).
 pub async fn lock_cursor(
     tx: &mut PgConnection,
     schema: &str,
     stream: Uuid,
     perspective: &str,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(&super::sql(schema, LOCK_CURSOR))
-        .bind(stream)
-        .bind(perspective)
-        .execute(&mut *tx)
-        .await?;
+    for statement in [CREATE_CURSOR, LOCK_CURSOR] {
+        sqlx::query(&super::sql(schema, statement))
+            .bind(stream)
+            .bind(perspective)
+            .execute(&mut *tx)
+            .await?;
+    }
     Ok(())
 }
 
