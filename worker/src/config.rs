@@ -66,6 +66,10 @@ pub struct PerspectiveConfig {
     /// Perspective name, unique in the deployment (lower-case letters, digits and underscores).
     #[schemars(pattern(PERSPECTIVE_NAME_PATTERN))]
     pub name: String,
+    /// Version of the model built by these handlers (default 1). Raising it makes migrate rebuild the perspective online from the event store, stream by stream (needs `reset`).
+    #[serde(default = "default_perspective_version")]
+    #[schemars(range(min = 1))]
+    pub version: u32,
     /// Order of applying a stream's events: commit (default) or eventId (rewinds on late events).
     #[serde(default)]
     pub ordering: Ordering,
@@ -80,6 +84,10 @@ pub struct PerspectiveConfig {
     #[serde(deserialize_with = "deserialize_handlers")]
     #[schemars(with = "BTreeMap<String, String>", extend("minProperties" = 1))]
     pub handlers: IndexMap<String, String>,
+}
+
+fn default_perspective_version() -> u32 {
+    1
 }
 
 /// The order in which a stream's events are applied to a perspective.
@@ -488,6 +496,12 @@ impl PerspectiveConfig {
             problems.push(Problem::new(
                 format!("{label}.name"),
                 format!("invalid perspective name `{}`: {message}", self.name),
+            ));
+        }
+        if self.version == 0 {
+            problems.push(Problem::new(
+                format!("{label}.version"),
+                "version starts at 1; raise it to rebuild the perspective",
             ));
         }
         if let Some(setup) = &self.setup {

@@ -24,7 +24,8 @@
 //! What the commands do (the command line itself is the binary's `cli` module):
 //! - [`migrate`]: schema creation and upgrade, subscriptions, perspective setup, handler checks
 //! - [`append`]: JSON-lines event input
-//! - [`rebuild`]: rebuild a perspective from the event store
+//! - [`jobs`]: backfill (a new perspective) and rebuild (a new version, or `rebuild`) jobs
+//! - [`progress`]: a perspective's phase (Live, Backfilling, Rebuilding) and catch-up figures
 //! - [`dead_letters`]: replay dead letters through the perspective's runner
 
 pub mod append;
@@ -37,8 +38,9 @@ pub mod dedup;
 pub mod embedded;
 pub mod engine;
 pub mod http;
+pub mod jobs;
 pub mod metrics;
 pub mod migrate;
-pub mod rebuild;
+pub mod progress;
 pub mod sql_params;
 pub mod store;

@@ -11,9 +11,11 @@
 //! perspective up front so `rate()` and alerts see a series from the first scrape.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
+
+use crate::progress::{Phase, Progress};
 
 /// Buckets for durations inside the worker (a claim, a batch): 1 ms … 30 s.
 const DURATION_BUCKETS: &[f64] = &[
@@ -59,6 +61,15 @@ pub struct WorkerMetrics {
     pub listener_connected: IntGauge,
     /// `perspective_completions_flushed_total`: completed work rows deleted by the flush worker.
     pub completions_flushed: IntCounter,
+    /// `perspective_phase{perspective,phase}`: 1 for the perspective's phase (Live, Backfilling,
+    /// Rebuilding), 0 for the others.
+    pub phase: IntGaugeVec,
+    /// `perspective_catchup_remaining_events{perspective}`: events a backfill or rebuild has
+    /// still to apply (0 when live).
+    pub catchup_remaining_events: IntGaugeVec,
+    /// `perspective_catchup_progress_ratio{perspective}`: share of a backfill's or rebuild's
+    /// events applied, 0–1 (1 when live).
+    pub catchup_progress: GaugeVec,
 }
 
 impl WorkerMetrics {
@@ -154,6 +165,34 @@ impl WorkerMetrics {
             "Completed work rows deleted in batches by the completion flush worker.",
         );
 
+        let phase = IntGaugeVec::new(
+            Opts::new(
+                "perspective_phase",
+                "1 for the phase a perspective is in (Live, Backfilling, Rebuilding), 0 for the others.",
+            ),
+            &[PERSPECTIVE, "phase"],
+        )
+        .expect("valid metric");
+        reg(Box::new(phase.clone()));
+        let catchup_remaining_events = IntGaugeVec::new(
+            Opts::new(
+                "perspective_catchup_remaining_events",
+                "Events a perspective's backfill or rebuild has still to apply (0 when live).",
+            ),
+            &[PERSPECTIVE],
+        )
+        .expect("valid metric");
+        reg(Box::new(catchup_remaining_events.clone()));
+        let catchup_progress = GaugeVec::new(
+            Opts::new(
+                "perspective_catchup_progress_ratio",
+                "Share of a perspective's backfill or rebuild applied, 0 to 1 (1 when live).",
+            ),
+            &[PERSPECTIVE],
+        )
+        .expect("valid metric");
+        reg(Box::new(catchup_progress.clone()));
+
         WorkerMetrics {
             registry,
             events_processed,
@@ -169,7 +208,25 @@ impl WorkerMetrics {
             notify_wakeups,
             listener_connected,
             completions_flushed,
+            phase,
+            catchup_remaining_events,
+            catchup_progress,
         }
+    }
+
+    /// Record a perspective's phase and, while it catches up, its progress.
+    pub fn set_catchup(&self, perspective: &str, phase: Phase, progress: Option<&Progress>) {
+        for p in Phase::ALL {
+            self.phase
+                .with_label_values(&[perspective, p.as_str()])
+                .set(i64::from(p == phase));
+        }
+        self.catchup_remaining_events
+            .with_label_values(&[perspective])
+            .set(progress.map_or(0, |p| p.events_remaining));
+        self.catchup_progress
+            .with_label_values(&[perspective])
+            .set(progress.map_or(1.0, |p| p.percent / 100.0));
     }
 
     /// The registry holding every worker collector (to add more, or to gather directly).
@@ -184,6 +241,7 @@ impl WorkerMetrics {
         self.pending_events.with_label_values(&[perspective]);
         self.dead_letters.with_label_values(&[perspective]);
         self.failures.with_label_values(&[perspective]);
+        self.set_catchup(perspective, Phase::Live, None);
     }
 
     /// Every metric in the Prometheus text exposition format (version 0.0.4).
@@ -226,6 +284,9 @@ mod tests {
         "perspective_notify_wakeups_total",
         "perspective_listener_connected",
         "perspective_completions_flushed_total",
+        "perspective_phase",
+        "perspective_catchup_remaining_events",
+        "perspective_catchup_progress_ratio",
     ];
 
     #[test]
@@ -244,6 +305,12 @@ mod tests {
         m.notify_wakeups.inc();
         m.listener_connected.set(1);
         m.completions_flushed.inc_by(10);
+        let progress = Progress {
+            events_remaining: 400,
+            percent: 60.0,
+            ..Progress::default()
+        };
+        m.set_catchup("orders", Phase::Backfilling, Some(&progress));
 
         let text = m.render();
         for name in NAMES {
@@ -259,6 +326,10 @@ mod tests {
         assert!(text.contains(r#"perspective_events_processed_total{perspective="orders"} 3"#));
         assert!(text.contains(r#"perspective_pending_events{perspective="orders"} 7"#));
         assert!(text.contains("perspective_listener_connected 1"));
+        assert!(text.contains(r#"perspective_phase{perspective="orders",phase="Backfilling"} 1"#));
+        assert!(text.contains(r#"perspective_phase{perspective="orders",phase="Live"} 0"#));
+        assert!(text.contains(r#"perspective_catchup_remaining_events{perspective="orders"} 400"#));
+        assert!(text.contains(r#"perspective_catchup_progress_ratio{perspective="orders"} 0.6"#));
         assert!(text.contains(r#"perspective_apply_latency_seconds_bucket{le="0.001"} 0"#));
         assert!(text.contains(r#"perspective_apply_latency_seconds_bucket{le="30"} 1"#));
     }
@@ -272,6 +343,8 @@ mod tests {
         assert!(text.contains(r#"perspective_failures_total{perspective="carts"} 0"#));
         assert!(text.contains(r#"perspective_dead_letters_total{perspective="carts"} 0"#));
         assert!(text.contains(r#"perspective_pending_events{perspective="carts"} 0"#));
+        assert!(text.contains(r#"perspective_phase{perspective="carts",phase="Live"} 1"#));
+        assert!(text.contains(r#"perspective_catchup_progress_ratio{perspective="carts"} 1"#));
     }
 
     #[test]

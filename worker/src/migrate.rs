@@ -1,21 +1,28 @@
 //! `perspective-worker migrate`: bring a deployment's schema to this binary's version, register
 //! the perspectives' subscriptions, run their `setup`, and prove every handler prepares.
 //!
+//! It also starts the perspectives' jobs (see [`crate::jobs`]): a backfill for a perspective new
+//! to a schema that has history, a rebuild for one whose `version` changed; and it warns when
+//! a perspective's handlers changed without a new version, or when it gained an event type of
+//! which events are already stored (rows built before did not see them).
+//!
 //! Everything happens in one transaction under a per-schema advisory lock, so concurrent runs
 //! (several pods, a Job retried by Kubernetes) serialise and each migration applies once, and a
 //! failure anywhere leaves the database as it was. `dry_run` does all of it and rolls back.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::Connection;
 
 use crate::compile::{
     apply_function_name, create_apply_function, create_drain_function, definition_hash,
+    handlers_hash,
 };
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
 use crate::sql_params::ParsedStatement;
+use crate::store::jobs::{self, JobKind};
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
 use crate::store::removal::{self, Removed};
 use crate::store::schema as store;
@@ -52,6 +59,21 @@ pub struct MigrateReport {
     pub statements_prepared: usize,
     /// Perspectives compiled into their apply functions.
     pub apply_functions: usize,
+    /// Perspectives new to a schema with history: the workers backfill them.
+    pub backfills: Vec<String>,
+    /// Perspectives whose version changed: the workers rebuild them.
+    pub rebuilds: Vec<VersionChange>,
+    /// What the user should know: handlers changed without a new version, event types gained
+    /// with events already stored.
+    pub warnings: Vec<String>,
+}
+
+/// A perspective's version change.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct VersionChange {
+    pub perspective: String,
+    pub from: i32,
+    pub to: i32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -182,10 +204,116 @@ async fn migrate_in(
         apply_one(tx, schema, m).await?;
         report.applied.push(m.name.to_string());
     }
+    // An event store created by this run has no history to backfill.
+    let fresh_store = !applied.contains_key(&1);
+    let recorded = store::recorded_perspectives(tx, schema)
+        .await
+        .map_err(db_err("reading the compiled perspectives"))?;
 
     sync_subscriptions(tx, config, report).await?;
     remove_perspectives(tx, config, report).await?;
+    start_jobs(tx, config, source, &recorded, fresh_store, report).await?;
     setup_and_prepare(tx, config, source, report).await
+}
+
+/// Start a backfill for each perspective new to a schema with history and a rebuild for each
+/// whose version changed (in this transaction, so the workers see the job with the
+/// subscriptions); warn about changes a rebuild would be needed for.
+async fn start_jobs(
+    tx: &mut PgConnection,
+    config: &Config,
+    source: &str,
+    recorded: &HashMap<String, (i32, Option<String>)>,
+    fresh_store: bool,
+    report: &mut MigrateReport,
+) -> Result<(), MigrateError> {
+    let schema = config.schema.as_str();
+    let mut problems = Vec::new();
+    for (index, p) in config.perspectives.iter().enumerate() {
+        let version = p.version as i32;
+        let kind = match recorded.get(&p.name) {
+            None if fresh_store => None,
+            None => {
+                report.backfills.push(p.name.clone());
+                Some(JobKind::Backfill)
+            }
+            Some((from, _)) if *from != version => {
+                if p.reset.is_none() {
+                    problems.push(Problem {
+                        path: format!("perspectives[{index}] ({}).version", p.name),
+                        message: format!(
+                            "changed from {from} to {version}, which rebuilds the perspective stream by stream, \
+                             but it has no `reset` to clear a stream's share of the model: add one"
+                        ),
+                    });
+                    continue;
+                }
+                report.rebuilds.push(VersionChange {
+                    perspective: p.name.clone(),
+                    from: *from,
+                    to: version,
+                });
+                Some(JobKind::Rebuild)
+            }
+            Some((_, Some(hash))) if *hash != handlers_hash(p) => {
+                report.warnings.push(format!(
+                    "perspective {name}: its handlers changed but its version stayed at {version}, so rows \
+                     already in its tables were built by the old handlers (only events applied from now on \
+                     use the new ones); to rebuild them, set `version: {next}` and migrate, or run \
+                     `perspective-worker rebuild --perspective {name}`",
+                    name = p.name,
+                    next = version + 1
+                ));
+                None
+            }
+            Some(_) => None,
+        };
+        if let Some(kind) = kind {
+            jobs::start(tx, schema, &p.name, kind)
+                .await
+                .map_err(db_err(format!(
+                    "starting the {} of {}",
+                    kind.as_str(),
+                    p.name
+                )))?;
+            continue;
+        }
+        // An event type gained by a perspective that already applied newer events of the same
+        // streams: its stored events can only be applied in order by a rebuild.
+        let gained: Vec<String> = report
+            .subscriptions_added
+            .iter()
+            .filter(|(name, _)| *name == p.name)
+            .map(|(_, event_type)| event_type.clone())
+            .collect();
+        if gained.is_empty() || !recorded.contains_key(&p.name) {
+            continue;
+        }
+        let stored = store::count_events_of_types(tx, schema, &gained)
+            .await
+            .map_err(db_err("counting stored events of new event types"))?;
+        if stored > 0 {
+            report.warnings.push(format!(
+                "perspective {name} now handles {types}, of which {stored} event(s) are already stored; \
+                 they are not applied to it (it has applied newer events of their streams, and events are \
+                 applied in order); set `version: {next}` and migrate to rebuild {name} with them",
+                name = p.name,
+                types = gained.join(", "),
+                next = version + 1
+            ));
+        }
+    }
+    for warning in &report.warnings {
+        tracing::warn!(schema, "{warning}");
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(MigrateError::InvalidPerspectives(ConfigError {
+            source: source.to_string(),
+            problems,
+        }))
+    }
 }
 
 /// Perspectives that left the config leave nothing behind but their model tables (the user's):
@@ -389,9 +517,13 @@ async fn compile(
         store::record_compiled_perspective(
             conn,
             schema,
-            &p.name,
-            &definition_hash(schema, p),
-            &apply_function_name(&p.name),
+            &store::CompiledPerspective {
+                name: &p.name,
+                definition_hash: &definition_hash(schema, p),
+                function: &apply_function_name(&p.name),
+                version: p.version as i32,
+                handlers_hash: &handlers_hash(p),
+            },
         )
         .await
         .map_err(db_err("recording the compiled perspective"))?;

@@ -975,7 +975,11 @@ async fn rebuild_replays_a_perspective_from_the_event_store_while_workers_run() 
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("5 stream(s) reset, 30 event(s) queued"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("rebuild of p1: 5 stream(s) reset and queued"),
+        "{stdout}"
+    );
     wait_drained(&schema, Duration::from_secs(60)).await;
     engine.stop().await;
     assert_exactly_once(&schema, 5).await;

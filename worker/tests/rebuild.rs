@@ -109,10 +109,10 @@ async fn rebuilds_racing_draining_workers_leave_every_stream_exactly_once_in_ord
     let started = Instant::now();
     let mut conn = connect().await;
     for _ in 0..ROUNDS {
-        let report = perspective_worker::rebuild::rebuild(&mut conn, &config, "p1", |_, _| {})
+        let report = perspective_worker::jobs::rebuild(&mut conn, &config, "p1", |_, _| {})
             .await
             .expect("rebuild");
-        assert_eq!(report.streams, STREAMS);
+        assert_eq!(report.streams, STREAMS as i64);
     }
     let rebuilding = started.elapsed();
     stop.store(true, Ordering::Relaxed);

@@ -80,6 +80,22 @@ fn print_report(r: &MigrateReport, seconds: f64) {
             removed.perspective, removed.work_rows, removed.cursors
         );
     }
+    for p in &r.backfills {
+        println!(
+            "  backfilling {p} from the event store: running workers apply its history, oldest first per stream \
+             (`perspective-worker status` shows the progress)"
+        );
+    }
+    for c in &r.rebuilds {
+        println!(
+            "  rebuilding {} (version {} -> {}): running workers reset and replay it stream by stream \
+             (`perspective-worker status` shows the progress)",
+            c.perspective, c.from, c.to
+        );
+    }
+    for w in &r.warnings {
+        println!("  warning: {w}");
+    }
     if r.streams_unpinned > 0 {
         println!(
             "  unpinned {} stream(s) with nothing left to apply",

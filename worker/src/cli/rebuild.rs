@@ -1,8 +1,10 @@
 //! `perspective-worker rebuild --perspective NAME`.
 
+use std::io::IsTerminal;
 use std::time::Instant;
 
-use perspective_worker::rebuild::{self, RebuildError};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use perspective_worker::jobs::{self, JobError};
 
 use super::context::{Context, InvalidInput};
 
@@ -17,23 +19,44 @@ pub async fn execute(ctx: &Context, args: &RebuildArgs) -> anyhow::Result<()> {
     let perspective = &args.perspective;
     let mut conn = ctx.connect("rebuild").await?;
     let started = Instant::now();
-    let report = rebuild::rebuild(&mut conn, &ctx.config, perspective, |done, total| {
-        if done % 1000 == 0 || done == total {
-            eprintln!("rebuild {perspective}: {done}/{total} streams");
-        }
+    // A bar on a terminal; nothing on a pipe or in a log (the summary line says it all).
+    let bar = ProgressBar::with_draw_target(
+        None,
+        if std::io::stderr().is_terminal() {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    bar.set_style(
+        ProgressStyle::with_template(
+            "rebuild {msg} [{bar:30}] {pos}/{len} streams queued ({per_sec}, about {eta} left)",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(perspective.clone());
+    let report = jobs::rebuild(&mut conn, &ctx.config, perspective, |done, total| {
+        bar.set_length(total.max(0) as u64);
+        bar.set_position(done.max(0) as u64);
     })
     .await
     .map_err(|e| -> anyhow::Error {
         match e {
-            RebuildError::UnknownPerspective(_) | RebuildError::NoReset(_) => {
+            JobError::UnknownPerspective(_) | JobError::NoReset(_) => {
                 InvalidInput::error(e.to_string())
             }
             other => other.into(),
         }
-    })?;
+    });
+    bar.finish_and_clear();
+    let report = report?;
     println!(
-        "rebuild of {perspective}: {} stream(s) reset, {} event(s) queued in {:.2}s; running workers apply them",
+        "rebuild of {perspective}: {} stream(s) reset and queued ({} by this command, the rest by running workers), \
+         {} event(s) queued by this command in {:.2}s; running workers apply them \
+         (`perspective-worker status` shows the progress)",
         report.streams,
+        report.streams_by_this_command,
         report.work_rows,
         started.elapsed().as_secs_f64()
     );

@@ -39,6 +39,7 @@ pub fn render(st: &Status) -> String {
         Style::Plain,
         vec![
             Column::left("PERSPECTIVE"),
+            Column::left("PHASE"),
             Column::right("PENDING").min_width(10),
             Column::right("OLDEST (s)").min_width(14),
             Column::right("FAILED STREAMS").min_width(14),
@@ -51,8 +52,13 @@ pub fn render(st: &Status) -> String {
         } else {
             format!("{} (not configured)", p.name)
         };
+        let phase = match &p.progress {
+            Some(progress) => format!("{} {}%", p.phase.as_str(), progress.percent.floor()),
+            None => p.phase.as_str().to_string(),
+        };
         table.row(vec![
             name,
+            phase,
             p.pending_events.to_string(),
             p.oldest_pending_seconds
                 .map_or("-".to_string(), |s| format!("{s:.1}")),
@@ -60,20 +66,33 @@ pub fn render(st: &Status) -> String {
             p.dead_letters.to_string(),
         ]);
     }
+    // Below the table, one line per catch-up in progress.
+    let catching_up: String = st
+        .perspectives
+        .iter()
+        .filter_map(|p| {
+            Some(format!(
+                "{}\n",
+                p.progress.as_ref()?.message(&p.name, p.phase)
+            ))
+        })
+        .collect();
     format!(
-        "schema {} (migration {}), {} live instance(s), {} active stream(s)\n{}",
+        "schema {} (migration {}), {} live instance(s), {} active stream(s)\n{}{}",
         st.schema,
         st.schema_version
             .map_or("none".to_string(), |v| v.to_string()),
         st.live_instances,
         st.active_streams,
-        table.render()
+        table.render(),
+        catching_up
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use perspective_worker::progress::{Phase, Progress};
     use perspective_worker::store::status::PerspectiveStatus;
 
     fn perspective(name: &str, pending: i64, oldest: Option<f64>) -> PerspectiveStatus {
@@ -84,6 +103,8 @@ mod tests {
             oldest_pending_seconds: oldest,
             failed_streams: 0,
             dead_letters: 0,
+            phase: Phase::Live,
+            progress: None,
         }
     }
 
@@ -102,9 +123,9 @@ mod tests {
         assert_eq!(
             render(&st),
             "schema shop (migration 2), 1 live instance(s), 4 active stream(s)\n\
-             PERSPECTIVE        PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
-             customer_stats           0               -               0             0\n\
-             order_summary           12             3.0               0             0\n"
+             PERSPECTIVE     PHASE      PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
+             customer_stats  Live             0               -               0             0\n\
+             order_summary   Live            12             3.0               0             0\n"
         );
     }
 
@@ -125,9 +146,38 @@ mod tests {
         assert_eq!(
             render(&st),
             "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
-             PERSPECTIVE               PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
-             a                               0               -               0             0\n\
-             gone (not configured)           1            10.0               0             2\n"
+             PERSPECTIVE            PHASE      PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
+             a                      Live             0               -               0             0\n\
+             gone (not configured)  Live             1            10.0               0             2\n"
+        );
+    }
+
+    #[test]
+    fn a_catch_up_shows_its_phase_in_the_table_and_its_progress_below() {
+        let progress = Progress {
+            step: "queueing".into(),
+            streams_done: 6_100,
+            streams_total: 10_000,
+            events_total: 1_000,
+            events_remaining: 390,
+            percent: 61.0,
+            eta_seconds: Some(39.0),
+        };
+        let st = Status {
+            schema: "s".into(),
+            perspectives: vec![PerspectiveStatus {
+                phase: Phase::Backfilling,
+                progress: Some(progress),
+                ..perspective("totals", 390, Some(2.0))
+            }],
+            ..Status::default()
+        };
+        assert_eq!(
+            render(&st),
+            "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
+             PERSPECTIVE  PHASE               PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
+             totals       Backfilling 61%         390             2.0               0             0\n\
+             totals backfilling: 61% (610/1 000 events, 6 100/10 000 streams queued), about 39 s left\n"
         );
     }
 }

@@ -6,10 +6,10 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v15";
+const FORMAT_VERSION: &str = "apply-v16";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
-/// version, schema, name, ordering, setup, reset and handlers. Options that are passed to the
+/// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
 /// functions as arguments at run time (completion strategy, retry backoff, …) are not in it.
 ///
 /// `migrate` records it per perspective, `run` refuses to start when a recorded hash differs
@@ -24,6 +24,7 @@ pub fn definition_hash(schema: &str, perspective: &PerspectiveConfig) -> String 
     field(FORMAT_VERSION.as_bytes());
     field(schema.as_bytes());
     field(perspective.name.as_bytes());
+    field(&perspective.version.to_le_bytes());
     field(match perspective.ordering {
         Ordering::Commit => b"commit",
         Ordering::EventId => b"eventId",
@@ -38,6 +39,26 @@ pub fn definition_hash(schema: &str, perspective: &PerspectiveConfig) -> String 
         }
     }
     field(&(perspective.handlers.len() as u64).to_le_bytes());
+    for (event_type, sql) in &perspective.handlers {
+        field(event_type.as_bytes());
+        field(sql.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// Hash of what decides the rows a perspective's handlers build: its ordering and handlers.
+/// `migrate` records it, so a later change made without a new `version` can be reported (the
+/// rows already built came from the old handlers).
+pub fn handlers_hash(perspective: &PerspectiveConfig) -> String {
+    let mut h = Sha256::new();
+    let mut field = |bytes: &[u8]| {
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    field(match perspective.ordering {
+        Ordering::Commit => b"commit",
+        Ordering::EventId => b"eventId",
+    });
     for (event_type, sql) in &perspective.handlers {
         field(event_type.as_bytes());
         field(sql.as_bytes());
@@ -66,12 +87,13 @@ mod tests {
         let hash = |p: &PerspectiveConfig| definition_hash("shop", p);
         assert_eq!(hash(base), hash(&base.clone()));
         assert_ne!(definition_hash("other", base), hash(base), "schema");
-        let edits: [Edit; 7] = [
+        let edits: [Edit; 8] = [
             ("handler", |p| {
                 let first = p.handlers.keys().next().unwrap().clone();
                 p.handlers.insert(first, "SELECT 1".into());
             }),
             ("name", |p| p.name.push('x')),
+            ("version", |p| p.version += 1),
             ("ordering", |p| p.ordering = Ordering::EventId),
             ("setup", |p| p.setup = Some("SELECT 2".into())),
             ("no setup", |p| p.setup = None),

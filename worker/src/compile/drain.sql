@@ -64,6 +64,8 @@ BEGIN
     CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s) sub
     LEFT JOIN {{ schema }}.wh_perspective_cursors c
            ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
+    -- A backfill holds the perspective back on a stream until the stream's history is queued.
+    WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
     ORDER BY 1, 2
   LOOP
     IF v_budget <= 0 THEN

@@ -52,7 +52,7 @@ use minijinja::{AutoEscape, Environment, UndefinedBehavior, Value};
 use sha2::{Digest, Sha256};
 
 pub use apply::create_apply_function;
-pub use definition::definition_hash;
+pub use definition::{definition_hash, handlers_hash};
 pub use drain::create_drain_function;
 
 /// Name of the apply function of `perspective` (always a valid identifier of at most 63 bytes).

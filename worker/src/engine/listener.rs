@@ -1,4 +1,5 @@
-//! The LISTEN connection: turns doorbell NOTIFYs into immediate claim polls, reports its health
+//! The LISTEN connection: turns doorbell NOTIFYs into immediate claim polls (and a job's start,
+//! the `jobs` payload, into a wake-up of the job runner), reports its health
 //! (the claim loop relaxes its safety-net cadence only while it is healthy), and reconnects.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -6,6 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgListener, PgPool};
+use tokio::sync::Notify;
+
+use crate::store::names::JOBS_PAYLOAD;
 
 use super::Shared;
 
@@ -16,6 +20,8 @@ pub(crate) struct Listener {
     pub pool: PgPool,
     /// Whether the LISTEN connection is up, out (read by the claim loop).
     pub healthy: Arc<AtomicBool>,
+    /// Wakes the job runner, out.
+    pub jobs_wake: Arc<Notify>,
 }
 
 impl Listener {
@@ -46,14 +52,16 @@ impl Listener {
             self.healthy.store(true, Ordering::Relaxed);
             ctx.metrics.listener_connected.set(1);
             tracing::info!(channel, "listening for the doorbell");
-            // Work may have arrived while we were not listening.
+            // Work (or a job) may have arrived while we were not listening.
             ctx.hooks.request_immediate_poll();
+            self.jobs_wake.notify_one();
             loop {
                 let next = tokio::select! {
                     _ = ctx.shutdown.cancelled() => return,
                     n = listener.try_recv() => n,
                 };
                 match next {
+                    Ok(Some(n)) if n.payload() == JOBS_PAYLOAD => self.jobs_wake.notify_one(),
                     Ok(Some(_)) => {
                         ctx.metrics.notify_wakeups.inc();
                         ctx.hooks.request_immediate_poll();

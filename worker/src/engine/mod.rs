@@ -13,6 +13,8 @@
 //! - [`completion`]: the Batched completion flush worker and the settler that retires drained
 //!   streams;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
+//! - [`jobs`]: backfill and rebuild chunks, shared with the other instances, and their progress
+//!   in `/metrics`;
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
 //!   once per event, orphan reconciliation;
 //! - [`hooks`]: what the engine did, for tests and embedding applications;
@@ -23,6 +25,7 @@ pub mod completion;
 pub mod drain;
 pub mod heartbeat;
 pub mod hooks;
+pub mod jobs;
 pub mod lifecycle;
 pub mod listener;
 pub mod runner;
@@ -167,6 +170,7 @@ impl Engine {
         let (completions, completion_rx) = completion::CompletionQueue::new();
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         let listener_healthy = Arc::new(AtomicBool::new(false));
+        let jobs_wake = Arc::new(tokio::sync::Notify::new());
         let cache = Arc::new(Mutex::new(ProcessedEventCache::new(Duration::from_secs(
             config.worker.lease_seconds as u64,
         ))));
@@ -180,8 +184,14 @@ impl Engine {
             shared: shared.clone(),
             pool: listen_pool,
             healthy: listener_healthy.clone(),
+            jobs_wake: jobs_wake.clone(),
         };
         tasks.push(tokio::spawn(listener.run()));
+        let job_runner = jobs::JobRunner {
+            shared: shared.clone(),
+            wake: jobs_wake,
+        };
+        tasks.push(tokio::spawn(job_runner.run()));
         tasks.push(tokio::spawn(heartbeat.run()));
         let settler = completion::Settler {
             shared: shared.clone(),

@@ -38,6 +38,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0005_stream_ownership.sql",
         template: include_str!("../../../migrations/0005_stream_ownership.sql"),
     },
+    Migration {
+        version: 6,
+        name: "0006_perspective_jobs.sql",
+        template: include_str!("../../../migrations/0006_perspective_jobs.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.

@@ -4,8 +4,8 @@
 //!
 //! Statements are written as constants with a `{schema}` placeholder, filled by `sql` with the
 //! deployment's (validated) schema name; sqlx prepares and caches each one per connection.
-//! The names shared with the SQL side (channels, cursor status flags, dead-letter states) are
-//! defined once in [`names`].
+//! The names shared with the SQL side (channels, cursor status flags, dead-letter states, job
+//! kinds) are defined once in [`names`].
 //!
 //! - [`names`]: channels, cursor status flags, dead-letter recovery states
 //! - [`migrations`]: the embedded, versioned schema SQL
@@ -19,7 +19,7 @@
 //! - [`failure`]: recording an event a custom runner failed to apply (backoff, Failed cursor)
 //! - [`dead_letters`]: moving poison rows aside, listing and replaying them
 //! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
-//! - [`rebuild`]: resetting and re-queueing a perspective's streams
+//! - [`jobs`]: backfill and rebuild jobs: their life, their streams, their progress
 //! - [`removal`]: removing what a perspective that left the config leaves behind
 //! - [`status`]: read-only lag / failure / dead-letter figures
 //! - [`append`]: the producer INSERT used by the `append` command
@@ -35,10 +35,10 @@ pub mod demo;
 pub mod drain;
 pub mod failure;
 pub mod instances;
+pub mod jobs;
 pub mod lifecycle;
 pub mod migrations;
 pub mod names;
-pub mod rebuild;
 pub mod removal;
 pub mod schema;
 pub mod status;

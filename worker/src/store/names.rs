@@ -1,7 +1,8 @@
 //! Names and flags the worker shares with its SQL, defined once.
 
-/// NOTIFY channel on which producers ring the doorbell for new work (empty payload) and workers
-/// announce abandoned instances ([`ORPHAN_PAYLOAD`]).
+/// NOTIFY channel on which producers ring the doorbell for new work (empty payload), workers
+/// announce abandoned instances ([`ORPHAN_PAYLOAD`]) and jobs announce their start
+/// ([`JOBS_PAYLOAD`]).
 pub fn work_channel(schema: &str) -> String {
     format!("{schema}_work")
 }
@@ -14,6 +15,9 @@ pub fn applied_channel(schema: &str) -> String {
 
 /// Payload on the work channel when silent instances were abandoned.
 pub const ORPHAN_PAYLOAD: &str = "orphan";
+
+/// Payload on the work channel when a perspective job starts (`wh_job_start`, migration 0006).
+pub const JOBS_PAYLOAD: &str = "jobs";
 
 /// Flags of `wh_perspective_cursors.status` (the seeds' PerspectiveProcessingStatus) that the
 /// worker writes or reads; statements spell them `{cursor_completed}` / `{cursor_failed}`.
@@ -29,4 +33,10 @@ pub mod cursor_status {
 pub mod recovery_status {
     pub const PENDING: &str = "pending";
     pub const REPLAYED: &str = "replayed";
+}
+
+/// Values of `wh_perspective_jobs.kind` (migration 0006 spells them in its CHECK and gate).
+pub mod job_kind {
+    pub const BACKFILL: &str = "backfill";
+    pub const REBUILD: &str = "rebuild";
 }

@@ -1,5 +1,5 @@
-//! Removing a perspective that left the config: its pending work, its cursors, its compiled
-//! function and its record go; its model tables are the user's and stay. Streams left with
+//! Removing a perspective that left the config: its pending work, its cursors, its job, its
+//! compiled function and its record go; its model tables are the user's and stay. Streams left with
 //! nothing pending are unpinned.
 
 use sqlx::postgres::PgConnection;
@@ -14,6 +14,10 @@ const REMOVED: &str = "SELECT name FROM (
 const DELETE_WORK: &str = "DELETE FROM {schema}.wh_perspective_events WHERE perspective_name = $1";
 const DELETE_CURSORS: &str =
     "DELETE FROM {schema}.wh_perspective_cursors WHERE perspective_name = $1";
+/// Its job (backfill or rebuild), if one was running.
+const DELETE_JOB: &str = "WITH streams AS (
+       DELETE FROM {schema}.wh_perspective_job_streams WHERE perspective_name = $1)
+     DELETE FROM {schema}.wh_perspective_jobs WHERE perspective_name = $1";
 const FORGET: &str = "DELETE FROM {schema}.wh_perspectives WHERE perspective_name = $1
      RETURNING apply_function";
 /// Streams with nothing pending, unpinned the way `cleanup_completed_streams` does it: only
@@ -50,14 +54,17 @@ pub async fn removed_perspectives(
         .await
 }
 
-/// Delete `perspective`'s work rows, cursors, record and compiled apply function.
+/// Delete `perspective`'s work rows, cursors, job, record and compiled apply function.
 pub async fn remove_perspective(
     tx: &mut PgConnection,
     schema: &str,
     perspective: &str,
 ) -> Result<Removed, sqlx::Error> {
-    let mut deleted = [0u64; 2];
-    for (n, statement) in [DELETE_WORK, DELETE_CURSORS].into_iter().enumerate() {
+    let mut deleted = [0u64; 3];
+    for (n, statement) in [DELETE_WORK, DELETE_CURSORS, DELETE_JOB]
+        .into_iter()
+        .enumerate()
+    {
         deleted[n] = sqlx::query(&super::sql(schema, statement))
             .bind(perspective)
             .execute(&mut *tx)

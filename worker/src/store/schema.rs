@@ -39,12 +39,17 @@ const ADD_SUBSCRIPTIONS: &str = "INSERT INTO {schema}.wh_perspective_subscriptio
      RETURNING perspective_name, event_type";
 const SET_LOCAL_SEARCH_PATH: &str = "SET LOCAL search_path TO {schema}, public";
 const RECORD_COMPILED: &str = "INSERT INTO {schema}.wh_perspectives
-         (perspective_name, definition_hash, apply_function)
-     VALUES ($1, $2, $3)
+         (perspective_name, definition_hash, apply_function, version, handlers_hash)
+     VALUES ($1, $2, $3, $4, $5)
      ON CONFLICT (perspective_name) DO UPDATE
        SET definition_hash = excluded.definition_hash, apply_function = excluded.apply_function,
-           updated_at = now()
-     WHERE wh_perspectives.definition_hash <> excluded.definition_hash";
+           version = excluded.version, handlers_hash = excluded.handlers_hash, updated_at = now()
+     WHERE wh_perspectives.definition_hash <> excluded.definition_hash
+        OR wh_perspectives.handlers_hash IS DISTINCT FROM excluded.handlers_hash";
+const RECORDED_PERSPECTIVES: &str =
+    "SELECT perspective_name, version, handlers_hash FROM {schema}.wh_perspectives";
+const COUNT_EVENTS_OF_TYPES: &str =
+    "SELECT count(*) FROM {schema}.wh_event_store WHERE event_type = ANY ($1)";
 const COMPILED_DEFINITIONS: &str =
     "SELECT perspective_name, definition_hash FROM {schema}.wh_perspectives";
 
@@ -170,21 +175,55 @@ pub async fn prepare(
     Ok(())
 }
 
-/// Record that `perspective` is compiled into `function` from the definition `hash`.
+/// What `migrate` records of a compiled perspective.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompiledPerspective<'a> {
+    pub name: &'a str,
+    pub definition_hash: &'a str,
+    pub function: &'a str,
+    pub version: i32,
+    pub handlers_hash: &'a str,
+}
+
+/// Record that a perspective is compiled into its function from its definition.
 pub async fn record_compiled_perspective(
     tx: &mut PgConnection,
     schema: &str,
-    perspective: &str,
-    hash: &str,
-    function: &str,
+    p: &CompiledPerspective<'_>,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(&super::sql(schema, RECORD_COMPILED))
-        .bind(perspective)
-        .bind(hash)
-        .bind(function)
+        .bind(p.name)
+        .bind(p.definition_hash)
+        .bind(p.function)
+        .bind(p.version)
+        .bind(p.handlers_hash)
         .execute(&mut *tx)
         .await?;
     Ok(())
+}
+
+/// Perspectives compiled by earlier runs: name → (version, handlers hash; None when recorded before 0006).
+pub async fn recorded_perspectives(
+    tx: &mut PgConnection,
+    schema: &str,
+) -> Result<HashMap<String, (i32, Option<String>)>, sqlx::Error> {
+    let rows: Vec<(String, i32, Option<String>)> =
+        sqlx::query_as(&super::sql(schema, RECORDED_PERSPECTIVES))
+            .fetch_all(&mut *tx)
+            .await?;
+    Ok(rows.into_iter().map(|(n, v, h)| (n, (v, h))).collect())
+}
+
+/// Stored events of any of `event_types`.
+pub async fn count_events_of_types(
+    tx: &mut PgConnection,
+    schema: &str,
+    event_types: &[String],
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(&super::sql(schema, COUNT_EVENTS_OF_TYPES))
+        .bind(event_types)
+        .fetch_one(&mut *tx)
+        .await
 }
 
 impl Store {

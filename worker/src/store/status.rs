@@ -1,9 +1,12 @@
-//! Read-only status figures: how far behind each perspective is, what failed, who is alive.
+//! Read-only status figures: how far behind each perspective is, whether it is catching up,
+//! what failed, who is alive.
 //! Used by `perspective-worker status`, the worker's pending gauge and the operator's status.
 
 use serde::Serialize;
 use sqlx::postgres::PgConnection;
 use sqlx::Row;
+
+use crate::progress::{Phase, Progress};
 
 /// Status of one perspective.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -20,6 +23,11 @@ pub struct PerspectiveStatus {
     pub failed_streams: i64,
     /// Dead letters not yet replayed or discarded.
     pub dead_letters: i64,
+    /// Live, or catching up (Backfilling, Rebuilding).
+    pub phase: Phase,
+    /// While catching up: streams queued, events remaining, time left.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
 }
 
 /// Status of a deployment's schema.
@@ -82,15 +90,28 @@ pub async fn read_status(
         .bind(configured)
         .fetch_all(&mut *conn)
         .await?;
+    let jobs = super::jobs::progress(&mut *conn, schema).await?;
     let perspectives = rows
         .iter()
-        .map(|r| PerspectiveStatus {
-            name: r.get(0),
-            configured: r.get(1),
-            pending_events: r.get(2),
-            oldest_pending_seconds: r.get(3),
-            failed_streams: r.get(4),
-            dead_letters: r.get(5),
+        .map(|r| {
+            let name: String = r.get(0);
+            let (phase, progress) = match jobs.iter().find(|j| j.perspective == name) {
+                Some(job) => {
+                    let (phase, progress) = Progress::of(job);
+                    (phase, Some(progress))
+                }
+                None => (Phase::Live, None),
+            };
+            PerspectiveStatus {
+                name,
+                configured: r.get(1),
+                pending_events: r.get(2),
+                oldest_pending_seconds: r.get(3),
+                failed_streams: r.get(4),
+                dead_letters: r.get(5),
+                phase,
+                progress,
+            }
         })
         .collect();
     let row = sqlx::query(&super::sql(schema, INSTANCES_AND_STREAMS))

@@ -1,0 +1,160 @@
+//! The job runner: every instance helps with the schema's perspective jobs (backfills and
+//! rebuilds, see [`crate::jobs`]). Each turn it advances every job it has the perspective for,
+//! takes chunks of streams while a job is queueing, and publishes each job's progress in
+//! `/metrics`. It sleeps while there is no job; `wh_job_start` rings the doorbell with the `jobs`
+//! payload, which the listener turns into a wake-up here.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::Shared;
+use crate::jobs::{self, JobError, JobKind, JobState};
+use crate::progress::{Phase, Progress};
+use crate::store::jobs as store;
+
+/// Between turns while a job waits for older transactions or its history is being applied.
+const WATCH_INTERVAL: Duration = Duration::from_millis(250);
+/// Between turns while there is no job: a safety net for a missed doorbell.
+const IDLE_INTERVAL: Duration = Duration::from_secs(30);
+/// Chunks taken in one turn before looking at the other jobs (and at shutdown) again.
+const CHUNKS_PER_TURN: usize = 32;
+
+/// What a turn found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// No job.
+    Idle,
+    /// Jobs, none with a free chunk.
+    Watching,
+    /// Queued at least one chunk: go again at once.
+    Worked,
+}
+
+/// The wait before the next turn after `turn`, or after `failures` failed turns in a row.
+fn next_wait(turn: Result<Turn, ()>, failures: u32) -> Duration {
+    match turn {
+        Ok(Turn::Worked) => Duration::ZERO,
+        Ok(Turn::Watching) => WATCH_INTERVAL,
+        Ok(Turn::Idle) => IDLE_INTERVAL,
+        Err(()) => (WATCH_INTERVAL * 2u32.saturating_pow(failures.min(6))).min(IDLE_INTERVAL),
+    }
+}
+
+/// The job runner task.
+pub(crate) struct JobRunner {
+    pub shared: Arc<Shared>,
+    /// Rung by the listener on a `jobs` doorbell.
+    pub wake: Arc<Notify>,
+}
+
+impl JobRunner {
+    pub(crate) async fn run(self) {
+        let mut failures = 0u32;
+        loop {
+            if self.shared.shutdown.is_cancelled() {
+                return;
+            }
+            let turn = match self.turn().await {
+                Ok(turn) => {
+                    failures = 0;
+                    Ok(turn)
+                }
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = %e, "perspective job turn failed; retrying");
+                    Err(())
+                }
+            };
+            let wait = next_wait(turn, failures);
+            if wait.is_zero() {
+                continue;
+            }
+            tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    async fn turn(&self) -> Result<Turn, JobError> {
+        let shared = &self.shared;
+        let schema = shared.store.schema();
+        let mut conn = shared.store.pool().acquire().await?;
+        let active = store::active(&mut conn, schema).await?;
+        let mut worked = false;
+        for (name, kind) in &active {
+            // A job of a perspective this instance's config lacks (a rollout in progress) is
+            // left to the instances that have it.
+            let Some(perspective) = shared.config.perspective(name) else {
+                continue;
+            };
+            match store::advance(&mut conn, schema, name).await? {
+                JobState::Queueing => {
+                    for _ in 0..CHUNKS_PER_TURN {
+                        if shared.shutdown.is_cancelled() {
+                            break;
+                        }
+                        match jobs::run_chunk(&mut conn, schema, perspective, *kind).await? {
+                            Some(_) => worked = true,
+                            None => break,
+                        }
+                    }
+                }
+                JobState::Done => {
+                    let what = match kind {
+                        JobKind::Backfill => "backfill",
+                        JobKind::Rebuild => "rebuild",
+                    };
+                    tracing::info!(perspective = %name, "{what} complete: the perspective is live");
+                }
+                JobState::Waiting | JobState::Applying | JobState::Busy | JobState::None => {}
+            }
+        }
+        self.publish(&mut conn).await?;
+        Ok(if worked {
+            Turn::Worked
+        } else if active.is_empty() {
+            Turn::Idle
+        } else {
+            Turn::Watching
+        })
+    }
+
+    /// Each configured perspective's phase and progress, in `/metrics`.
+    async fn publish(&self, conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        let shared = &self.shared;
+        let rows = store::progress(conn, shared.store.schema()).await?;
+        for p in &shared.config.perspectives {
+            match rows.iter().find(|j| j.perspective == p.name) {
+                Some(job) => {
+                    let (phase, progress) = Progress::of(job);
+                    shared.metrics.set_catchup(&p.name, phase, Some(&progress));
+                }
+                None => shared.metrics.set_catchup(&p.name, Phase::Live, None),
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_goes_on_at_once_watching_is_relaxed_and_idle_is_a_safety_net() {
+        assert_eq!(next_wait(Ok(Turn::Worked), 0), Duration::ZERO);
+        assert_eq!(next_wait(Ok(Turn::Watching), 0), WATCH_INTERVAL);
+        assert_eq!(next_wait(Ok(Turn::Idle), 0), IDLE_INTERVAL);
+    }
+
+    #[test]
+    fn failures_back_off_up_to_the_idle_interval() {
+        assert_eq!(next_wait(Err(()), 1), Duration::from_millis(500));
+        assert_eq!(next_wait(Err(()), 2), Duration::from_millis(1000));
+        assert_eq!(next_wait(Err(()), 50), IDLE_INTERVAL);
+    }
+}

@@ -1,0 +1,237 @@
+//! Perspective jobs (migration 0006): backfilling a perspective new to the schema, rebuilding one
+//! whose version changed or that `rebuild` names. The life of a job (waiting → queueing →
+//! applying → gone) is decided in SQL (`wh_job_advance`); the workers and the `rebuild` command
+//! take its streams a chunk per transaction.
+
+use sqlx::postgres::{PgConnection, PgTypeInfo};
+use sqlx::{Executor, Row, Statement};
+use uuid::Uuid;
+
+use super::names::job_kind;
+use crate::sql_params::{Param, ParsedStatement};
+
+const START: &str = "SELECT {schema}.wh_job_start($1, $2)";
+const ADVANCE: &str = "SELECT {schema}.wh_job_advance($1)";
+const ACTIVE: &str =
+    "SELECT perspective_name, kind FROM {schema}.wh_perspective_jobs ORDER BY created_at";
+const TAKE_STREAMS: &str = "SELECT {schema}.wh_job_take_streams($1, $2)";
+const REQUEUE_STREAMS: &str = "SELECT {schema}.wh_job_requeue_streams($1, $2)";
+const SET_LOCAL_SEARCH_PATH: &str = "SET LOCAL search_path TO {schema}, public";
+/// Each job with what is left: listed streams not queued yet (and their events), plus the
+/// perspective's pending work rows (queued, not applied).
+const PROGRESS: &str =
+    "SELECT j.perspective_name, j.kind, j.state, j.streams_total, j.events_total,
+            (SELECT count(*) FROM {schema}.wh_perspective_job_streams s
+             WHERE s.perspective_name = j.perspective_name),
+            (SELECT coalesce(sum(s.events), 0)::bigint FROM {schema}.wh_perspective_job_streams s
+             WHERE s.perspective_name = j.perspective_name),
+            (SELECT count(*) FROM {schema}.wh_perspective_events w
+             WHERE w.perspective_name = j.perspective_name AND w.processed_at IS NULL),
+            extract(epoch FROM now() - j.started_at)::float8
+     FROM {schema}.wh_perspective_jobs j ORDER BY j.perspective_name";
+
+/// What a job does to each stream before queueing its history again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum JobKind {
+    /// A perspective new to the schema: queue the history; its live work waits for it.
+    Backfill,
+    /// Reset the stream's share of the model, then queue the history.
+    Rebuild,
+}
+
+impl JobKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobKind::Backfill => job_kind::BACKFILL,
+            JobKind::Rebuild => job_kind::REBUILD,
+        }
+    }
+
+    fn parse(s: &str) -> Option<JobKind> {
+        match s {
+            job_kind::BACKFILL => Some(JobKind::Backfill),
+            job_kind::REBUILD => Some(JobKind::Rebuild),
+            _ => None,
+        }
+    }
+}
+
+/// Where a job stands after `wh_job_advance`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum JobState {
+    /// For transactions older than the job to end (their appends may lack work rows).
+    Waiting,
+    /// Streams are listed and being queued.
+    Queueing,
+    /// Every stream is queued; the workers are applying the history.
+    Applying,
+    /// The job ended with this call.
+    Done,
+    /// There is no job for the perspective.
+    None,
+    /// Another session is advancing it right now.
+    Busy,
+}
+
+impl JobState {
+    fn parse(s: &str) -> JobState {
+        match s {
+            "waiting" => JobState::Waiting,
+            "queueing" => JobState::Queueing,
+            "applying" => JobState::Applying,
+            "done" => JobState::Done,
+            "busy" => JobState::Busy,
+            _ => JobState::None,
+        }
+    }
+}
+
+/// A job's figures, as stored (see [`progress`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobRow {
+    pub perspective: String,
+    pub kind: JobKind,
+    pub state: JobState,
+    /// Streams and events listed when queueing started (None while waiting).
+    pub streams_total: Option<i64>,
+    pub events_total: Option<i64>,
+    /// Listed streams not queued yet, and the events they held.
+    pub streams_left: i64,
+    pub events_unqueued: i64,
+    /// The perspective's work rows not applied yet (history and live).
+    pub pending_events: i64,
+    /// Seconds since queueing started.
+    pub running_seconds: Option<f64>,
+}
+
+/// Start (or restart) `perspective`'s job of `kind` (replacing any job it has).
+pub async fn start(
+    conn: &mut PgConnection,
+    schema: &str,
+    perspective: &str,
+    kind: JobKind,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&super::sql(schema, START))
+        .bind(perspective)
+        .bind(kind.as_str())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Move `perspective`'s job as far as it can go now.
+pub async fn advance(
+    conn: &mut PgConnection,
+    schema: &str,
+    perspective: &str,
+) -> Result<JobState, sqlx::Error> {
+    let state: String = sqlx::query_scalar(&super::sql(schema, ADVANCE))
+        .bind(perspective)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(JobState::parse(&state))
+}
+
+/// Every job, oldest first: (perspective, kind).
+pub async fn active(
+    conn: &mut PgConnection,
+    schema: &str,
+) -> Result<Vec<(String, JobKind)>, sqlx::Error> {
+    let rows = sqlx::query(&super::sql(schema, ACTIVE))
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| Some((r.get(0), JobKind::parse(r.get::<&str, _>(1))?)))
+        .collect())
+}
+
+/// Each job's figures.
+pub async fn progress(conn: &mut PgConnection, schema: &str) -> Result<Vec<JobRow>, sqlx::Error> {
+    let rows = sqlx::query(&super::sql(schema, PROGRESS))
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| {
+            Some(JobRow {
+                perspective: r.get(0),
+                kind: JobKind::parse(r.get::<&str, _>(1))?,
+                state: JobState::parse(r.get::<&str, _>(2)),
+                streams_total: r.get(3),
+                events_total: r.get(4),
+                streams_left: r.get(5),
+                events_unqueued: r.get(6),
+                pending_events: r.get(7),
+                running_seconds: r.get(8),
+            })
+        })
+        .collect())
+}
+
+/// In a transaction: take up to `max_streams` listed streams of `perspective`'s job that nobody
+/// else holds, locking their heads and cursors until the transaction ends. Also resolves the
+/// perspective's tables (for `reset`) for the rest of the transaction.
+pub async fn take_streams(
+    tx: &mut PgConnection,
+    schema: &str,
+    perspective: &str,
+    max_streams: i32,
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    sqlx::query(&super::sql(schema, SET_LOCAL_SEARCH_PATH))
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query_scalar(&super::sql(schema, TAKE_STREAMS))
+        .bind(perspective)
+        .bind(max_streams)
+        .fetch_all(&mut *tx)
+        .await
+}
+
+/// Queue the history of streams taken by [`take_streams`] (after their reset, for a rebuild) and
+/// strike them from the job's list. Returns the work rows queued.
+pub async fn requeue_streams(
+    tx: &mut PgConnection,
+    schema: &str,
+    perspective: &str,
+    streams: &[Uuid],
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(&super::sql(schema, REQUEUE_STREAMS))
+        .bind(perspective)
+        .bind(streams)
+        .fetch_one(&mut *tx)
+        .await
+}
+
+/// Run one `reset` statement for `stream`. A reset concerns the whole stream: parameters other
+/// than `:stream_id` are NULL. On failure, also returns the statement's SQL (for the message).
+pub async fn run_reset(
+    tx: &mut PgConnection,
+    stmt: &ParsedStatement,
+    stream: Uuid,
+) -> Result<(), (sqlx::Error, String)> {
+    let (sql, params) = stmt.to_positional();
+    let types: Vec<PgTypeInfo> = params
+        .iter()
+        .map(|p| PgTypeInfo::with_name(p.pg_type()))
+        .collect();
+    let result = async {
+        let prepared = (&mut *tx).prepare_with(&sql, &types).await?;
+        let mut q = prepared.query();
+        for p in &params {
+            q = match p {
+                Param::StreamId => q.bind(stream),
+                Param::EventId => q.bind(None::<Uuid>),
+                Param::StreamVersion => q.bind(None::<i64>),
+                Param::Data | Param::Metadata | Param::Scope => q.bind(None::<serde_json::Value>),
+                Param::CreatedAt => q.bind(None::<chrono::DateTime<chrono::Utc>>),
+                Param::EventType | Param::UserId | Param::TenantId => q.bind(None::<String>),
+            };
+        }
+        q.execute(&mut *tx).await
+    }
+    .await;
+    result.map(|_| ()).map_err(|e| (e, sql))
+}

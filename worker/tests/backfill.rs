@@ -1,0 +1,486 @@
+//! Perspective jobs (issue 10): a perspective added to a schema with history is backfilled, one
+//! whose `version` changes is rebuilt online, both exactly once and in order per stream, by
+//! several instances, through a SIGKILL, with producers appending throughout; and `migrate`
+//! says what it started and what it could not do.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use perspective_worker::progress::Phase;
+use perspective_worker::store::status::read_status;
+use uuid::Uuid;
+
+const FAST: &str = "worker:
+  abandonStaleInstanceThresholdSeconds: 3
+  heartbeatIntervalSeconds: 1
+claimWorker:
+  pollingIntervalMilliseconds: 100
+";
+
+/// (p1 only, p1 and p2) configs of the recording perspectives; p2's handler of A takes a little
+/// time, so a backfill of it lasts long enough to be watched and interrupted.
+fn configs(schema: &str) -> (String, String) {
+    let both = recording_yaml(schema, "").replacen(
+        "      A: INSERT INTO seen_p2",
+        "      A: SELECT pg_sleep(0.0002); INSERT INTO seen_p2",
+        1,
+    );
+    let p1_only = both[..both.find("  - name: p2").unwrap()].to_string();
+    (p1_only + FAST, both + FAST)
+}
+
+async fn scalar(sql: &str) -> i64 {
+    let mut conn = connect().await;
+    sqlx::query_scalar::<_, Option<i64>>(sql)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        .unwrap_or(0)
+}
+
+async fn jobs_left(schema: &str) -> i64 {
+    scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_jobs"
+    ))
+    .await
+}
+
+/// Producers appending A events to `streams` (in id order per transaction) until `stop`.
+fn producers(
+    schema: &str,
+    streams: &[Uuid],
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<usize>> {
+    (0..2)
+        .map(|w| {
+            let schema = schema.to_string();
+            let streams = streams.to_vec();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut conn = connect().await;
+                let mut appended = 0;
+                let mut i = w;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut pick = vec![
+                        streams[i % streams.len()],
+                        streams[(i * 7 + 3) % streams.len()],
+                    ];
+                    pick.sort();
+                    pick.dedup();
+                    sqlx::query(&format!(
+                        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+                         SELECT s, 'A' FROM unnest($1::uuid[]) AS s ORDER BY s"
+                    ))
+                    .bind(&pick)
+                    .execute(&mut conn)
+                    .await
+                    .expect("append");
+                    appended += pick.len();
+                    i += 2;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                appended
+            })
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_perspective_is_backfilled_by_three_instances_while_producers_append() {
+    let schema = unique_schema("backfill");
+    let (p1_only, both) = configs(&schema);
+    let first = parse_config(&p1_only);
+    migrate_config(&first).await;
+    let streams: Vec<Uuid> = (0..200).map(|_| Uuid::now_v7()).collect();
+    // The deployment has run for a while: p1 applied 200 streams x 50 events.
+    let engine = RunningEngine::start(&first).await;
+    append_load(&schema, &streams, 50, 4, 50).await;
+    wait_drained(&schema, Duration::from_secs(120)).await;
+    engine.stop().await;
+    let p1_applied_before = scalar(&format!(
+        "SELECT sum(cardinality(versions))::int8 FROM {schema}.seen_p1"
+    ))
+    .await;
+    assert_eq!(p1_applied_before, 10_000);
+
+    // p2 joins: migrate starts its backfill.
+    let config = parse_config(&both);
+    let mut conn = connect().await;
+    let report =
+        perspective_worker::migrate::migrate(&mut conn, &config, "both.yaml", Default::default())
+            .await
+            .expect("migrate");
+    assert_eq!(report.backfills, vec!["p2".to_string()]);
+    assert!(report.rebuilds.is_empty() && report.warnings.is_empty());
+    let status = read_status(&mut conn, &schema, &["p1".into(), "p2".into()], 30.0)
+        .await
+        .unwrap();
+    assert_eq!(status.perspectives[0].phase, Phase::Live);
+    assert_eq!(status.perspectives[1].phase, Phase::Backfilling);
+
+    // Three instances share the backfill while producers keep appending.
+    let stop = Arc::new(AtomicBool::new(false));
+    let appenders = producers(&schema, &streams, stop.clone());
+    let engines = [
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+    ];
+
+    // While it runs, status and /metrics show the phase and the progress.
+    let mut seen_progress = false;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while jobs_left(&schema).await > 0 {
+        assert!(Instant::now() < deadline, "the backfill never finished");
+        let status = read_status(&mut conn, &schema, &["p1".into(), "p2".into()], 30.0)
+            .await
+            .unwrap();
+        let p2 = &status.perspectives[1];
+        if let Some(progress) = &p2.progress {
+            if progress.step != "waiting" && progress.percent < 100.0 && progress.events_total > 0 {
+                assert_eq!(p2.phase, Phase::Backfilling);
+                assert_eq!(progress.streams_total, 200);
+                assert!(progress.events_total >= 10_000, "{progress:?}");
+                assert!(progress.events_remaining > 0, "{progress:?}");
+                let metrics = engines[0].metrics.render();
+                if metrics.contains(r#"perspective_phase{perspective="p2",phase="Backfilling"} 1"#)
+                {
+                    assert!(
+                        metrics.contains(r#"perspective_phase{perspective="p1",phase="Live"} 1"#),
+                        "{metrics}"
+                    );
+                    seen_progress = true;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        seen_progress,
+        "the progress was visible while the backfill ran"
+    );
+    stop.store(true, Ordering::Relaxed);
+    let mut appended = 0;
+    for a in appenders {
+        appended += a.await.unwrap();
+    }
+    assert!(appended > 0);
+    wait_drained(&schema, Duration::from_secs(120)).await;
+
+    // Every stream exact in both perspectives: p2 got the history and the live events in order,
+    // p1 got each live event once and none of the history again.
+    assert_exactly_once(&schema, 200).await;
+    let status = read_status(&mut conn, &schema, &["p1".into(), "p2".into()], 30.0)
+        .await
+        .unwrap();
+    assert!(status
+        .perspectives
+        .iter()
+        .all(|p| p.phase == Phase::Live && p.progress.is_none()));
+    wait_until(
+        "every instance reports p2 live",
+        Duration::from_secs(10),
+        || async {
+            engines.iter().all(|e| {
+                e.metrics
+                    .render()
+                    .contains(r#"perspective_phase{perspective="p2",phase="Live"} 1"#)
+            })
+        },
+    )
+    .await;
+    // Each instance took part.
+    for e in engines {
+        e.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_backfill_loses_and_repeats_nothing() {
+    let schema = unique_schema("bfkill");
+    let (p1_only, both) = configs(&schema);
+    migrate_config(&parse_config(&p1_only)).await;
+    let streams: Vec<Uuid> = (0..100).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 50, 4, 50).await;
+    // p1 never ran: both are caught up below, p1 from its queued work, p2 by the backfill.
+    let config = parse_config(&both);
+    migrate_config(&config).await;
+    let path = std::env::temp_dir().join(format!("{schema}.yaml"));
+    std::fs::write(&path, &both).unwrap();
+    let spawn = || {
+        worker_bin()
+            .arg("--config")
+            .arg(&path)
+            .args(["run", "--http-addr", "127.0.0.1:0"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn the worker")
+    };
+    let mut victim = spawn();
+    // Kill it mid-backfill: some streams queued but not all, or p2's history partly applied.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < deadline, "never reached the kill point");
+        assert!(
+            victim.try_wait().unwrap().is_none(),
+            "the worker exited early"
+        );
+        let (listed, left, applied): (Option<i64>, i64, i64) = {
+            let mut conn = connect().await;
+            sqlx::query_as(&format!(
+                "SELECT (SELECT streams_total FROM {schema}.wh_perspective_jobs),
+                        (SELECT count(*) FROM {schema}.wh_perspective_job_streams),
+                        (SELECT coalesce(sum(cardinality(versions)), 0)::int8 FROM {schema}.seen_p2)"
+            ))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+        };
+        // Queueing (chunks commit stream by stream) or applying (a drain call commits many
+        // streams' history at once, so a partial count is rare to catch).
+        if listed == Some(100) && ((left > 0 && left < 100) || (applied > 0 && applied < 5_000)) {
+            eprintln!("killing with {left} stream(s) not queued and {applied} event(s) applied");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    victim.kill().unwrap(); // SIGKILL
+    victim.wait().unwrap();
+    let applied_at_kill = scalar(&format!(
+        "SELECT sum(cardinality(versions))::int8 FROM {schema}.seen_p2"
+    ))
+    .await;
+    assert!(
+        applied_at_kill < 5_000,
+        "killed mid-backfill ({applied_at_kill} applied)"
+    );
+
+    let mut survivor = spawn();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while jobs_left(&schema).await > 0 {
+        assert!(Instant::now() < deadline, "the backfill never finished");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_drained(&schema, Duration::from_secs(120)).await;
+    Command::new("kill")
+        .args(["-TERM", &survivor.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(survivor.wait().unwrap().success());
+    assert_exactly_once(&schema, 100).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_version_bump_rebuilds_online_and_every_read_sees_an_ordered_prefix() {
+    let schema = unique_schema("verbump");
+    let yaml = recording_yaml(&schema, FAST).replacen(
+        "    handlers:",
+        "    reset: DELETE FROM seen_p1 WHERE stream_id = :stream_id\n    handlers:",
+        1,
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let streams: Vec<Uuid> = (0..60).map(|_| Uuid::now_v7()).collect();
+    let engine = RunningEngine::start(&config).await;
+    append_load(&schema, &streams, 30, 4, 30).await;
+    wait_drained(&schema, Duration::from_secs(120)).await;
+    engine.stop().await;
+    // Damage p1's model: only a rebuild puts it right.
+    let mut conn = connect().await;
+    sqlx::query(&format!("UPDATE {schema}.seen_p1 SET versions = '{{42}}'"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+
+    let bumped = yaml.replacen("  - name: p1\n", "  - name: p1\n    version: 2\n", 1);
+    let config = parse_config(&bumped);
+    let report =
+        perspective_worker::migrate::migrate(&mut conn, &config, "bumped.yaml", Default::default())
+            .await
+            .expect("migrate");
+    assert_eq!(report.rebuilds.len(), 1);
+    assert_eq!(
+        (
+            report.rebuilds[0].perspective.as_str(),
+            report.rebuilds[0].from,
+            report.rebuilds[0].to
+        ),
+        ("p1", 1, 2)
+    );
+
+    // A reader: a stream's row is either absent (its reset committed, its replay has not yet
+    // started), or the old model (the rebuild has not reached it: the damaged value, with the
+    // events appended since applied on top), or an ordered prefix 1..k of its events.
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let schema = schema.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut conn = connect().await;
+            let mut reads = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let bad: Vec<(Uuid, Vec<i64>)> = sqlx::query_as(&format!(
+                    "SELECT stream_id, versions FROM {schema}.seen_p1
+                     WHERE versions[1] <> 42
+                       AND versions <> ARRAY(SELECT generate_series(1, cardinality(versions)::int8))"
+                ))
+                .fetch_all(&mut conn)
+                .await
+                .unwrap();
+                assert!(
+                    bad.is_empty(),
+                    "a read saw an inconsistent stream: {:?}",
+                    bad[0]
+                );
+                reads += 1;
+            }
+            reads
+        })
+    };
+    let appenders = producers(&schema, &streams, stop.clone());
+    let engines = [
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+    ];
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while jobs_left(&schema).await > 0 {
+        assert!(Instant::now() < deadline, "the rebuild never finished");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for a in appenders {
+        a.await.unwrap();
+    }
+    assert!(reader.await.unwrap() > 0);
+    wait_drained(&schema, Duration::from_secs(120)).await;
+    for e in engines {
+        e.stop().await;
+    }
+    assert_exactly_once(&schema, 60).await;
+
+    // The same version again rebuilds nothing.
+    let again =
+        perspective_worker::migrate::migrate(&mut conn, &config, "bumped.yaml", Default::default())
+            .await
+            .expect("migrate");
+    assert!(again.rebuilds.is_empty() && again.backfills.is_empty());
+    assert_eq!(jobs_left(&schema).await, 0);
+}
+
+#[tokio::test]
+async fn migrate_says_what_a_change_without_a_version_bump_leaves_behind() {
+    let schema = unique_schema("verwarn");
+    let yaml = recording_yaml(&schema, "");
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+         SELECT gen_random_uuid(), t FROM unnest(ARRAY['A', 'C', 'C', 'C']) AS t"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+
+    // p1's handler of A changes and p2 gains C, both at version 1.
+    let changed = yaml
+        .replacen(
+            "      A: INSERT INTO seen_p1 AS s VALUES (:stream_id, ARRAY[:stream_version])",
+            "      A: INSERT INTO seen_p1 AS s VALUES (:stream_id, ARRAY[:stream_version * 10])",
+            1,
+        )
+        .replacen(
+            "      B: INSERT INTO seen_p2",
+            "      C: SELECT 1\n      B: INSERT INTO seen_p2",
+            1,
+        );
+    assert_ne!(changed, yaml);
+    let file = std::env::temp_dir().join(format!("{schema}.yaml"));
+    std::fs::write(&file, &changed).unwrap();
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(
+            "warning: perspective p1: its handlers changed but its version stayed at 1, so rows already in its tables were built by the old handlers"
+        ) && stdout.contains("set `version: 2` and migrate, or run `perspective-worker rebuild --perspective p1`"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(
+            "warning: perspective p2 now handles C, of which 3 event(s) are already stored"
+        ) && stdout.contains("set `version: 2` and migrate to rebuild p2 with them"),
+        "{stdout}"
+    );
+    assert_eq!(jobs_left(&schema).await, 0, "warnings start nothing");
+    // Said once: a second run has nothing to say.
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("warning"));
+
+    // A version bump on a perspective without `reset` is refused, naming the field.
+    let bump = changed.replacen("  - name: p2\n", "  - name: p2\n    version: 2\n", 1);
+    std::fs::write(&file, &bump).unwrap();
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .arg("migrate")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("perspectives[1] (p2).version")
+            && stderr.contains("changed from 1 to 2")
+            && stderr.contains("no `reset`"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn removing_a_perspective_mid_backfill_leaves_no_job_behind() {
+    let schema = unique_schema("bfremove");
+    let (p1_only, both) = configs(&schema);
+    migrate_config(&parse_config(&p1_only)).await;
+    let streams: Vec<Uuid> = (0..10).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 5, 1, 10).await;
+    migrate_config(&parse_config(&both)).await;
+    assert_eq!(jobs_left(&schema).await, 1);
+    // p2 leaves again before any worker ran its backfill.
+    migrate_config(&parse_config(&p1_only)).await;
+    let left = scalar(&format!(
+        "SELECT (SELECT count(*) FROM {schema}.wh_perspective_jobs)
+              + (SELECT count(*) FROM {schema}.wh_perspective_job_streams)
+              + (SELECT count(*) FROM {schema}.wh_perspective_events WHERE perspective_name = 'p2')"
+    ))
+    .await;
+    assert_eq!(left, 0);
+    // p1 drains and the worker idles with nothing pinned.
+    let engine = RunningEngine::start(&parse_config(&p1_only)).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    wait_until("no stream pinned", Duration::from_secs(30), || async {
+        scalar(&format!("SELECT count(*) FROM {schema}.wh_active_streams")).await == 0
+    })
+    .await;
+    engine.stop().await;
+}
