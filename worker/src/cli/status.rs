@@ -123,9 +123,9 @@ mod tests {
         assert_eq!(
             render(&st),
             "schema shop (migration 2), 1 live instance(s), 4 active stream(s)\n\
-             PERSPECTIVE     PHASE      PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
-             customer_stats  Live             0               -               0             0\n\
-             order_summary   Live            12             3.0               0             0\n"
+             PERSPECTIVE     PHASE     PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
+             customer_stats  Live            0               -               0             0\n\
+             order_summary   Live           12             3.0               0             0\n"
         );
     }
 
@@ -146,9 +146,9 @@ mod tests {
         assert_eq!(
             render(&st),
             "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
-             PERSPECTIVE            PHASE      PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
-             a                      Live             0               -               0             0\n\
-             gone (not configured)  Live             1            10.0               0             2\n"
+             PERSPECTIVE            PHASE     PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
+             a                      Live            0               -               0             0\n\
+             gone (not configured)  Live            1            10.0               0             2\n"
         );
     }
 

@@ -141,8 +141,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v15",
-                "e2a58fc8c1f2e5574c67a463fe62d450b6e72ed04058738bca7c1e5112bcf56f"
+                "apply-v16",
+                "c7555cebe11f465c3a5c669d9b61c0e182c3894165da3fa52c4277871debc661"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -38,7 +38,7 @@ fn next_wait(turn: Result<Turn, ()>, failures: u32) -> Duration {
         Ok(Turn::Worked) => Duration::ZERO,
         Ok(Turn::Watching) => WATCH_INTERVAL,
         Ok(Turn::Idle) => IDLE_INTERVAL,
-        Err(()) => (WATCH_INTERVAL * 2u32.saturating_pow(failures.min(6))).min(IDLE_INTERVAL),
+        Err(()) => (WATCH_INTERVAL * 2u32.saturating_pow(failures.min(7))).min(IDLE_INTERVAL),
     }
 }
 
