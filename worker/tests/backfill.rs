@@ -4,6 +4,10 @@
 //! says what it started and what it could not do.
 
 mod common;
+/// The example Rust perspective: a backfill through a custom runner's fetch path.
+#[path = "../../examples/stream_history_runner.rs"]
+#[allow(dead_code)]
+mod stream_history_runner;
 
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -483,4 +487,41 @@ async fn removing_a_perspective_mid_backfill_leaves_no_job_behind() {
     })
     .await;
     engine.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rust_runner_backfills_a_new_perspective_in_order_while_producers_append() {
+    let schema = unique_schema("bfrust");
+    let (p1_only, both) = configs(&schema);
+    migrate_config(&parse_config(&p1_only)).await;
+    let streams: Vec<Uuid> = (0..60).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 20, 2, 30).await;
+    let config = parse_config(&both);
+    migrate_config(&config).await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let appenders = producers(&schema, &streams, stop.clone());
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        let mut options =
+            perspective_worker::engine::EngineOptions::new(config.clone(), database_url());
+        options.runner = Some(Arc::new(stream_history_runner::StreamHistoryRunner::new(
+            &schema, "seen_",
+        )));
+        engines.push(RunningEngine::start_with(options).await);
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while jobs_left(&schema).await > 0 {
+        assert!(Instant::now() < deadline, "the backfill never finished");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for a in appenders {
+        a.await.unwrap();
+    }
+    wait_drained(&schema, Duration::from_secs(120)).await;
+    for e in engines {
+        e.stop().await;
+    }
+    assert_exactly_once(&schema, 60).await;
 }
