@@ -11,9 +11,12 @@
 //! `rebuild` command — takes a chunk of streams per transaction ([`run_chunk`]): their heads and
 //! cursors are locked (a producer of one of them waits for this chunk only), reset for a rebuild,
 //! their cursors and pending work for the perspective dropped and every stored event of a
-//! subscribed type queued again, in the one commit that strikes them from the list. The workers
-//! then apply the queued history like any other work, in order, exactly once; a worker killed
-//! mid-chunk rolls the chunk back and its streams are taken again.
+//! subscribed type queued again, in the one commit that strikes them from the list. A worker
+//! running the compiled SQL perspectives also applies the queued history in that transaction
+//! ([`Requeue::Apply`]), so a rebuilt stream is never seen reset but not replayed; otherwise (a
+//! custom runner, the `rebuild` command) the workers apply it like any other work. Either way in
+//! order and exactly once; a worker killed mid-chunk rolls the chunk back and its streams are
+//! taken again.
 
 use sqlx::postgres::PgConnection;
 use sqlx::Connection;
@@ -22,7 +25,7 @@ use uuid::Uuid;
 use crate::config::{Config, PerspectiveConfig};
 use crate::sql_params::ParsedStatement;
 use crate::store::jobs as store;
-pub use crate::store::jobs::{JobKind, JobRow, JobState};
+pub use crate::store::jobs::{JobKind, JobRow, JobState, Requeue};
 
 /// Streams per chunk transaction: enough to amortise the commit, few enough that a producer of
 /// one of them never waits long.
@@ -54,7 +57,9 @@ pub enum JobError {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Chunk {
     pub streams: usize,
+    /// History queued (rows), and of it applied in the chunk's transaction.
     pub work_rows: i64,
+    pub applied: i64,
 }
 
 /// Run one chunk of `perspective`'s job: None when no listed stream is free (all queued, or
@@ -64,6 +69,7 @@ pub async fn run_chunk(
     schema: &str,
     perspective: &PerspectiveConfig,
     kind: JobKind,
+    how: Requeue,
 ) -> Result<Option<Chunk>, JobError> {
     let reset = match kind {
         JobKind::Backfill => None,
@@ -75,7 +81,7 @@ pub async fn run_chunk(
     };
     let mut attempt = 1;
     loop {
-        match chunk_once(conn, schema, &perspective.name, reset.as_deref()).await {
+        match chunk_once(conn, schema, &perspective.name, reset.as_deref(), how).await {
             Err(JobError::Database(e)) if is_deadlock(&e) && attempt < DEADLOCK_ATTEMPTS => {
                 attempt += 1;
             }
@@ -95,6 +101,7 @@ async fn chunk_once(
     schema: &str,
     perspective: &str,
     reset: Option<&[ParsedStatement]>,
+    how: Requeue,
 ) -> Result<Option<Chunk>, JobError> {
     let mut tx = conn.begin().await?;
     let streams = store::take_streams(&mut tx, schema, perspective, CHUNK_STREAMS).await?;
@@ -113,11 +120,13 @@ async fn chunk_once(
                 })?;
         }
     }
-    let work_rows = store::requeue_streams(&mut tx, schema, perspective, &streams).await?;
+    let (work_rows, applied) =
+        store::requeue_streams(&mut tx, schema, perspective, &streams, how).await?;
     tx.commit().await?;
     Ok(Some(Chunk {
         streams: streams.len(),
         work_rows,
+        applied,
     }))
 }
 
@@ -147,7 +156,8 @@ pub struct RebuildReport {
 
 /// `perspective-worker rebuild`: start a rebuild job for `perspective` and run its chunks here,
 /// alongside any running workers; returns once every stream is queued (the workers apply the
-/// history). `progress(done, total)` after each chunk.
+/// history: the command cannot know whether they run the compiled SQL or a custom runner, so it
+/// only queues). `progress(done, total)` after each chunk.
 pub async fn rebuild(
     conn: &mut PgConnection,
     config: &Config,
@@ -173,7 +183,8 @@ pub async fn rebuild(
             }
             JobState::Applying | JobState::Done | JobState::None => break,
         }
-        while let Some(chunk) = run_chunk(conn, schema, p, JobKind::Rebuild).await? {
+        while let Some(chunk) = run_chunk(conn, schema, p, JobKind::Rebuild, Requeue::Queue).await?
+        {
             report.streams_by_this_command += chunk.streams;
             report.work_rows += chunk.work_rows;
             if let Some(job) = job_of(conn, schema, perspective).await? {

@@ -68,8 +68,10 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Create or upgrade the schema, register subscriptions, run each perspective's `setup`,
-    /// prepare every handler and compile it into the perspective's apply function. Idempotent;
-    /// concurrent runs serialise on an advisory lock.
+    /// prepare every handler and compile it into the perspective's apply function; start a
+    /// backfill for a perspective new to a schema with history and a rebuild for one whose
+    /// `version` changed (running workers do them), and warn about changes that need a rebuild.
+    /// Idempotent; concurrent runs serialise on an advisory lock.
     Migrate(migrate::MigrateArgs),
     /// Append events read as JSON lines: {"stream_id": uuid, "event_type": text,
     /// "event_data"?: json, "metadata"?: object, "scope"?: object, "event_id"?: uuid,
@@ -84,13 +86,16 @@ enum Command {
     /// append sample events, run the engine until everything is applied, print the perspective
     /// tables and the status.
     Demo(demo::DemoArgs),
-    /// Rebuild a perspective from the event store: for every stream, run its `reset`, drop its
-    /// cursor and queue all its events again (running workers re-apply them). Needs `reset`.
+    /// Rebuild a perspective online from the event store, as raising its `version` does: a chunk
+    /// of streams per transaction, run its `reset`, drop its cursor and queue all its events
+    /// again; running workers help with the chunks and re-apply the events. A progress bar on a
+    /// terminal; returns once every stream is queued. Needs `reset`.
     Rebuild(rebuild::RebuildArgs),
     /// Inspect and replay dead-lettered events.
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLettersCommand),
-    /// Show per-perspective pending work, oldest pending age, failed streams and dead letters.
+    /// Show per perspective its phase (Live, Backfilling, Rebuilding) with the progress of a
+    /// catch-up, pending work, oldest pending age, failed streams and dead letters.
     Status(status::StatusArgs),
 }
 

@@ -1,6 +1,8 @@
 //! The job runner: every instance helps with the schema's perspective jobs (backfills and
 //! rebuilds, see [`crate::jobs`]). Each turn it advances every job it has the perspective for,
-//! takes chunks of streams while a job is queueing, and publishes each job's progress in
+//! takes chunks of streams while a job is queueing (`maxConcurrentDrainConsumers` chunks at a
+//! time, each on its own connection; with the compiled SQL perspectives each chunk also applies
+//! its streams' history, a custom runner gets it queued), and publishes each job's progress in
 //! `/metrics`. It sleeps while there is no job; `wh_job_start` rings the doorbell with the `jobs`
 //! payload, which the listener turns into a wake-up here.
 
@@ -10,7 +12,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use super::Shared;
-use crate::jobs::{self, JobError, JobKind, JobState};
+use crate::config::PerspectiveConfig;
+use crate::jobs::{self, JobError, JobKind, JobState, Requeue};
 use crate::progress::{Phase, Progress};
 use crate::store::jobs as store;
 
@@ -18,8 +21,9 @@ use crate::store::jobs as store;
 const WATCH_INTERVAL: Duration = Duration::from_millis(250);
 /// Between turns while there is no job: a safety net for a missed doorbell.
 const IDLE_INTERVAL: Duration = Duration::from_secs(30);
-/// Chunks taken in one turn before looking at the other jobs (and at shutdown) again.
-const CHUNKS_PER_TURN: usize = 32;
+/// Chunks each chunk loop takes in one turn before looking at the other jobs (and at shutdown)
+/// again.
+const CHUNKS_PER_TURN: usize = 16;
 
 /// What a turn found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +51,9 @@ pub(crate) struct JobRunner {
     pub shared: Arc<Shared>,
     /// Rung by the listener on a `jobs` doorbell.
     pub wake: Arc<Notify>,
+    /// Whether chunks apply the history they queue (the compiled SQL perspectives run here);
+    /// with a custom runner they only queue it.
+    pub apply_in_chunks: bool,
 }
 
 impl JobRunner {
@@ -93,14 +100,13 @@ impl JobRunner {
             };
             match store::advance(&mut conn, schema, name).await? {
                 JobState::Queueing => {
-                    for _ in 0..CHUNKS_PER_TURN {
-                        if shared.shutdown.is_cancelled() {
-                            break;
-                        }
-                        match jobs::run_chunk(&mut conn, schema, perspective, *kind).await? {
-                            Some(_) => worked = true,
-                            None => break,
-                        }
+                    let loops = shared.config.worker.max_concurrent_drain_consumers.max(1);
+                    let results = futures::future::join_all(
+                        (0..loops).map(|_| self.chunk_loop(perspective, *kind)),
+                    )
+                    .await;
+                    for chunks in results {
+                        worked |= chunks? > 0;
                     }
                 }
                 JobState::Done => {
@@ -121,6 +127,43 @@ impl JobRunner {
         } else {
             Turn::Watching
         })
+    }
+
+    /// Take up to [`CHUNKS_PER_TURN`] chunks of `perspective`'s job on one connection; returns
+    /// how many it took.
+    async fn chunk_loop(
+        &self,
+        perspective: &PerspectiveConfig,
+        kind: JobKind,
+    ) -> Result<usize, JobError> {
+        let shared = &self.shared;
+        let worker = &shared.config.worker;
+        let how = if self.apply_in_chunks {
+            Requeue::Apply {
+                debug: worker.debug_mode,
+                retry_base_ms: worker.failure_retry_base_milliseconds as f64,
+                retry_max_ms: worker.failure_retry_max_milliseconds as f64,
+            }
+        } else {
+            Requeue::Queue
+        };
+        let mut conn = shared.store.pool().acquire().await?;
+        let mut taken = 0;
+        while taken < CHUNKS_PER_TURN && !shared.shutdown.is_cancelled() {
+            let schema = shared.store.schema();
+            match jobs::run_chunk(&mut conn, schema, perspective, kind, how).await? {
+                Some(chunk) => {
+                    taken += 1;
+                    shared
+                        .metrics
+                        .events_processed
+                        .with_label_values(&[perspective.name.as_str()])
+                        .inc_by(chunk.applied.max(0) as u64);
+                }
+                None => break,
+            }
+        }
+        Ok(taken)
     }
 
     /// Each configured perspective's phase and progress, in `/metrics`.

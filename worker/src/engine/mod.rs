@@ -190,6 +190,7 @@ impl Engine {
         let job_runner = jobs::JobRunner {
             shared: shared.clone(),
             wake: jobs_wake,
+            apply_in_chunks: options.runner.is_none(),
         };
         tasks.push(tokio::spawn(job_runner.run()));
         tasks.push(tokio::spawn(heartbeat.run()));

@@ -15,7 +15,8 @@ const ADVANCE: &str = "SELECT {schema}.wh_job_advance($1)";
 const ACTIVE: &str =
     "SELECT perspective_name, kind FROM {schema}.wh_perspective_jobs ORDER BY created_at";
 const TAKE_STREAMS: &str = "SELECT {schema}.wh_job_take_streams($1, $2)";
-const REQUEUE_STREAMS: &str = "SELECT {schema}.wh_job_requeue_streams($1, $2)";
+const REQUEUE_STREAMS: &str =
+    "SELECT o_queued, o_applied FROM {schema}.wh_job_requeue_streams($1, $2, $3, $4, $5, $6)";
 const SET_LOCAL_SEARCH_PATH: &str = "SET LOCAL search_path TO {schema}, public";
 /// Each job with what is left: listed streams not queued yet (and their events), plus the
 /// perspective's pending work rows (queued, not applied).
@@ -190,17 +191,44 @@ pub async fn take_streams(
         .await
 }
 
+/// How a chunk's streams are caught up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Requeue {
+    /// Queue their history; the workers apply it (any runner).
+    Queue,
+    /// Queue and apply it in the same transaction through the perspective's compiled apply
+    /// function (SQL perspectives only), leaving only what failed for the workers.
+    Apply {
+        debug: bool,
+        retry_base_ms: f64,
+        retry_max_ms: f64,
+    },
+}
+
 /// Queue the history of streams taken by [`take_streams`] (after their reset, for a rebuild) and
-/// strike them from the job's list. Returns the work rows queued.
+/// strike them from the job's list. Returns (work rows queued, events applied).
 pub async fn requeue_streams(
     tx: &mut PgConnection,
     schema: &str,
     perspective: &str,
     streams: &[Uuid],
-) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(&super::sql(schema, REQUEUE_STREAMS))
+    how: Requeue,
+) -> Result<(i64, i64), sqlx::Error> {
+    let (apply, debug, base, max) = match how {
+        Requeue::Queue => (false, false, 0.0, 0.0),
+        Requeue::Apply {
+            debug,
+            retry_base_ms,
+            retry_max_ms,
+        } => (true, debug, retry_base_ms, retry_max_ms),
+    };
+    sqlx::query_as(&super::sql(schema, REQUEUE_STREAMS))
         .bind(perspective)
         .bind(streams)
+        .bind(apply)
+        .bind(debug)
+        .bind(base)
+        .bind(max)
         .fetch_one(&mut *tx)
         .await
 }
