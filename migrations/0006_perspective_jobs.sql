@@ -170,14 +170,14 @@ BEGIN
 END
 $$;
 
--- Queue the history of streams taken by wh_job_take_streams (after their `reset`, for a
--- rebuild): their cursors and pending work for the perspective go, every stored event of a
--- subscribed type is queued again (ringing the doorbell), and they leave the job's list (which
--- lifts a backfill's gate in the same commit). With p_apply, each stream's queued history is
--- also applied here, through the perspective's compiled apply function, so the stream is caught
--- up in the same commit (a rebuilt stream is never seen reset but not yet replayed), with no
--- trip through the queue; rows an apply leaves (a failing event, and what follows it) stay
--- queued for the workers' usual retries. Returns the rows queued and the events applied.
+-- Catch up streams taken by wh_job_take_streams (after their `reset`, for a rebuild): their
+-- cursors and pending work for the perspective go, and they leave the job's list (which lifts a
+-- backfill's gate in the same commit). Then either every stored event of a subscribed type is
+-- queued again (ringing the doorbell) for the workers to apply, or, with p_apply, each stream's
+-- history is applied here, through the perspective's compiled apply function, in the same
+-- commit (a rebuilt stream is never seen reset but not yet replayed), without work rows: what
+-- an apply leaves (a failing event and what follows it) is queued for the workers' usual
+-- retries. Returns the rows queued and the events applied.
 CREATE FUNCTION {{schema}}.wh_job_requeue_streams(
     p_perspective text, p_stream_ids uuid[], p_apply boolean DEFAULT false,
     p_debug boolean DEFAULT false, p_retry_base_ms double precision DEFAULT 1000,
@@ -191,14 +191,14 @@ DECLARE
   v_n        integer;
   v_function text;
   v_call     text;
-  v_ids      bigint[];
   v_events   uuid[];
   v_versions bigint[];
 BEGIN
   IF p_apply THEN
     SELECT p.apply_function INTO v_function FROM {{schema}}.wh_perspectives p
     WHERE p.perspective_name = p_perspective;
-    v_call := format('SELECT o_applied FROM {{schema}}.%I($1, $2, $3, $4, true, $5, false, $6, $7, false, true, false)',
+    -- Work ids are only completed, so placeholders do (there are no rows to delete).
+    v_call := format('SELECT o_applied FROM {{schema}}.%I($1, array_fill(0::bigint, ARRAY[cardinality($2)]), $2, $3, true, $4, false, $5, $6, false, true, false)',
                      v_function);
   END IF;
   DELETE FROM {{schema}}.wh_perspective_cursors
@@ -210,36 +210,21 @@ BEGIN
       v_queued := v_queued + {{schema}}.wh_queue_stream(v_stream, p_perspective);
       CONTINUE;
     END IF;
-    -- Queue as wh_queue_stream does, but pin the stream (and ring) only for what the apply
-    -- leaves: no worker needs to look at a stream caught up here.
-    WITH queued AS (
-      INSERT INTO {{schema}}.wh_perspective_events
-          (stream_id, perspective_name, event_id, stream_version, partition_number)
-      SELECT e.stream_id, p_perspective, e.event_id, e.stream_version, {{schema}}.compute_partition(v_stream)
-      FROM {{schema}}.wh_event_store e
-      JOIN {{schema}}.wh_perspective_subscriptions s
-        ON s.event_type = e.event_type AND s.perspective_name = p_perspective
-      WHERE e.stream_id = v_stream
-      ORDER BY e.stream_version
-      RETURNING event_work_id, event_id, stream_version)
-    SELECT array_agg(q.event_work_id ORDER BY q.stream_version), array_agg(q.event_id ORDER BY q.stream_version),
-           array_agg(q.stream_version ORDER BY q.stream_version)
-      INTO v_ids, v_events, v_versions
-    FROM queued q;
-    IF v_ids IS NULL THEN
+    SELECT array_agg(e.event_id ORDER BY e.stream_version), array_agg(e.stream_version ORDER BY e.stream_version)
+      INTO v_events, v_versions
+    FROM {{schema}}.wh_event_store e
+    JOIN {{schema}}.wh_perspective_subscriptions s
+      ON s.event_type = e.event_type AND s.perspective_name = p_perspective
+    WHERE e.stream_id = v_stream;
+    IF v_events IS NULL THEN
       CONTINUE;
     END IF;
-    v_queued := v_queued + cardinality(v_ids);
     EXECUTE v_call INTO v_n
-      USING v_stream, v_ids, v_events, v_versions, p_debug, p_retry_base_ms, p_retry_max_ms;
+      USING v_stream, v_events, v_versions, p_debug, p_retry_base_ms, p_retry_max_ms;
     v_applied := v_applied + v_n;
-    IF EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
-               WHERE w.stream_id = v_stream AND w.perspective_name = p_perspective
-                 AND w.processed_at IS NULL) THEN
-      INSERT INTO {{schema}}.wh_active_streams (stream_id, partition_number)
-      VALUES (v_stream, {{schema}}.compute_partition(v_stream))
-      ON CONFLICT (stream_id) DO NOTHING;
-      PERFORM pg_notify('{{schema}}_work', '');
+    IF v_n < cardinality(v_events) THEN
+      -- The whole history: rows at or below the cursor are retired as applied by the workers.
+      v_queued := v_queued + {{schema}}.wh_queue_stream(v_stream, p_perspective);
     END IF;
   END LOOP;
   DELETE FROM {{schema}}.wh_perspective_job_streams

@@ -10,10 +10,11 @@
 #   backfill  the events are stored while only a `live` perspective (of another type, L)
 #             exists; then `migrate` adds c1 and a worker starts; timed from migrate's commit
 #             (the worker's start-up included) until the backfill job has ended and every event
-#             is applied.
-#   appends   during the backfill, PRODUCERS pgbench connections append single L events to 1 000
-#             other streams for APPEND_SECONDS (one event per transaction); the same again once
-#             the backfill is over, with the same worker running: events/s with and without.
+#             is applied. Nothing else runs.
+#   appends   the same backfill again in a second schema, while PRODUCERS pgbench connections
+#             append single L events to 1 000 other streams for APPEND_SECONDS (one event per
+#             transaction); then the same appends once that backfill is over, with the same
+#             worker running: events/s with and without a backfill.
 #   latency   `live` records, per L event, the time from its append (`created_at`) to its apply:
 #             p50 / p99 during the backfill and without it.
 # Every counter must end at exactly PER_STREAM, in both schemas.
@@ -138,7 +139,7 @@ echo "backfill benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f
 
 # Steady state: c1 subscribed from the start.
 s=bench_steady
-"$WORKER" --config "$(config $s 1)" migrate >/dev/null
+"$WORKER" --config "$(config $s 1)" migrate >/dev/null 2>>"$work/migrate.log"
 start_worker "$work/$s-1.yaml"
 await_registered $s
 sleep 0.3
@@ -152,23 +153,35 @@ steady=$(awk -v n=$EVENTS -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b -
 steady_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
 q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
 
-# Backfill: the history is stored before c1 exists.
+backfill_schema() { # schema: the history stored before c1 exists, then migrate adds c1
+  "$WORKER" --config "$(config "$1" 0)" migrate >/dev/null 2>>"$work/migrate.log"
+  append_history "$1"
+  q -c "VACUUM ANALYZE $1.wh_event_store" >/dev/null
+  "$WORKER" --config "$(config "$1" 1)" migrate >"$work/migrate.out" 2>>"$work/migrate.log"
+  grep -q "backfilling c1" "$work/migrate.out" || { echo "bench: migrate did not start a backfill:" >&2; cat "$work/migrate.out" >&2; exit 1; }
+}
+
+# Backfill, alone.
 s=bench_backfill
-"$WORKER" --config "$(config $s 0)" migrate >/dev/null
-append_history $s
-q -c "VACUUM ANALYZE $s.wh_event_store" >/dev/null
-"$WORKER" --config "$(config $s 1)" migrate >"$work/migrate.out"
-grep -q "backfilling c1" "$work/migrate.out" || { echo "bench: migrate did not start a backfill:" >&2; cat "$work/migrate.out" >&2; exit 1; }
+backfill_schema $s
 t0=$(now)
+start_worker "$work/$s-1.yaml"
+await_applied $s
+t1=$(now)
+check $s
+stop_worker
+backfill=$(awk -v n=$EVENTS -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }')
+backfill_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
+
+# Backfill with producers appending beside it, then the same appends without it.
+s=bench_busy
+backfill_schema $s
 start_worker "$work/$s-1.yaml"
 during=$(producers $s during)
 still=$(q -c "SELECT count(*) FROM $s.wh_perspective_jobs")
 await_applied $s
-t1=$(now)
 check $s
-backfill=$(awk -v n=$EVENTS -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }')
-backfill_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
-# The same appends once the backfill is over: same worker, same schema.
 without=$(producers $s without)
 await_live_applied $s
 read -r lat_during_p50 lat_during_p99 <<<"$(latency $s during)"
