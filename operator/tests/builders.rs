@@ -147,8 +147,12 @@ fn migration_target_follows_handlers_and_image_not_worker_tuning() {
     setup.perspectives[1].setup = Some("SELECT 1".into());
     let mut schema = base.clone();
     schema.schema = "shop2".into();
+    // A version bump runs migrate, which marks the perspective for rebuild.
+    let mut version = reset.clone();
+    version.perspectives[0].version = 2;
     for (what, changed, from) in [
         ("reset", &reset, &base),
+        ("version", &version, &reset),
         ("ordering", &ordering, &reset),
         ("setup", &setup, &base),
         ("schema", &schema, &base),

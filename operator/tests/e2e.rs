@@ -1394,7 +1394,7 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
     .await;
 
     w.apply(&catch_up_yaml(&w.schema, &["order_rows", "order_totals"]));
-    // Sampled on every poll: Ready, and what Progressing and the Phase column said.
+    // Sampled on every poll: Ready (each change), and what Progressing and the Phase column said.
     let seen = std::cell::RefCell::new((
         Vec::<String>::new(),
         BTreeSet::<String>::new(),
@@ -1417,7 +1417,9 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
                 format!("{} {}", c.status, c.reason)
             });
         let mut seen = seen.borrow_mut();
-        seen.0.push(ready);
+        if seen.0.last() != Some(&ready) {
+            seen.0.push(ready);
+        }
         if let Some(p) = st.conditions.iter().find(|c| c.type_ == "Progressing") {
             seen.1
                 .insert(format!("{} {}: {}", p.status, p.reason, p.message));
