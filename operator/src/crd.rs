@@ -41,6 +41,7 @@ pub const GROUP: &str = "perspectives.dev";
     printcolumn = r#"{"name":"Replicas","type":"string","jsonPath":".status.replicasSummary"}"#,
     printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pendingEvents"}"#,
     printcolumn = r#"{"name":"Lag","type":"string","jsonPath":".status.lag"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"DeadLetters","type":"integer","jsonPath":".status.deadLetters"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
@@ -214,6 +215,10 @@ pub struct PerspectiveDeploymentStatus {
     /// Dead letters waiting for replay, over all perspectives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dead_letters: Option<i64>,
+    /// `Live` when every perspective is live, else each catching-up one's phase and percent
+    /// (e.g. `Backfilling 61%`), for `kubectl get`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
     /// Worker instances with a recent heartbeat in the database.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub live_instances: Option<i64>,
@@ -238,6 +243,81 @@ pub struct PerspectiveLag {
     pub failed_streams: i64,
     /// Dead letters waiting for replay.
     pub dead_letters: i64,
+    /// Live, or catching up on history (Backfilling when new, Rebuilding after a version change).
+    #[serde(default)]
+    pub phase: PerspectivePhase,
+    /// While catching up: how far it is and the time left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<PerspectiveProgress>,
+}
+
+/// Where a perspective is in its life (the worker's [`perspective_worker::progress::Phase`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum PerspectivePhase {
+    /// Applying events as they are appended.
+    #[default]
+    Live,
+    /// New to the schema: its history is being applied.
+    Backfilling,
+    /// Its version changed (or `rebuild` ran): each stream is reset and replayed.
+    Rebuilding,
+}
+
+impl From<perspective_worker::progress::Phase> for PerspectivePhase {
+    fn from(phase: perspective_worker::progress::Phase) -> Self {
+        use perspective_worker::progress::Phase;
+        match phase {
+            Phase::Live => PerspectivePhase::Live,
+            Phase::Backfilling => PerspectivePhase::Backfilling,
+            Phase::Rebuilding => PerspectivePhase::Rebuilding,
+        }
+    }
+}
+
+impl PerspectivePhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PerspectivePhase::Live => "Live",
+            PerspectivePhase::Backfilling => "Backfilling",
+            PerspectivePhase::Rebuilding => "Rebuilding",
+        }
+    }
+}
+
+/// How far a catch-up (backfill or rebuild) is (the worker's
+/// [`perspective_worker::progress::Progress`], in whole numbers).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PerspectiveProgress {
+    /// `waiting` (for transactions older than the job), `queueing` (streams) or `applying`.
+    pub step: String,
+    /// Streams whose history is queued.
+    pub streams_done: i64,
+    /// Streams with history to apply.
+    pub streams_total: i64,
+    /// Events still to apply.
+    pub events_remaining: i64,
+    /// Events of the history when the job listed the streams.
+    pub events_total: i64,
+    /// Share of the history applied, 0–100 (rounded down).
+    pub percent: i64,
+    /// Estimated seconds left at the rate so far (absent until something was applied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eta_seconds: Option<i64>,
+}
+
+impl From<&perspective_worker::progress::Progress> for PerspectiveProgress {
+    fn from(p: &perspective_worker::progress::Progress) -> Self {
+        PerspectiveProgress {
+            step: p.step.clone(),
+            streams_done: p.streams_done,
+            streams_total: p.streams_total,
+            events_remaining: p.events_remaining,
+            events_total: p.events_total,
+            percent: p.percent.floor() as i64,
+            eta_seconds: p.eta_seconds.map(|s| s.round() as i64),
+        }
+    }
 }
 
 /// The CRD as YAML, as `perspective-operator crd` prints it and `crds/` holds it.
@@ -275,14 +355,10 @@ fn kubernetes_int_formats(value: &mut serde_json::Value) {
                     "int32"
                 };
                 map.insert("format".into(), format.into());
-                let lower = map
-                    .get("minimum")
-                    .and_then(|v| v.as_i64())
-                    .map_or(min, |m| m.max(min));
-                let upper = map
-                    .get("maximum")
-                    .and_then(|v| v.as_i64())
-                    .map_or(max, |m| m.min(max));
+                // schemars may write a bound as a float (`1.0`): read it as one.
+                let bound = |key: &str| map.get(key).and_then(|v| v.as_f64()).map(|b| b as i64);
+                let lower = bound("minimum").map_or(min, |m| m.max(min));
+                let upper = bound("maximum").map_or(max, |m| m.min(max));
                 map.insert("minimum".into(), lower.into());
                 map.insert("maximum".into(), upper.into());
             }

@@ -4,10 +4,13 @@
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::jiff::Timestamp;
-use perspective_worker::store::status::Status as DbStatus;
+use perspective_worker::progress::Phase;
+use perspective_worker::store::status::{PerspectiveStatus, Status as DbStatus};
 
 use crate::conditions::{self, Desired};
-use crate::crd::{PerspectiveDeploymentStatus, PerspectiveLag};
+use crate::crd::{
+    PerspectiveDeploymentStatus, PerspectiveLag, PerspectivePhase, PerspectiveProgress,
+};
 use crate::labels;
 use crate::migration_job::{JobState, MigrationTarget};
 use crate::workers;
@@ -173,6 +176,39 @@ pub fn compute(
     });
 
     let pods_ready = r.exists && r.replicas == o.desired_replicas && r.ready >= o.desired_replicas;
+    // What is left before the current spec is fully rolled out (None: it is).
+    let rollout_step: Option<(&str, String)> = if !migrated {
+        Some((
+            "MigrationPending",
+            format!("waiting for migration Job {}", o.target.job_name),
+        ))
+    } else if !(r.current_template && r.rolled) {
+        Some((
+            if o.paused { "Paused" } else { "RollingOut" },
+            "worker pods are not all running the current template".to_owned(),
+        ))
+    } else if !pods_ready {
+        Some((
+            "WaitingForPods",
+            format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+        ))
+    } else if let Some(live) = db
+        .map(|d| d.live_instances)
+        .filter(|live| *live < i64::from(o.desired_replicas))
+    {
+        // Pods can look ready before their workers heartbeat: trust the database too. (When it
+        // cannot be read, Degraded says so and readiness rests on the pods alone.)
+        Some((
+            "WaitingForWorkers",
+            format!(
+                "{live}/{} workers registered in the database",
+                o.desired_replicas
+            ),
+        ))
+    } else {
+        None
+    };
+    let was_ready = conditions::is_true(&previous.conditions, conditions::READY);
     let (ready, ready_reason, ready_message) = if invalid {
         (
             false,
@@ -185,59 +221,46 @@ pub fn compute(
             "MigrationFailed",
             "the migration failed (see MigrationsApplied)".to_owned(),
         )
-    } else if !migrated {
-        (
-            false,
-            "MigrationPending",
-            format!("waiting for migration Job {}", o.target.job_name),
-        )
-    } else if !(r.current_template && r.rolled) {
-        (
-            false,
-            if o.paused { "Paused" } else { "RollingOut" },
-            "worker pods are not all running the current template".to_owned(),
-        )
-    } else if !pods_ready {
-        (
-            false,
-            "WaitingForPods",
-            format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
-        )
-    } else if let Some(live) = db
-        .map(|d| d.live_instances)
-        .filter(|live| *live < i64::from(o.desired_replicas))
-    {
-        // Pods can look ready before their workers heartbeat: trust the database too. (When it
-        // cannot be read, Degraded says so and readiness rests on the pods alone.)
-        (
-            false,
-            "WaitingForWorkers",
-            format!(
-                "{live}/{} workers registered in the database",
-                o.desired_replicas
-            ),
-        )
     } else {
-        (
-            true,
-            "Available",
-            match db {
-                Some(d) => format!(
-                    "{}/{} worker pods ready, {} workers registered",
-                    r.ready, o.desired_replicas, d.live_instances
-                ),
-                None => format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
-            },
-        )
+        match &rollout_step {
+            None => (
+                true,
+                "Available",
+                match db {
+                    Some(d) => format!(
+                        "{}/{} worker pods ready, {} workers registered",
+                        r.ready, o.desired_replicas, d.live_instances
+                    ),
+                    None => format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+                },
+            ),
+            // A later spec migrating or rolling out (a new perspective, a version bump), or a
+            // pod restarting: the running workers keep applying events, so a deployment that was
+            // ready stays ready while enough of them are (Progressing says what is under way).
+            Some((_, step))
+                if was_ready && r.exists && r.ready >= min_available(o.desired_replicas) =>
+            {
+                (
+                    true,
+                    "MinimumAvailable",
+                    format!(
+                        "{}/{} worker pods ready; {step}",
+                        r.ready, o.desired_replicas
+                    ),
+                )
+            }
+            Some((reason, step)) => (false, *reason, step.clone()),
+        }
     };
     desired.push(Desired::new(
         conditions::READY,
         ready,
         ready_reason,
-        ready_message.clone(),
+        ready_message,
     ));
 
-    let (progressing, p_reason, p_message) = if invalid || failed {
+    let catching_up = db.map_or_else(Vec::new, |d| catch_up_messages(&d.perspectives));
+    let (progressing, p_reason, mut p_message) = if invalid || failed {
         (false, "Stalled", "waiting for a spec change".to_owned())
     } else if o.paused {
         (false, "Paused", "reconciliation is paused".to_owned())
@@ -247,8 +270,10 @@ pub fn compute(
             "MigrationRunning",
             format!("migration Job {}", o.target.job_name),
         )
-    } else if !ready {
-        (true, ready_reason, ready_message.clone())
+    } else if let Some((reason, step)) = &rollout_step {
+        (true, *reason, step.clone())
+    } else if !catching_up.is_empty() {
+        (true, "CatchingUp", String::new())
     } else {
         (
             false,
@@ -256,6 +281,13 @@ pub fn compute(
             "the current spec is rolled out".to_owned(),
         )
     };
+    if progressing && !catching_up.is_empty() {
+        p_message = std::iter::once(p_message)
+            .filter(|m| !m.is_empty())
+            .chain(catching_up)
+            .collect::<Vec<_>>()
+            .join("; ");
+    }
     desired.push(Desired::new(
         conditions::PROGRESSING,
         progressing,
@@ -289,8 +321,11 @@ pub fn compute(
                 oldest_pending_seconds: p.oldest_pending_seconds.map(|s| s.floor() as i64),
                 failed_streams: p.failed_streams,
                 dead_letters: p.dead_letters,
+                phase: p.phase.into(),
+                progress: p.progress.as_ref().map(PerspectiveProgress::from),
             })
             .collect();
+        status.phase = Some(phase_summary(&status.perspectives));
         status.pending_events = Some(db.perspectives.iter().map(|p| p.pending_events).sum());
         let oldest = db
             .perspectives
@@ -312,5 +347,131 @@ pub fn format_lag(seconds: i64) -> String {
         s if s < 60 => format!("{s}s"),
         s if s < 3600 => format!("{}m{}s", s / 60, s % 60),
         s => format!("{}h{}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// Ready pods a ready deployment needs to stay ready while pods are replaced: one fewer than
+/// desired (the disruption budget's one at a time), but at least one.
+pub fn min_available(desired: i32) -> i32 {
+    if desired <= 1 {
+        desired
+    } else {
+        desired - 1
+    }
+}
+
+/// One line per perspective that is catching up, e.g. "order_totals backfilling: 61% (…),
+/// about 40 s left"; empty when all are live.
+pub fn catch_up_messages(perspectives: &[PerspectiveStatus]) -> Vec<String> {
+    perspectives
+        .iter()
+        .filter(|p| p.phase != Phase::Live)
+        .map(|p| match &p.progress {
+            Some(progress) => progress.message(&p.name, p.phase),
+            None => format!("{} {}", p.name, p.phase.as_str().to_lowercase()),
+        })
+        .collect()
+}
+
+/// The `Phase` column: `Live`, or the phase and percent of each catching-up perspective
+/// (`Backfilling 61%`, `Backfilling 61%, Rebuilding 5%`).
+pub fn phase_summary(perspectives: &[PerspectiveLag]) -> String {
+    let catching_up: Vec<String> = perspectives
+        .iter()
+        .filter(|p| p.phase != PerspectivePhase::Live)
+        .map(|p| match &p.progress {
+            Some(progress) => format!("{} {}%", p.phase.as_str(), progress.percent),
+            None => p.phase.as_str().to_owned(),
+        })
+        .collect();
+    if catching_up.is_empty() {
+        PerspectivePhase::Live.as_str().to_owned()
+    } else {
+        catching_up.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use perspective_worker::progress::Progress;
+
+    fn catching_up(name: &str, phase: Phase, percent: f64) -> PerspectiveStatus {
+        PerspectiveStatus {
+            name: name.into(),
+            phase,
+            progress: Some(Progress {
+                step: "applying".into(),
+                streams_done: 6_100,
+                streams_total: 10_000,
+                events_total: 1_000,
+                events_remaining: 1_000 - (percent * 10.0) as i64,
+                percent,
+                eta_seconds: Some(40.0),
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn lag(p: &PerspectiveStatus) -> PerspectiveLag {
+        PerspectiveLag {
+            name: p.name.clone(),
+            phase: p.phase.into(),
+            progress: p.progress.as_ref().map(PerspectiveProgress::from),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn live_perspectives_have_nothing_to_report() {
+        let live = PerspectiveStatus {
+            name: "a".into(),
+            ..Default::default()
+        };
+        assert!(catch_up_messages(std::slice::from_ref(&live)).is_empty());
+        assert_eq!(phase_summary(&[lag(&live)]), "Live");
+        assert_eq!(phase_summary(&[]), "Live");
+    }
+
+    #[test]
+    fn each_catching_up_perspective_gets_a_line_and_a_column_entry() {
+        let ps = [
+            PerspectiveStatus {
+                name: "a".into(),
+                ..Default::default()
+            },
+            catching_up("order_totals", Phase::Backfilling, 61.7),
+            catching_up("carts", Phase::Rebuilding, 5.0),
+        ];
+        assert_eq!(
+            catch_up_messages(&ps),
+            [
+                "order_totals backfilling: 61% (617/1 000 events, 6 100/10 000 streams queued), about 40 s left",
+                "carts rebuilding: 5% (50/1 000 events, 6 100/10 000 streams queued), about 40 s left",
+            ]
+        );
+        let lags: Vec<PerspectiveLag> = ps.iter().map(lag).collect();
+        assert_eq!(lags[1].progress.as_ref().unwrap().percent, 61);
+        assert_eq!(lags[1].progress.as_ref().unwrap().eta_seconds, Some(40));
+        assert_eq!(phase_summary(&lags), "Backfilling 61%, Rebuilding 5%");
+    }
+
+    #[test]
+    fn a_phase_without_figures_is_still_named() {
+        let p = PerspectiveStatus {
+            name: "carts".into(),
+            phase: Phase::Rebuilding,
+            ..Default::default()
+        };
+        assert_eq!(
+            catch_up_messages(std::slice::from_ref(&p)),
+            ["carts rebuilding"]
+        );
+        assert_eq!(phase_summary(&[lag(&p)]), "Rebuilding");
+    }
+
+    #[test]
+    fn one_pod_may_be_replaced_at_a_time_but_never_the_last() {
+        assert_eq!([0, 1, 2, 3, 5].map(min_available), [0, 1, 1, 2, 4]);
     }
 }

@@ -3,10 +3,13 @@
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetStatus};
 use k8s_openapi::jiff::Timestamp;
 use perspective_operator::conditions;
-use perspective_operator::crd::{PerspectiveDeploymentSpec, PerspectiveDeploymentStatus};
+use perspective_operator::crd::{
+    PerspectiveDeploymentSpec, PerspectiveDeploymentStatus, PerspectivePhase,
+};
 use perspective_operator::migration_job::{self, JobState};
 use perspective_operator::status::{compute, Observed};
 use perspective_operator::{config_map, labels, validate, workers};
+use perspective_worker::progress::{Phase, Progress};
 use perspective_worker::store::status::{PerspectiveStatus, Status};
 
 fn spec() -> PerspectiveDeploymentSpec {
@@ -144,8 +147,12 @@ fn migration_target_follows_handlers_and_image_not_worker_tuning() {
     setup.perspectives[1].setup = Some("SELECT 1".into());
     let mut schema = base.clone();
     schema.schema = "shop2".into();
+    // A version bump runs migrate, which marks the perspective for rebuild.
+    let mut version = reset.clone();
+    version.perspectives[0].version = 2;
     for (what, changed, from) in [
         ("reset", &reset, &base),
+        ("version", &version, &reset),
         ("ordering", &ordering, &reset),
         ("setup", &setup, &base),
         ("schema", &schema, &base),
@@ -251,8 +258,23 @@ fn ready_only_when_migrated_rolled_and_pods_ready() {
     assert_eq!(s.observed_generation, Some(4));
     assert_eq!(s.replicas_summary.as_deref(), Some("3/3"));
 
+    // Not ready yet: every pod must be ready the first time.
     o.statefulset = Some(rolled_sts(&o, 2));
+    let s2 = compute(&Default::default(), &o, now);
+    assert_eq!(condition(&s2, conditions::READY).reason, "WaitingForPods");
+    assert_eq!(condition(&s2, conditions::READY).status, "False");
+    // Once ready, one pod being replaced leaves it ready; Progressing says what is missing.
     let s2 = compute(&s, &o, now);
+    assert_eq!(condition(&s2, conditions::READY).reason, "MinimumAvailable");
+    assert_eq!(condition(&s2, conditions::READY).status, "True");
+    assert_eq!(
+        condition(&s2, conditions::PROGRESSING).reason,
+        "WaitingForPods"
+    );
+    // Two of three down is not available.
+    o.statefulset = Some(rolled_sts(&o, 1));
+    let s2 = compute(&s, &o, now);
+    assert_eq!(condition(&s2, conditions::READY).status, "False");
     assert_eq!(condition(&s2, conditions::READY).reason, "WaitingForPods");
 
     // A template from an older migration target: rolling, not ready.
@@ -269,9 +291,149 @@ fn ready_only_when_migrated_rolled_and_pods_ready() {
         .unwrap()
         .insert(labels::MIGRATION_HASH.into(), "old".into());
     o.statefulset = Some(old);
-    let s3 = compute(&s, &o, now);
+    let s3 = compute(&Default::default(), &o, now);
     assert_eq!(condition(&s3, conditions::READY).reason, "RollingOut");
     assert_eq!(condition(&s3, conditions::PROGRESSING).status, "True");
+    // The same rollout of a ready deployment: the old pods keep it ready.
+    let s3 = compute(&s, &o, now);
+    assert_eq!(condition(&s3, conditions::READY).status, "True");
+    assert_eq!(condition(&s3, conditions::PROGRESSING).reason, "RollingOut");
+}
+
+fn db_with(perspectives: Vec<PerspectiveStatus>) -> Option<Result<Status, String>> {
+    Some(Ok(Status {
+        schema: "shop".into(),
+        live_instances: 3,
+        perspectives,
+        ..Default::default()
+    }))
+}
+
+/// Issue 10: a perspective added to a ready deployment migrates, rolls out and backfills while
+/// the deployment stays Ready; Progressing reports each step and then the catch-up.
+#[test]
+fn an_added_perspective_catches_up_while_the_deployment_stays_ready() {
+    let now = Timestamp::from_second(1_000).unwrap();
+    let live = PerspectiveStatus {
+        name: "order_summary".into(),
+        ..Default::default()
+    };
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    o.database = db_with(vec![live.clone()]);
+    let ready = compute(&Default::default(), &o, now);
+    assert_eq!(condition(&ready, conditions::READY).reason, "Available");
+    assert_eq!(ready.phase.as_deref(), Some("Live"));
+
+    // The spec gains a perspective: a new target whose Job runs while the old pods serve.
+    let running_old_template = o.statefulset.clone();
+    let mut o = observed(Some(JobState::Running), running_old_template);
+    o.target.hash = "new-target".into();
+    o.target.job_name = "shop-migrate-new".into();
+    o.database = db_with(vec![live.clone()]);
+    let migrating = compute(&ready, &o, now);
+    let r = condition(&migrating, conditions::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("True", "MinimumAvailable")
+    );
+    assert!(r.message.contains("shop-migrate-new"), "{}", r.message);
+    assert_eq!(
+        condition(&migrating, conditions::PROGRESSING).reason,
+        "MigrationRunning"
+    );
+
+    // Migrated and rolled out; the new perspective backfills.
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    let backfilling = PerspectiveStatus {
+        name: "order_totals".into(),
+        pending_events: 50,
+        phase: Phase::Backfilling,
+        progress: Some(Progress {
+            step: "applying".into(),
+            streams_done: 6_100,
+            streams_total: 10_000,
+            events_total: 10_000,
+            events_remaining: 3_900,
+            percent: 61.0,
+            eta_seconds: Some(39.6),
+        }),
+        ..Default::default()
+    };
+    o.database = db_with(vec![live.clone(), backfilling.clone()]);
+    let s = compute(&migrating, &o, now);
+    assert_eq!(condition(&s, conditions::READY).status, "True");
+    assert_eq!(condition(&s, conditions::READY).reason, "Available");
+    let p = condition(&s, conditions::PROGRESSING);
+    assert_eq!(
+        (p.status.as_str(), p.reason.as_str()),
+        ("True", "CatchingUp")
+    );
+    assert_eq!(
+        p.message,
+        "order_totals backfilling: 61% (6 100/10 000 events, 6 100/10 000 streams queued), about 40 s left"
+    );
+    assert_eq!(s.phase.as_deref(), Some("Backfilling 61%"));
+    let totals = &s.perspectives[1];
+    assert_eq!(totals.phase, PerspectivePhase::Backfilling);
+    let progress = totals.progress.as_ref().unwrap();
+    assert_eq!(
+        (
+            progress.percent,
+            progress.eta_seconds,
+            progress.events_remaining
+        ),
+        (61, Some(40), 3_900)
+    );
+    assert_eq!(s.perspectives[0].phase, PerspectivePhase::Live);
+    assert_eq!(s.perspectives[0].progress, None);
+
+    // A rollout under way and a catch-up: both in the message, the rollout's reason.
+    let mut rolling = o.clone();
+    rolling.statefulset = Some(rolled_sts(&o, 2));
+    let r = compute(&s, &rolling, now);
+    let p = condition(&r, conditions::PROGRESSING);
+    assert_eq!(p.reason, "WaitingForPods");
+    assert!(
+        p.message
+            .starts_with("2/3 worker pods ready; order_totals backfilling: 61%"),
+        "{}",
+        p.message
+    );
+
+    // All live: back to Complete.
+    o.database = db_with(vec![
+        live,
+        PerspectiveStatus {
+            name: "order_totals".into(),
+            ..Default::default()
+        },
+    ]);
+    let done = compute(&s, &o, now);
+    let p = condition(&done, conditions::PROGRESSING);
+    assert_eq!(
+        (p.status.as_str(), p.reason.as_str()),
+        ("False", "Complete")
+    );
+    assert_eq!(done.phase.as_deref(), Some("Live"));
+    assert!(done.perspectives.iter().all(|p| p.progress.is_none()));
+}
+
+#[test]
+fn a_failed_migration_makes_a_ready_deployment_unready() {
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    let ready = compute(&Default::default(), &o, Timestamp::now());
+    assert_eq!(condition(&ready, conditions::READY).status, "True");
+    o.job = Some(JobState::Failed {
+        reason: "BackoffLimitExceeded".into(),
+        message: "boom".into(),
+        at: None,
+    });
+    let s = compute(&ready, &o, Timestamp::now());
+    assert_eq!(condition(&s, conditions::READY).reason, "MigrationFailed");
+    assert_eq!(condition(&s, conditions::READY).status, "False");
 }
 
 #[test]

@@ -45,12 +45,22 @@ fn crd_schema_is_structural() {
         .iter()
         .map(|c| c["name"].as_str().unwrap())
         .collect();
-    for wanted in ["Ready", "Replicas", "Lag", "DeadLetters", "Age"] {
+    for wanted in ["Ready", "Replicas", "Lag", "Phase", "DeadLetters", "Age"] {
         assert!(
             columns.contains(&wanted),
             "printer column {wanted} missing: {columns:?}"
         );
     }
+    // Bounds the Rust types declare reach the API server (schemars writes some as floats).
+    let perspective = &schema["properties"]["spec"]["properties"]["perspectives"]["items"];
+    assert_eq!(perspective["properties"]["version"]["minimum"], 1);
+    assert_eq!(perspective["properties"]["version"]["default"], 1);
+    let status_perspective = &schema["properties"]["status"]["properties"]["perspectives"]["items"];
+    assert_eq!(
+        status_perspective["properties"]["phase"]["enum"],
+        serde_json::json!(["Live", "Backfilling", "Rebuilding"])
+    );
+    assert!(status_perspective["properties"]["progress"]["properties"]["etaSeconds"].is_object());
     let conditions = &schema["properties"]["status"]["properties"]["conditions"];
     assert_eq!(conditions["x-kubernetes-list-type"], "map");
     assert_eq!(conditions["x-kubernetes-list-map-keys"][0], "type");

@@ -601,7 +601,11 @@ async fn lifecycle_of_a_deployment() {
     // 3. Change a handler: a new Job (new name) runs, then the template rolls.
     let old_hash = template_annotation(&sts, "perspectives.dev/migration-hash").unwrap();
     w.apply(&pd_yaml("shop", &w.schema, 3, "v2", ""));
-    let pd = w.wait_condition("shop", "Ready", "True", None).await;
+    // Ready stays True meanwhile (the old workers serve): the rollout is done when Progressing is.
+    let pd = w
+        .wait_condition("shop", "Progressing", "False", Some("Complete"))
+        .await;
+    assert_eq!(condition(&pd, "Ready").status, "True");
     let st = pd.status.clone().unwrap();
     assert_eq!(st.observed_generation, pd.metadata.generation);
     assert_eq!(pd.metadata.generation, Some(2));
@@ -1319,5 +1323,157 @@ async fn a_missing_secret_is_reported_until_it_exists() {
         3,
     )
     .await;
+    w.shutdown().await;
+}
+
+/// A deployment whose perspectives are `names` (each from [`catch_up_perspective`]).
+fn catch_up_yaml(schema: &str, names: &[&str]) -> String {
+    format!(
+        r#"apiVersion: perspectives.dev/v1alpha1
+kind: PerspectiveDeployment
+metadata:
+  name: shop
+spec:
+  schema: {schema}
+  replicas: 2
+  database:
+    secretRef: {{name: shop-db}}
+  worker:
+    heartbeatIntervalSeconds: 2
+    abandonStaleInstanceThresholdSeconds: 10
+  perspectives:
+{}"#,
+        names
+            .iter()
+            .map(|n| catch_up_perspective(n))
+            .collect::<String>()
+    )
+}
+
+/// One row per order; each event takes a millisecond, so a few thousand make a backfill last.
+fn catch_up_perspective(name: &str) -> String {
+    format!(
+        r#"    - name: {name}
+      setup: |
+        CREATE TABLE IF NOT EXISTS {name} (order_id uuid PRIMARY KEY, total bigint NOT NULL)
+      handlers:
+        OrderPlaced: |
+          INSERT INTO {name} (order_id, total)
+          SELECT :stream_id, (:data->>'total')::bigint FROM pg_sleep(0.001)
+"#
+    )
+}
+
+/// Issue 10, acceptance 6: a perspective added to a running deployment with history gets a new
+/// migration Job, backfills while `Progressing` says so, ends `Live` and complete, and the
+/// deployment stays `Ready` throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
+    const ORDERS: i64 = 4_000;
+    let w = World::new("catchup", &[("op", &[])]).await;
+    w.apply(&catch_up_yaml(&w.schema, &["order_rows"]));
+    w.wait_condition("shop", "Ready", "True", None).await;
+    let first_job = w.pd("shop").await.status.unwrap().migration_job.unwrap();
+    let mut conn = db().await;
+    // History: ORDERS streams of one event each, appended in one statement.
+    sqlx::query(&format!(
+        "SELECT count(*) FROM generate_series(1, {ORDERS}) AS g(i), LATERAL {}.append_events(
+           gen_random_uuid(), 0, jsonb_build_array(jsonb_build_object(
+             'event_type', 'OrderPlaced', 'event_data', jsonb_build_object('total', g.i))))",
+        w.schema
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    wait_sql(
+        &mut conn,
+        "the history applied to the first perspective",
+        &format!("SELECT count(*) FROM {}.order_rows", w.schema),
+        ORDERS,
+    )
+    .await;
+
+    w.apply(&catch_up_yaml(&w.schema, &["order_rows", "order_totals"]));
+    // Sampled on every poll: Ready (each change), and what Progressing and the Phase column said.
+    let seen = std::cell::RefCell::new((
+        Vec::<String>::new(),
+        BTreeSet::<String>::new(),
+        BTreeSet::<String>::new(),
+    ));
+    let totals_sql = format!(
+        "SELECT count(DISTINCT order_id) FILTER (WHERE total BETWEEN 1 AND {ORDERS}) \
+         + CASE WHEN sum(total) = {ORDERS} * ({ORDERS} + 1) / 2 THEN 0 ELSE -1 END \
+         FROM {}.order_totals",
+        w.schema
+    );
+    let done = poll("the new perspective live and complete", LONG, || async {
+        let pd = w.pds().get("shop").await?;
+        let st = pd.status.clone().unwrap_or_default();
+        let ready = st
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .map_or("Missing".to_owned(), |c| {
+                format!("{} {}", c.status, c.reason)
+            });
+        let mut seen = seen.borrow_mut();
+        if seen.0.last() != Some(&ready) {
+            seen.0.push(ready);
+        }
+        if let Some(p) = st.conditions.iter().find(|c| c.type_ == "Progressing") {
+            seen.1
+                .insert(format!("{} {}: {}", p.status, p.reason, p.message));
+        }
+        seen.2.extend(st.phase.clone());
+        drop(seen);
+        let fresh = st.observed_generation == pd.metadata.generation;
+        let all_live = st.perspectives.len() == 2
+            && st.perspectives.iter().all(|p| {
+                p.phase == perspective_operator::crd::PerspectivePhase::Live && p.progress.is_none()
+            });
+        let complete = st
+            .conditions
+            .iter()
+            .any(|c| c.type_ == "Progressing" && c.status == "False" && c.reason == "Complete");
+        Ok((fresh && all_live && complete).then_some(pd))
+    })
+    .await;
+    let (readiness, progressing, phases) = seen.into_inner();
+    let done = done.unwrap_or_else(|e| {
+        panic!("{e:#}\nProgressing seen: {progressing:#?}\nPhases seen: {phases:?}")
+    });
+    eprintln!("[e2e] Progressing seen: {progressing:#?}\n[e2e] Phases seen: {phases:?}");
+    let st = done.status.clone().unwrap();
+    assert_ne!(
+        st.migration_job.as_deref(),
+        Some(first_job.as_str()),
+        "the new perspective is a new migration Job"
+    );
+    assert!(
+        progressing
+            .iter()
+            .any(|p| p.starts_with("True ") && p.contains("order_totals backfilling")),
+        "Progressing reported the backfill: {progressing:#?}"
+    );
+    assert!(
+        phases.iter().any(|p| p.starts_with("Backfilling")),
+        "the Phase column showed the backfill: {phases:?}"
+    );
+    assert!(
+        readiness.iter().all(|r| r.starts_with("True ")),
+        "Ready stayed True throughout: {readiness:?}"
+    );
+    assert_eq!(st.phase.as_deref(), Some("Live"));
+    // Every stream's row, each exactly once with its own total.
+    wait_sql(&mut conn, "the backfill complete", &totals_sql, ORDERS).await;
+    wait_sql(
+        &mut conn,
+        "the first perspective not re-applied",
+        &format!("SELECT count(*) FROM {}.order_rows", w.schema),
+        ORDERS,
+    )
+    .await;
+    let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
+    assert!(table.contains("PHASE") && table.contains("Live"), "{table}");
     w.shutdown().await;
 }
