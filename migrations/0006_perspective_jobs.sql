@@ -16,8 +16,10 @@ ALTER TABLE {{schema}}.wh_perspectives
 --             work row for it, and must be committed before the streams are listed;
 --   queueing  its streams are listed in wh_perspective_job_streams; workers take them a chunk at
 --             a time and queue each stream's history (wh_job_requeue_streams);
---   applying  every stream is queued; the job ends (its row is deleted) once no work row of the
---             perspective at or below queued_through is pending.
+--   applying  every stream is queued; the job is done once no work row of the perspective at
+--             or below queued_through is pending;
+--   done      kept (with its figures and finished_at) until the perspective's next job or its
+--             removal.
 -- A backfill holds back the perspective's live work on a stream until that stream is queued
 -- (wh_backfill_gated), so nothing is applied before an older event of its stream. A rebuild
 -- needs no such gate: each stream's `reset` discards whatever was applied before.
@@ -25,13 +27,14 @@ CREATE TABLE {{schema}}.wh_perspective_jobs (
   perspective_name text        PRIMARY KEY,
   kind             text        NOT NULL CHECK (kind IN ('backfill', 'rebuild')),
   state            text        NOT NULL DEFAULT 'waiting'
-                               CHECK (state IN ('waiting', 'queueing', 'applying')),
+                               CHECK (state IN ('waiting', 'queueing', 'applying', 'done')),
   wait_for         pg_snapshot,
   streams_total    bigint,
   events_total     bigint,
   queued_through   bigint,
   created_at       timestamptz NOT NULL DEFAULT now(),
-  started_at       timestamptz
+  started_at       timestamptz,
+  finished_at      timestamptz
 );
 
 -- Streams of a queueing job not queued yet, with the number of the perspective's events each
@@ -67,13 +70,14 @@ BEGIN
   VALUES (p_perspective, p_kind)
   ON CONFLICT (perspective_name) DO UPDATE
     SET kind = excluded.kind, state = 'waiting', wait_for = NULL, streams_total = NULL,
-        events_total = NULL, queued_through = NULL, created_at = now(), started_at = NULL;
+        events_total = NULL, queued_through = NULL, created_at = now(), started_at = NULL,
+        finished_at = NULL;
   PERFORM pg_notify('{{schema}}_work', 'jobs');
 END
 $$;
 
--- Move p_perspective's job as far along as it can go now; returns its state then ('done' when it
--- ended, 'none' when there is no job, 'busy' when another session is advancing it).
+-- Move p_perspective's job as far along as it can go now; returns its state then ('none' when
+-- there is no job, 'busy' when another session is advancing it).
 CREATE FUNCTION {{schema}}.wh_job_advance(p_perspective text)
 RETURNS text
 LANGUAGE plpgsql AS $$
@@ -86,6 +90,9 @@ BEGIN
     RETURN CASE WHEN EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_jobs
                              WHERE perspective_name = p_perspective)
                 THEN 'busy' ELSE 'none' END;
+  END IF;
+  IF j.state = 'done' THEN
+    RETURN 'done';
   END IF;
 
   IF j.state = 'waiting' THEN
@@ -134,7 +141,8 @@ BEGIN
                AND w.processed_at IS NULL) THEN
     RETURN 'applying';
   END IF;
-  DELETE FROM {{schema}}.wh_perspective_jobs WHERE perspective_name = p_perspective;
+  UPDATE {{schema}}.wh_perspective_jobs SET state = 'done', finished_at = now()
+  WHERE perspective_name = p_perspective;
   RETURN 'done';
 END
 $$;

@@ -195,10 +195,9 @@ pub async fn rebuild(
         // Chunks other sessions hold are still in flight: wait for them to commit.
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    report.streams = report.streams_by_this_command as i64;
-    if let Some(job) = job_of(conn, schema, perspective).await? {
-        report.streams = job.streams_total.unwrap_or(report.streams);
-        progress(report.streams, report.streams);
-    }
+    report.streams = store::streams_listed(conn, schema, perspective)
+        .await?
+        .unwrap_or(report.streams_by_this_command as i64);
+    progress(report.streams, report.streams);
     Ok(report)
 }

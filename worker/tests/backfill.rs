@@ -31,7 +31,7 @@ claimWorker:
 fn configs(schema: &str) -> (String, String) {
     let both = recording_yaml(schema, "").replacen(
         "      A: INSERT INTO seen_p2",
-        "      A: SELECT pg_sleep(0.0002); INSERT INTO seen_p2",
+        "      A: SELECT pg_sleep(0.002); INSERT INTO seen_p2",
         1,
     );
     let p1_only = both[..both.find("  - name: p2").unwrap()].to_string();
@@ -49,7 +49,7 @@ async fn scalar(sql: &str) -> i64 {
 
 async fn jobs_left(schema: &str) -> i64 {
     scalar(&format!(
-        "SELECT count(*) FROM {schema}.wh_perspective_jobs"
+        "SELECT count(*) FROM {schema}.wh_perspective_jobs WHERE state <> 'done'"
     ))
     .await
 }

@@ -51,7 +51,22 @@ pub(crate) fn next_interval(
     ))
 }
 
+/// Whether more work is waiting than this claim handed out (it returned a full batch, or the
+/// drain channel could not take all of it): then claim again as soon as the drain has taken what
+/// it has, rather than after the safety-net interval (no doorbell rings for streams that were
+/// already pinned).
+pub(crate) fn claim_again_when_drained(claimed: usize, sent: usize, max_streams: usize) -> bool {
+    claimed > 0 && (claimed >= max_streams || sent < claimed)
+}
+
 impl ClaimLoop {
+    /// Returns once the drain consumers have taken every stream id from the channel.
+    async fn drained(&self) {
+        while self.drain_tx.capacity() < self.drain_tx.max_capacity() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// One `claim_work` call.
     async fn claim(&self) -> Result<Vec<Uuid>, sqlx::Error> {
         let shared = &self.shared;
@@ -100,11 +115,13 @@ impl ClaimLoop {
             if n == 0 {
                 shared.metrics.empty_batches.inc();
             }
+            let mut sent = 0;
             for stream in streams {
                 // A full channel is fine: held streams are offered again on the next poll.
                 if self.drain_tx.try_send(stream).is_err() {
                     break;
                 }
+                sent += 1;
             }
             shared.hooks.record_poll(n, idle_threshold);
             let wait = next_interval(
@@ -116,9 +133,15 @@ impl ClaimLoop {
                 self.listener_healthy.load(Ordering::Relaxed),
                 shared.hooks.consecutive_empty_polls(),
             );
+            let backlog = claim_again_when_drained(
+                n,
+                sent,
+                shared.config.claim_worker.max_streams_per_batch as usize,
+            );
             tokio::select! {
                 _ = shared.shutdown.cancelled() => return,
                 _ = shared.hooks.wake_requested() => {}
+                _ = self.drained(), if backlog => {}
                 _ = async {
                     match wait {
                         Some(d) => tokio::time::sleep(d).await,
@@ -147,6 +170,20 @@ mod tests {
         (0..7)
             .map(|empty| next_interval(opts, stale_seconds, healthy, empty))
             .collect()
+    }
+
+    #[test]
+    fn a_full_claim_or_a_full_channel_claims_again_once_drained() {
+        assert!(claim_again_when_drained(1000, 1000, 1000), "a full batch");
+        assert!(
+            claim_again_when_drained(300, 120, 1000),
+            "the channel took only part"
+        );
+        assert!(
+            !claim_again_when_drained(300, 300, 1000),
+            "everything was handed out"
+        );
+        assert!(!claim_again_when_drained(0, 0, 1000), "nothing to do");
     }
 
     #[test]

@@ -91,6 +91,10 @@ impl JobRunner {
         let schema = shared.store.schema();
         let mut conn = shared.store.pool().acquire().await?;
         let active = store::active(&mut conn, schema).await?;
+        if !active.is_empty() {
+            // Before the chunks too: a turn can last long.
+            self.publish(&mut conn).await?;
+        }
         let mut worked = false;
         for (name, kind) in &active {
             // A job of a perspective this instance's config lacks (a rollout in progress) is

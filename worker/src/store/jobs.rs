@@ -1,6 +1,6 @@
 //! Perspective jobs (migration 0006): backfilling a perspective new to the schema, rebuilding one
 //! whose version changed or that `rebuild` names. The life of a job (waiting → queueing →
-//! applying → gone) is decided in SQL (`wh_job_advance`); the workers and the `rebuild` command
+//! applying → done) is decided in SQL (`wh_job_advance`); the workers and the `rebuild` command
 //! take its streams a chunk per transaction.
 
 use sqlx::postgres::{PgConnection, PgTypeInfo};
@@ -12,8 +12,10 @@ use crate::sql_params::{Param, ParsedStatement};
 
 const START: &str = "SELECT {schema}.wh_job_start($1, $2)";
 const ADVANCE: &str = "SELECT {schema}.wh_job_advance($1)";
-const ACTIVE: &str =
-    "SELECT perspective_name, kind FROM {schema}.wh_perspective_jobs ORDER BY created_at";
+const ACTIVE: &str = "SELECT perspective_name, kind FROM {schema}.wh_perspective_jobs
+     WHERE state <> 'done' ORDER BY created_at";
+const STREAMS_LISTED: &str = "SELECT streams_total FROM {schema}.wh_perspective_jobs
+     WHERE perspective_name = $1";
 const TAKE_STREAMS: &str = "SELECT {schema}.wh_job_take_streams($1, $2)";
 const REQUEUE_STREAMS: &str =
     "SELECT o_queued, o_applied FROM {schema}.wh_job_requeue_streams($1, $2, $3, $4, $5, $6)";
@@ -29,7 +31,7 @@ const PROGRESS: &str =
             (SELECT count(*) FROM {schema}.wh_perspective_events w
              WHERE w.perspective_name = j.perspective_name AND w.processed_at IS NULL),
             extract(epoch FROM now() - j.started_at)::float8
-     FROM {schema}.wh_perspective_jobs j ORDER BY j.perspective_name";
+     FROM {schema}.wh_perspective_jobs j WHERE j.state <> 'done' ORDER BY j.perspective_name";
 
 /// What a job does to each stream before queueing its history again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -68,7 +70,7 @@ pub enum JobState {
     Queueing,
     /// Every stream is queued; the workers are applying the history.
     Applying,
-    /// The job ended with this call.
+    /// The job is over (a done job is kept, with its figures, until the perspective's next).
     Done,
     /// There is no job for the perspective.
     None,
@@ -135,7 +137,7 @@ pub async fn advance(
     Ok(JobState::parse(&state))
 }
 
-/// Every job, oldest first: (perspective, kind).
+/// Every job not done yet, oldest first: (perspective, kind).
 pub async fn active(
     conn: &mut PgConnection,
     schema: &str,
@@ -149,7 +151,20 @@ pub async fn active(
         .collect())
 }
 
-/// Each job's figures.
+/// Streams `perspective`'s job listed (None before it listed them, or without a job).
+pub async fn streams_listed(
+    conn: &mut PgConnection,
+    schema: &str,
+    perspective: &str,
+) -> Result<Option<i64>, sqlx::Error> {
+    Ok(sqlx::query_scalar(&super::sql(schema, STREAMS_LISTED))
+        .bind(perspective)
+        .fetch_optional(&mut *conn)
+        .await?
+        .flatten())
+}
+
+/// The figures of each job not done yet.
 pub async fn progress(conn: &mut PgConnection, schema: &str) -> Result<Vec<JobRow>, sqlx::Error> {
     let rows = sqlx::query(&super::sql(schema, PROGRESS))
         .fetch_all(&mut *conn)
