@@ -1,6 +1,7 @@
 -- 0006: perspective jobs. A perspective new to a schema is backfilled from the event store; one
 -- whose `version` changed is rebuilt (so is one named by `perspective-worker rebuild`). Workers
--- run the jobs, several at once, a chunk of streams per transaction.
+-- run the jobs, several at once, a chunk of streams per transaction. Also: the cleanup of
+-- drained streams drops work rows a removed perspective's in-flight append left behind.
 -- Template: `{{schema}}` is the deployment's schema (see 0001).
 
 -- What each perspective was compiled from, besides the definition hash: the declared version (a
@@ -413,5 +414,39 @@ BEGIN
   FROM leased l
   JOIN {{schema}}.wh_event_store e ON e.event_id = l.event_id
   ORDER BY l.stream_id, l.perspective_name, l.stream_version;
+END
+$$;
+
+-- cleanup_completed_streams (as in 0002) first drops work rows of removed perspectives.
+CREATE OR REPLACE FUNCTION {{schema}}.cleanup_completed_streams(p_instance_id uuid, p_stream_ids uuid[])
+RETURNS SETOF uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_locked uuid[];
+BEGIN
+  SELECT array_agg(x.stream_id) INTO v_locked
+  FROM (SELECT s.stream_id FROM {{schema}}.wh_streams s
+        WHERE s.stream_id = ANY (p_stream_ids)
+        ORDER BY s.stream_id
+        FOR SHARE SKIP LOCKED) x;
+  IF v_locked IS NULL THEN
+    RETURN;
+  END IF;
+  -- Work of a perspective no longer subscribed to anything: `migrate` deleted the removed
+  -- perspective's rows, but an append in flight when it committed (its trigger had read the old
+  -- subscriptions) can add one after. Nothing applies such a row; it would pin its stream.
+  DELETE FROM {{schema}}.wh_perspective_events w
+  WHERE w.stream_id = ANY (v_locked) AND w.processed_at IS NULL
+    AND NOT EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_subscriptions s
+                    WHERE s.perspective_name = w.perspective_name);
+  -- A new statement, so a new snapshot: it sees every producer that committed before the lock.
+  RETURN QUERY
+  DELETE FROM {{schema}}.wh_active_streams a
+  WHERE a.stream_id = ANY (v_locked)
+    AND (a.assigned_instance_id = p_instance_id OR a.assigned_instance_id IS NULL)
+    AND NOT EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
+                    WHERE w.stream_id = a.stream_id AND w.processed_at IS NULL
+                    OFFSET 0)
+  RETURNING a.stream_id;
 END
 $$;

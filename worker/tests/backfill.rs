@@ -38,6 +38,16 @@ fn configs(schema: &str) -> (String, String) {
     (p1_only + FAST, both + FAST)
 }
 
+/// A worker process that a failing assertion must not leave running.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 async fn scalar(sql: &str) -> i64 {
     let mut conn = connect().await;
     sqlx::query_scalar::<_, Option<i64>>(sql)
@@ -227,13 +237,13 @@ async fn sigkill_mid_backfill_loses_and_repeats_nothing() {
             .spawn()
             .expect("spawn the worker")
     };
-    let mut victim = spawn();
+    let mut victim = KillOnDrop(spawn());
     // Kill it mid-backfill: some streams queued but not all, or p2's history partly applied.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         assert!(Instant::now() < deadline, "never reached the kill point");
         assert!(
-            victim.try_wait().unwrap().is_none(),
+            victim.0.try_wait().unwrap().is_none(),
             "the worker exited early"
         );
         let (listed, left, applied): (Option<i64>, i64, i64) = {
@@ -255,8 +265,8 @@ async fn sigkill_mid_backfill_loses_and_repeats_nothing() {
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    victim.kill().unwrap(); // SIGKILL
-    victim.wait().unwrap();
+    victim.0.kill().unwrap(); // SIGKILL
+    victim.0.wait().unwrap();
     let applied_at_kill = scalar(&format!(
         "SELECT sum(cardinality(versions))::int8 FROM {schema}.seen_p2"
     ))
@@ -266,7 +276,7 @@ async fn sigkill_mid_backfill_loses_and_repeats_nothing() {
         "killed mid-backfill ({applied_at_kill} applied)"
     );
 
-    let mut survivor = spawn();
+    let mut survivor = KillOnDrop(spawn());
     let deadline = Instant::now() + Duration::from_secs(120);
     while jobs_left(&schema).await > 0 {
         assert!(Instant::now() < deadline, "the backfill never finished");
@@ -274,10 +284,10 @@ async fn sigkill_mid_backfill_loses_and_repeats_nothing() {
     }
     wait_drained(&schema, Duration::from_secs(120)).await;
     Command::new("kill")
-        .args(["-TERM", &survivor.id().to_string()])
+        .args(["-TERM", &survivor.0.id().to_string()])
         .status()
         .unwrap();
-    assert!(survivor.wait().unwrap().success());
+    assert!(survivor.0.wait().unwrap().success());
     assert_exactly_once(&schema, 100).await;
 }
 

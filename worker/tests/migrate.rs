@@ -652,3 +652,55 @@ async fn a_removed_perspective_leaves_no_work_cursors_or_pinned_streams() {
         "alpha applied each of its events once"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_in_flight_while_a_perspective_is_removed_pins_nothing() {
+    let (schema, _config) = migrated_schema("removeflight").await;
+    let stream = uuid::Uuid::now_v7();
+    // An append of a type only beta handles, in flight (its trigger has read the subscriptions,
+    // beta's included) while migrate removes beta.
+    let mut producer = connect().await;
+    sqlx::query("BEGIN").execute(&mut producer).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'C')"
+    ))
+    .bind(stream)
+    .execute(&mut producer)
+    .await
+    .unwrap();
+    let alpha_only = two_perspective_yaml(&schema);
+    let alpha_only = alpha_only[..alpha_only.find("  - name: beta").unwrap()].to_string();
+    let alpha = parse_config(&alpha_only);
+    migrate_config(&alpha).await;
+    sqlx::query("COMMIT").execute(&mut producer).await.unwrap();
+    let beta_rows = format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_events WHERE perspective_name = 'beta'"
+    );
+    let pinned = format!("SELECT count(*) FROM {schema}.wh_active_streams");
+    let count = |sql: String| async move {
+        let mut conn = connect().await;
+        sqlx::query_scalar::<_, i64>(&sql)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+    };
+    assert_eq!(
+        count(beta_rows.clone()).await,
+        1,
+        "the append left a row for beta"
+    );
+    assert_eq!(count(pinned.clone()).await, 1, "which pins its stream");
+
+    // A worker drops the row and unpins the stream.
+    let engine = RunningEngine::start(&alpha).await;
+    wait_until(
+        "the removed perspective's row is gone and the stream unpinned",
+        std::time::Duration::from_secs(30),
+        || {
+            let (beta_rows, pinned) = (beta_rows.clone(), pinned.clone());
+            async move { count(beta_rows).await == 0 && count(pinned).await == 0 }
+        },
+    )
+    .await;
+    engine.stop().await;
+}

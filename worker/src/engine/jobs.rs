@@ -46,6 +46,18 @@ fn next_wait(turn: Result<Turn, ()>, failures: u32) -> Duration {
     }
 }
 
+/// How hard to run a job's chunks: `(chunk loops, pause after each chunk as a multiple of its
+/// duration)`. Full speed (a loop per drain consumer) while the instance has no live work; while
+/// it has, one loop at half duty, so producers and live perspectives keep most of the machine
+/// (a backfill is a catch-up; the live events are what users wait for).
+fn pace(drain_consumers: u32, live_work: bool) -> (u32, f64) {
+    if live_work {
+        (1, 1.0)
+    } else {
+        (drain_consumers.max(1), 0.0)
+    }
+}
+
 /// The job runner task.
 pub(crate) struct JobRunner {
     pub shared: Arc<Shared>,
@@ -106,7 +118,7 @@ impl JobRunner {
                 JobState::Queueing => {
                     let loops = shared.config.worker.max_concurrent_drain_consumers.max(1);
                     let results = futures::future::join_all(
-                        (0..loops).map(|_| self.chunk_loop(perspective, *kind)),
+                        (0..loops).map(|i| self.chunk_loop(i, perspective, *kind)),
                     )
                     .await;
                     for chunks in results {
@@ -133,10 +145,11 @@ impl JobRunner {
         })
     }
 
-    /// Take up to [`CHUNKS_PER_TURN`] chunks of `perspective`'s job on one connection; returns
-    /// how many it took.
+    /// Take up to [`CHUNKS_PER_TURN`] chunks of `perspective`'s job on one connection, paced by
+    /// [`pace`]; returns how many it took. `index` numbers the loops of a turn.
     async fn chunk_loop(
         &self,
+        index: u32,
         perspective: &PerspectiveConfig,
         kind: JobKind,
     ) -> Result<usize, JobError> {
@@ -154,10 +167,21 @@ impl JobRunner {
         let mut conn = shared.store.pool().acquire().await?;
         let mut taken = 0;
         while taken < CHUNKS_PER_TURN && !shared.shutdown.is_cancelled() {
+            let (loops, pause) = pace(
+                worker.max_concurrent_drain_consumers,
+                !shared.hooks.is_idle(),
+            );
+            if index >= loops {
+                break;
+            }
             let schema = shared.store.schema();
+            let started = std::time::Instant::now();
             match jobs::run_chunk(&mut conn, schema, perspective, kind, how).await? {
                 Some(chunk) => {
                     taken += 1;
+                    if pause > 0.0 {
+                        tokio::time::sleep(started.elapsed().mul_f64(pause)).await;
+                    }
                     shared
                         .metrics
                         .events_processed
@@ -196,6 +220,13 @@ mod tests {
         assert_eq!(next_wait(Ok(Turn::Worked), 0), Duration::ZERO);
         assert_eq!(next_wait(Ok(Turn::Watching), 0), WATCH_INTERVAL);
         assert_eq!(next_wait(Ok(Turn::Idle), 0), IDLE_INTERVAL);
+    }
+
+    #[test]
+    fn chunks_run_at_full_speed_only_while_there_is_no_live_work() {
+        assert_eq!(pace(4, false), (4, 0.0));
+        assert_eq!(pace(0, false), (1, 0.0));
+        assert_eq!(pace(4, true), (1, 1.0));
     }
 
     #[test]
