@@ -2,7 +2,7 @@
 #   make demo    embedded PostgreSQL, migrate examples/shop.yaml, append sample events, apply them, print the tables
 #   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
 #                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/)
-#   make bench   append-path and apply-path benchmarks (see BENCHMARKS.md)
+#   make bench   append-path, apply-path and backfill benchmarks (see BENCHMARKS.md)
 #   make images  the worker and operator container images, built with buildah
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -47,6 +47,7 @@ bench: postgres
 	$(CARGO) build --release -p perspective-worker
 	tests/bench/append.sh
 	tests/bench/apply.sh
+	tests/bench/backfill.sh
 
 # Container images (buildah, no Docker engine): perspective-worker and perspective-operator.
 images:

@@ -446,8 +446,8 @@ mod tests {
         assert_eq!(
             catch_up_messages(&ps),
             [
-                "order_totals backfilling: 61% (617/1 000 events, 6 100/10 000 streams queued), about 40 s left",
-                "carts rebuilding: 5% (50/1 000 events, 6 100/10 000 streams queued), about 40 s left",
+                "order_totals backfilling: 61% (617/1 000 events, 6 100/10 000 streams), about 40 s left",
+                "carts rebuilding: 5% (50/1 000 events, 6 100/10 000 streams), about 40 s left",
             ]
         );
         let lags: Vec<PerspectiveLag> = ps.iter().map(lag).collect();

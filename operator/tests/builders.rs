@@ -372,7 +372,7 @@ fn an_added_perspective_catches_up_while_the_deployment_stays_ready() {
     );
     assert_eq!(
         p.message,
-        "order_totals backfilling: 61% (6 100/10 000 events, 6 100/10 000 streams queued), about 40 s left"
+        "order_totals backfilling: 61% (6 100/10 000 events, 6 100/10 000 streams), about 40 s left"
     );
     assert_eq!(s.phase.as_deref(), Some("Backfilling 61%"));
     let totals = &s.perspectives[1];

@@ -57,8 +57,10 @@ pub enum JobError {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Chunk {
     pub streams: usize,
-    /// History queued (rows), and of it applied in the chunk's transaction.
+    /// Work rows queued for the workers (the whole history when queueing; when applying, only
+    /// what a failing apply left).
     pub work_rows: i64,
+    /// Events applied in the chunk's transaction.
     pub applied: i64,
 }
 

@@ -1,5 +1,5 @@
 //! How far a perspective is from live: its phase and, while a job catches it up, the figures a
-//! user watches (streams queued, events applied, an estimate of the time left). Pure: built from
+//! user watches (streams caught up or queued, events applied, an estimate of the time left). Pure: built from
 //! a job's stored figures, shared by `status`, `/metrics` and the operator's status.
 
 use serde::{Deserialize, Serialize};
@@ -36,7 +36,7 @@ impl Phase {
 pub struct Progress {
     /// `waiting` (for older transactions), `queueing` (streams) or `applying` (the history).
     pub step: String,
-    /// Streams whose history is queued, of those listed.
+    /// Streams whose history is applied (or, queued for the workers), of those listed.
     pub streams_done: i64,
     pub streams_total: i64,
     /// Events of the perspective's types stored when the job listed the streams.
@@ -103,7 +103,7 @@ impl Progress {
     }
 
     /// One line for people: "order_totals backfilling: 61% (610 000/1 000 000 events,
-    /// 10 000/10 000 streams queued), about 40 s left".
+    /// 10 000/10 000 streams), about 40 s left".
     pub fn message(&self, perspective: &str, phase: Phase) -> String {
         let verb = phase.as_str().to_lowercase();
         if self.step == "waiting" {
@@ -112,7 +112,7 @@ impl Progress {
             );
         }
         let mut line = format!(
-            "{perspective} {verb}: {}% ({}/{} events, {}/{} streams queued)",
+            "{perspective} {verb}: {}% ({}/{} events, {}/{} streams)",
             self.percent.floor() as i64,
             thousands(self.events_total - self.events_remaining.min(self.events_total)),
             thousands(self.events_total),
@@ -182,7 +182,7 @@ mod tests {
         assert_eq!(p.eta_seconds, Some(39.0));
         assert_eq!(
             p.message("order_totals", phase),
-            "order_totals backfilling: 61% (610 000/1 000 000 events, 6 100/10 000 streams queued), about 39 s left"
+            "order_totals backfilling: 61% (610 000/1 000 000 events, 6 100/10 000 streams), about 39 s left"
         );
     }
 

@@ -177,7 +177,7 @@ mod tests {
             "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
              PERSPECTIVE  PHASE               PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
              totals       Backfilling 61%         390             2.0               0             0\n\
-             totals backfilling: 61% (610/1 000 events, 6 100/10 000 streams queued), about 39 s left\n"
+             totals backfilling: 61% (610/1 000 events, 6 100/10 000 streams), about 39 s left\n"
         );
     }
 }

@@ -25,7 +25,7 @@ pub struct PerspectiveStatus {
     pub dead_letters: i64,
     /// Live, or catching up (Backfilling, Rebuilding).
     pub phase: Phase,
-    /// While catching up: streams queued, events remaining, time left.
+    /// While catching up: streams done, events remaining, time left.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
 }
