@@ -20,6 +20,8 @@ pub(crate) struct ClaimLoop {
     /// Whether the LISTEN connection is up (set by the listener).
     pub listener_healthy: Arc<AtomicBool>,
     pub readiness: Readiness,
+    /// When a claim last found work, out (the job runner paces itself by it).
+    pub last_work: Arc<super::jobs::LastWork>,
 }
 
 /// The wait before the next poll: the tight interval while NOTIFY is unavailable, the relaxed
@@ -112,6 +114,9 @@ impl ClaimLoop {
                 }
             };
             let n = streams.len();
+            if n > 0 {
+                self.last_work.record();
+            }
             if n == 0 {
                 shared.metrics.empty_batches.inc();
             }

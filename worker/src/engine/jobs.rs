@@ -6,8 +6,9 @@
 //! `/metrics`. It sleeps while there is no job; `wh_job_start` rings the doorbell with the `jobs`
 //! payload, which the listener turns into a wake-up here.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
@@ -46,9 +47,47 @@ fn next_wait(turn: Result<Turn, ()>, failures: u32) -> Duration {
     }
 }
 
+/// For how long after the claim loop last found work the instance counts as having live work.
+const LIVE_GRACE: Duration = Duration::from_secs(2);
+
+/// When the claim loop last handed out work (it records, the job runner reads).
+#[derive(Debug)]
+pub(crate) struct LastWork {
+    start: Instant,
+    /// Milliseconds after `start`, plus one (0: never).
+    at: AtomicU64,
+}
+
+impl LastWork {
+    pub(crate) fn new() -> Self {
+        LastWork {
+            start: Instant::now(),
+            at: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn record(&self) {
+        let ms = self.start.elapsed().as_millis() as u64 + 1;
+        self.at.store(ms, Ordering::Relaxed);
+    }
+
+    /// Whether work was found within [`LIVE_GRACE`].
+    fn recent(&self) -> bool {
+        match self.at.load(Ordering::Relaxed) {
+            0 => false,
+            at => {
+                self.start
+                    .elapsed()
+                    .saturating_sub(Duration::from_millis(at - 1))
+                    < LIVE_GRACE
+            }
+        }
+    }
+}
+
 /// How hard to run a job's chunks: `(chunk loops, pause after each chunk as a multiple of its
-/// duration)`. Full speed (a loop per drain consumer) while the instance has no live work; while
-/// it has, one loop at half duty, so producers and live perspectives keep most of the machine
+/// duration)`. Full speed (a loop per drain consumer) while the instance has no live work (the
+/// claim loop found none for [`LIVE_GRACE`]); while it has, one loop at half duty, so producers and live perspectives keep most of the machine
 /// (a backfill is a catch-up; the live events are what users wait for).
 fn pace(drain_consumers: u32, live_work: bool) -> (u32, f64) {
     if live_work {
@@ -66,6 +105,8 @@ pub(crate) struct JobRunner {
     /// Whether chunks apply the history they queue (the compiled SQL perspectives run here);
     /// with a custom runner they only queue it.
     pub apply_in_chunks: bool,
+    /// Live work seen by the claim loop, in (for pacing).
+    pub last_work: Arc<LastWork>,
 }
 
 impl JobRunner {
@@ -169,7 +210,7 @@ impl JobRunner {
         while taken < CHUNKS_PER_TURN && !shared.shutdown.is_cancelled() {
             let (loops, pause) = pace(
                 worker.max_concurrent_drain_consumers,
-                !shared.hooks.is_idle(),
+                self.last_work.recent(),
             );
             if index >= loops {
                 break;
@@ -220,6 +261,19 @@ mod tests {
         assert_eq!(next_wait(Ok(Turn::Worked), 0), Duration::ZERO);
         assert_eq!(next_wait(Ok(Turn::Watching), 0), WATCH_INTERVAL);
         assert_eq!(next_wait(Ok(Turn::Idle), 0), IDLE_INTERVAL);
+    }
+
+    #[test]
+    fn last_work_is_recent_for_the_grace_period() {
+        let w = LastWork::new();
+        assert!(!w.recent(), "never");
+        w.record();
+        assert!(w.recent());
+        let old = LastWork {
+            start: Instant::now() - LIVE_GRACE * 2,
+            at: AtomicU64::new(1),
+        };
+        assert!(!old.recent(), "longer ago than the grace period");
     }
 
     #[test]

@@ -171,6 +171,7 @@ impl Engine {
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         let listener_healthy = Arc::new(AtomicBool::new(false));
         let jobs_wake = Arc::new(tokio::sync::Notify::new());
+        let last_work = Arc::new(jobs::LastWork::new());
         let cache = Arc::new(Mutex::new(ProcessedEventCache::new(Duration::from_secs(
             config.worker.lease_seconds as u64,
         ))));
@@ -191,6 +192,7 @@ impl Engine {
             shared: shared.clone(),
             wake: jobs_wake,
             apply_in_chunks: options.runner.is_none(),
+            last_work: last_work.clone(),
         };
         tasks.push(tokio::spawn(job_runner.run()));
         tasks.push(tokio::spawn(heartbeat.run()));
@@ -217,6 +219,7 @@ impl Engine {
             drain_tx,
             listener_healthy,
             readiness: readiness.clone(),
+            last_work,
         };
         tasks.push(tokio::spawn(claim_loop.run()));
         let flush = completion::FlushWorker {
