@@ -1327,7 +1327,7 @@ async fn a_missing_secret_is_reported_until_it_exists() {
 }
 
 /// A deployment whose perspectives are `names` (each from [`catch_up_perspective`]).
-fn catch_up_yaml(schema: &str, names: &[&str]) -> String {
+fn catch_up_yaml(schema: &str, perspectives: &[(&str, u32)]) -> String {
     format!(
         r#"apiVersion: perspectives.dev/v1alpha1
 kind: PerspectiveDeployment
@@ -1343,19 +1343,21 @@ spec:
     abandonStaleInstanceThresholdSeconds: 10
   perspectives:
 {}"#,
-        names
+        perspectives
             .iter()
-            .map(|n| catch_up_perspective(n))
+            .map(|(name, version)| catch_up_perspective(name, *version))
             .collect::<String>()
     )
 }
 
 /// One row per order; each event takes a millisecond, so a few thousand make a backfill last.
-fn catch_up_perspective(name: &str) -> String {
+fn catch_up_perspective(name: &str, version: u32) -> String {
     format!(
         r#"    - name: {name}
+      version: {version}
       setup: |
         CREATE TABLE IF NOT EXISTS {name} (order_id uuid PRIMARY KEY, total bigint NOT NULL)
+      reset: DELETE FROM {name} WHERE order_id = :stream_id
       handlers:
         OrderPlaced: |
           INSERT INTO {name} (order_id, total)
@@ -1371,7 +1373,7 @@ fn catch_up_perspective(name: &str) -> String {
 async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
     const ORDERS: i64 = 4_000;
     let w = World::new("catchup", &[("op", &[])]).await;
-    w.apply(&catch_up_yaml(&w.schema, &["order_rows"]));
+    w.apply(&catch_up_yaml(&w.schema, &[("order_rows", 1)]));
     w.wait_condition("shop", "Ready", "True", None).await;
     let first_job = w.pd("shop").await.status.unwrap().migration_job.unwrap();
     let mut conn = db().await;
@@ -1393,12 +1395,9 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
     )
     .await;
 
-    w.apply(&catch_up_yaml(&w.schema, &["order_rows", "order_totals"]));
-    // Sampled on every poll: Ready (each change), and what Progressing and the Phase column said.
-    let seen = std::cell::RefCell::new((
-        Vec::<String>::new(),
-        BTreeSet::<String>::new(),
-        BTreeSet::<String>::new(),
+    w.apply(&catch_up_yaml(
+        &w.schema,
+        &[("order_rows", 1), ("order_totals", 1)],
     ));
     let totals_sql = format!(
         "SELECT count(DISTINCT order_id) FILTER (WHERE total BETWEEN 1 AND {ORDERS}) \
@@ -1406,6 +1405,85 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
          FROM {}.order_totals",
         w.schema
     );
+    let (readiness, progressing, phases, done) = watch_catch_up(&w).await;
+    let st = done.status.clone().unwrap();
+    assert_ne!(
+        st.migration_job.as_deref(),
+        Some(first_job.as_str()),
+        "the new perspective is a new migration Job"
+    );
+    assert!(
+        progressing
+            .iter()
+            .any(|p| p.starts_with("True ") && p.contains("order_totals backfilling")),
+        "Progressing reported the backfill: {progressing:#?}"
+    );
+    assert!(
+        phases.iter().any(|p| p.starts_with("Backfilling")),
+        "the Phase column showed the backfill: {phases:?}"
+    );
+    assert!(
+        readiness.iter().all(|r| r.starts_with("True ")),
+        "Ready stayed True throughout: {readiness:?}"
+    );
+    assert_eq!(st.phase.as_deref(), Some("Live"));
+    // Every stream's row, each exactly once with its own total.
+    wait_sql(&mut conn, "the backfill complete", &totals_sql, ORDERS).await;
+    wait_sql(
+        &mut conn,
+        "the first perspective not re-applied",
+        &format!("SELECT count(*) FROM {}.order_rows", w.schema),
+        ORDERS,
+    )
+    .await;
+    let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
+    assert!(table.contains("PHASE") && table.contains("Live"), "{table}");
+
+    // A version bump rebuilds order_totals online (its damaged rows put right), through a new
+    // Job, with Progressing saying so, and the deployment stays Ready.
+    let second_job = st.migration_job.clone().unwrap();
+    sqlx::query(&format!("UPDATE {}.order_totals SET total = -1", w.schema))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    w.apply(&catch_up_yaml(
+        &w.schema,
+        &[("order_rows", 1), ("order_totals", 2)],
+    ));
+    let (readiness, progressing, _, done) = watch_catch_up(&w).await;
+    let st = done.status.clone().unwrap();
+    assert_ne!(st.migration_job.as_deref(), Some(second_job.as_str()));
+    assert!(
+        progressing
+            .iter()
+            .any(|p| p.starts_with("True ") && p.contains("order_totals rebuilding")),
+        "Progressing reported the rebuild: {progressing:#?}"
+    );
+    assert!(
+        readiness.iter().all(|r| r.starts_with("True ")),
+        "Ready stayed True throughout the rebuild: {readiness:?}"
+    );
+    wait_sql(&mut conn, "the rebuild complete", &totals_sql, ORDERS).await;
+    w.shutdown().await;
+}
+
+/// Poll the deployment until its spec is observed, both perspectives are `Live` and
+/// `Progressing` is `Complete`; returns what was seen on the way — Ready's changes, every
+/// Progressing message, every Phase summary — and the deployment then.
+async fn watch_catch_up(
+    w: &World,
+) -> (
+    Vec<String>,
+    BTreeSet<String>,
+    BTreeSet<String>,
+    PerspectiveDeployment,
+) {
+    // Sampled on every poll: Ready (each change), and what Progressing and the Phase column said.
+    let seen = std::cell::RefCell::new((
+        Vec::<String>::new(),
+        BTreeSet::<String>::new(),
+        BTreeSet::<String>::new(),
+    ));
     let done = poll("the new perspective live and complete", LONG, || async {
         let pd = w.pds().get("shop").await?;
         let st = pd.status.clone().unwrap_or_default();
@@ -1443,37 +1521,5 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
         panic!("{e:#}\nProgressing seen: {progressing:#?}\nPhases seen: {phases:?}")
     });
     eprintln!("[e2e] Progressing seen: {progressing:#?}\n[e2e] Phases seen: {phases:?}");
-    let st = done.status.clone().unwrap();
-    assert_ne!(
-        st.migration_job.as_deref(),
-        Some(first_job.as_str()),
-        "the new perspective is a new migration Job"
-    );
-    assert!(
-        progressing
-            .iter()
-            .any(|p| p.starts_with("True ") && p.contains("order_totals backfilling")),
-        "Progressing reported the backfill: {progressing:#?}"
-    );
-    assert!(
-        phases.iter().any(|p| p.starts_with("Backfilling")),
-        "the Phase column showed the backfill: {phases:?}"
-    );
-    assert!(
-        readiness.iter().all(|r| r.starts_with("True ")),
-        "Ready stayed True throughout: {readiness:?}"
-    );
-    assert_eq!(st.phase.as_deref(), Some("Live"));
-    // Every stream's row, each exactly once with its own total.
-    wait_sql(&mut conn, "the backfill complete", &totals_sql, ORDERS).await;
-    wait_sql(
-        &mut conn,
-        "the first perspective not re-applied",
-        &format!("SELECT count(*) FROM {}.order_rows", w.schema),
-        ORDERS,
-    )
-    .await;
-    let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
-    assert!(table.contains("PHASE") && table.contains("Live"), "{table}");
-    w.shutdown().await;
+    (readiness, progressing, phases, done)
 }

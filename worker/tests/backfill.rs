@@ -48,13 +48,12 @@ impl Drop for KillOnDrop {
     }
 }
 
-async fn scalar(sql: &str) -> i64 {
-    let mut conn = connect().await;
-    sqlx::query_scalar::<_, Option<i64>>(sql)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap()
-        .unwrap_or(0)
+/// Wait (two minutes at most) until the schema's jobs are done.
+async fn wait_jobs_done(schema: &str) {
+    wait_until("the jobs are done", Duration::from_secs(120), || async {
+        jobs_left(schema).await == 0
+    })
+    .await;
 }
 
 async fn jobs_left(schema: &str) -> i64 {
@@ -277,11 +276,7 @@ async fn sigkill_mid_backfill_loses_and_repeats_nothing() {
     );
 
     let mut survivor = KillOnDrop(spawn());
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while jobs_left(&schema).await > 0 {
-        assert!(Instant::now() < deadline, "the backfill never finished");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_jobs_done(&schema).await;
     wait_drained(&schema, Duration::from_secs(120)).await;
     Command::new("kill")
         .args(["-TERM", &survivor.0.id().to_string()])
@@ -362,11 +357,7 @@ async fn a_version_bump_rebuilds_online_and_every_read_sees_an_ordered_prefix() 
         RunningEngine::start(&config).await,
         RunningEngine::start(&config).await,
     ];
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while jobs_left(&schema).await > 0 {
-        assert!(Instant::now() < deadline, "the rebuild never finished");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_jobs_done(&schema).await;
     stop.store(true, Ordering::Relaxed);
     for a in appenders {
         a.await.unwrap();
@@ -519,11 +510,7 @@ async fn a_rust_runner_backfills_a_new_perspective_in_order_while_producers_appe
         )));
         engines.push(RunningEngine::start_with(options).await);
     }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while jobs_left(&schema).await > 0 {
-        assert!(Instant::now() < deadline, "the backfill never finished");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_jobs_done(&schema).await;
     stop.store(true, Ordering::Relaxed);
     for a in appenders {
         a.await.unwrap();
@@ -566,10 +553,7 @@ claimWorker:
     let config = parse_config(&both);
     migrate_config(&config).await;
     let engine = RunningEngine::start(&config).await;
-    wait_until("the backfill ends", Duration::from_secs(60), || async {
-        jobs_left(&schema).await == 0
-    })
-    .await;
+    wait_jobs_done(&schema).await;
     wait_drained(&schema, Duration::from_secs(60)).await;
     engine.stop().await;
     let (p1, p2): (Vec<i64>, Vec<i64>) = sqlx::query_as(&format!(

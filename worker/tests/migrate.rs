@@ -677,29 +677,19 @@ async fn an_append_in_flight_while_a_perspective_is_removed_pins_nothing() {
         "SELECT count(*) FROM {schema}.wh_perspective_events WHERE perspective_name = 'beta'"
     );
     let pinned = format!("SELECT count(*) FROM {schema}.wh_active_streams");
-    let count = |sql: String| async move {
-        let mut conn = connect().await;
-        sqlx::query_scalar::<_, i64>(&sql)
-            .fetch_one(&mut conn)
-            .await
-            .unwrap()
-    };
     assert_eq!(
-        count(beta_rows.clone()).await,
+        scalar(&beta_rows).await,
         1,
         "the append left a row for beta"
     );
-    assert_eq!(count(pinned.clone()).await, 1, "which pins its stream");
+    assert_eq!(scalar(&pinned).await, 1, "which pins its stream");
 
     // A worker drops the row and unpins the stream.
     let engine = RunningEngine::start(&alpha).await;
     wait_until(
         "the removed perspective's row is gone and the stream unpinned",
         std::time::Duration::from_secs(30),
-        || {
-            let (beta_rows, pinned) = (beta_rows.clone(), pinned.clone());
-            async move { count(beta_rows).await == 0 && count(pinned).await == 0 }
-        },
+        || async { scalar(&beta_rows).await == 0 && scalar(&pinned).await == 0 },
     )
     .await;
     engine.stop().await;

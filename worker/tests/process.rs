@@ -37,15 +37,6 @@ fn spawn_worker(config: &std::path::Path, instance: Uuid) -> Child {
         .expect("spawn the worker")
 }
 
-async fn scalar(sql: &str) -> i64 {
-    let mut conn = connect().await;
-    sqlx::query_scalar::<_, Option<i64>>(sql)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap()
-        .unwrap_or(0)
-}
-
 fn write_config(schema: &str, yaml: &str) -> std::path::PathBuf {
     let path = std::env::temp_dir().join(format!("{schema}.yaml"));
     std::fs::write(&path, yaml).unwrap();

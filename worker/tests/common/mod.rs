@@ -102,6 +102,16 @@ pub fn worker_bin() -> Command {
     cmd
 }
 
+/// One number from the test database (NULL reads as 0).
+pub async fn scalar(sql: &str) -> i64 {
+    let mut conn = connect().await;
+    sqlx::query_scalar::<_, Option<i64>>(sql)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        .unwrap_or(0)
+}
+
 /// Poll `check` until it returns true or `timeout` passes.
 pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
 where
