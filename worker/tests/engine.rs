@@ -1326,3 +1326,80 @@ async fn lifecycle_stages_fire_once_per_event_and_orphans_are_reconciled() {
     assert_eq!(recorded, 20);
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_lettered_last_event_leaves_no_stream_failed_and_a_replay_clears_everything() {
+    let schema = unique_schema("dlclear");
+    let extra = "worker:
+  maxPerspectiveEventAttempts: 2
+  failureRetryBaseMilliseconds: 20
+  failureRetryMaxMilliseconds: 100
+claimWorker:
+  pollingIntervalMilliseconds: 100
+";
+    let fixed = recording_yaml(&schema, extra);
+    let broken = fixed.replacen(
+        "      A: INSERT INTO seen_p1",
+        "      A: SELECT (coalesce(:data->>'poison', '0'))::int; INSERT INTO seen_p1",
+        1,
+    );
+    let config = parse_config(&broken);
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let stream = Uuid::now_v7();
+    let mut conn = connect().await;
+    // The stream's last event is the poison one: nothing after it clears the failure.
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+         SELECT $1, 'A', CASE WHEN v = 3 THEN '{{\"poison\": \"yes\"}}'::jsonb ELSE '{{}}' END
+         FROM generate_series(1, 3) v ORDER BY v"
+    ))
+    .bind(stream)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let dead = format!("SELECT count(*) FROM {schema}.wh_dead_letters");
+    wait_until("the dead letter", Duration::from_secs(30), || async {
+        scalar(&dead).await == 1
+    })
+    .await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    let names = ["p1".to_string(), "p2".to_string()];
+    let status = perspective_worker::store::status::read_status(&mut conn, &schema, &names, 30.0)
+        .await
+        .unwrap();
+    let p1 = &status.perspectives[0];
+    assert_eq!(
+        (p1.failed_streams, p1.dead_letters),
+        (0, 1),
+        "the failure is the dead letter's now, not a stream retrying"
+    );
+
+    // Fixed and replayed: nothing is left failing.
+    let file = std::env::temp_dir().join(format!("{schema}.yaml"));
+    std::fs::write(&file, &fixed).unwrap();
+    for args in [&["migrate"][..], &["dead-letters", "replay", "--all"][..]] {
+        let out = worker_bin()
+            .arg("--config")
+            .arg(&file)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let status = perspective_worker::store::status::read_status(&mut conn, &schema, &names, 30.0)
+        .await
+        .unwrap();
+    let p1 = &status.perspectives[0];
+    assert_eq!((p1.failed_streams, p1.dead_letters), (0, 0));
+    let versions: Vec<i64> = sqlx::query_scalar(&format!("SELECT versions FROM {schema}.seen_p1"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(versions, vec![1, 2, 3]);
+}

@@ -43,6 +43,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0006_perspective_jobs.sql",
         template: include_str!("../../../migrations/0006_perspective_jobs.sql"),
     },
+    Migration {
+        version: 7,
+        name: "0007_dead_letter_clears_failure.sql",
+        template: include_str!("../../../migrations/0007_dead_letter_clears_failure.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.
