@@ -47,6 +47,9 @@ pub struct WorkerMetrics {
     pub claim_duration: Histogram,
     /// `perspective_pending_events{perspective}`: work rows not yet applied.
     pub pending_events: IntGaugeVec,
+    /// `perspective_lag_seconds{perspective}`: age of the oldest work row not yet applied (0 when
+    /// nothing is pending).
+    pub lag_seconds: GaugeVec,
     /// `perspective_dead_letters_total{perspective}`: events moved to dead letters.
     pub dead_letters: IntCounterVec,
     /// `perspective_failures_total{perspective}`: failed apply attempts.
@@ -131,6 +134,16 @@ impl WorkerMetrics {
         )
         .expect("valid metric");
         reg(Box::new(pending_events.clone()));
+        let lag_seconds = GaugeVec::new(
+            Opts::new(
+                "perspective_lag_seconds",
+                "Age of a perspective's oldest work row not yet applied, in seconds (0 when nothing \
+                 is pending), as last measured.",
+            ),
+            &[PERSPECTIVE],
+        )
+        .expect("valid metric");
+        reg(Box::new(lag_seconds.clone()));
         let dead_letters = counter_vec(
             "perspective_dead_letters_total",
             "Events dead-lettered for a perspective after exhausting their attempts.",
@@ -201,6 +214,7 @@ impl WorkerMetrics {
             batch_duration,
             claim_duration,
             pending_events,
+            lag_seconds,
             dead_letters,
             failures,
             rewinds,
@@ -239,6 +253,7 @@ impl WorkerMetrics {
     pub fn init_perspective(&self, perspective: &str) {
         self.events_processed.with_label_values(&[perspective]);
         self.pending_events.with_label_values(&[perspective]);
+        self.lag_seconds.with_label_values(&[perspective]);
         self.dead_letters.with_label_values(&[perspective]);
         self.failures.with_label_values(&[perspective]);
         self.set_catchup(perspective, Phase::Live, None);
@@ -277,6 +292,7 @@ mod tests {
         "perspective_batch_duration_seconds",
         "perspective_claim_duration_seconds",
         "perspective_pending_events",
+        "perspective_lag_seconds",
         "perspective_dead_letters_total",
         "perspective_failures_total",
         "perspective_rewinds_total",
@@ -298,6 +314,7 @@ mod tests {
         m.batch_duration.observe(0.02);
         m.claim_duration.observe(0.003);
         m.pending_events.with_label_values(&["orders"]).set(7);
+        m.lag_seconds.with_label_values(&["orders"]).set(2.5);
         m.dead_letters.with_label_values(&["orders"]).inc();
         m.failures.with_label_values(&["orders"]).inc();
         m.rewinds.inc();
@@ -325,6 +342,7 @@ mod tests {
         }
         assert!(text.contains(r#"perspective_events_processed_total{perspective="orders"} 3"#));
         assert!(text.contains(r#"perspective_pending_events{perspective="orders"} 7"#));
+        assert!(text.contains(r#"perspective_lag_seconds{perspective="orders"} 2.5"#));
         assert!(text.contains("perspective_listener_connected 1"));
         assert!(text.contains(r#"perspective_phase{perspective="orders",phase="Backfilling"} 1"#));
         assert!(text.contains(r#"perspective_phase{perspective="orders",phase="Live"} 0"#));
@@ -343,6 +361,7 @@ mod tests {
         assert!(text.contains(r#"perspective_failures_total{perspective="carts"} 0"#));
         assert!(text.contains(r#"perspective_dead_letters_total{perspective="carts"} 0"#));
         assert!(text.contains(r#"perspective_pending_events{perspective="carts"} 0"#));
+        assert!(text.contains(r#"perspective_lag_seconds{perspective="carts"} 0"#));
         assert!(text.contains(r#"perspective_phase{perspective="carts",phase="Live"} 1"#));
         assert!(text.contains(r#"perspective_catchup_progress_ratio{perspective="carts"} 1"#));
     }

@@ -1403,3 +1403,56 @@ claimWorker:
         .unwrap();
     assert_eq!(versions, vec![1, 2, 3]);
 }
+
+/// The value of `name{perspective="…"}` in a /metrics text.
+fn metric(text: &str, name: &str, perspective: &str) -> Option<f64> {
+    let prefix = format!("{name}{{perspective=\"{perspective}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_seconds_is_the_age_of_the_oldest_unapplied_event() {
+    let schema = unique_schema("lagsec");
+    let yaml = recording_yaml(
+        &schema,
+        "worker:
+  heartbeatIntervalSeconds: 1
+  maxPerspectiveEventAttempts: 1000
+  failureRetryBaseMilliseconds: 50
+  failureRetryMaxMilliseconds: 100
+claimWorker:
+  pollingIntervalMilliseconds: 100
+",
+    )
+    .replacen(
+        "      A: INSERT INTO seen_p1",
+        "      A: SELECT (coalesce(:data->>'poison', '0'))::int; INSERT INTO seen_p1",
+        1,
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let mut conn = connect().await;
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+         VALUES (gen_random_uuid(), 'A', '{{\"poison\": \"yes\"}}')"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    // p1 keeps failing on it (its row stays pending and ages); p2 applies it.
+    wait_until(
+        "p1's lag past 1.5 s and p2's at 0",
+        Duration::from_secs(30),
+        || async {
+            let text = engine.metrics.render();
+            metric(&text, "perspective_lag_seconds", "p1").is_some_and(|v| v >= 1.5)
+                && metric(&text, "perspective_pending_events", "p1") == Some(1.0)
+                && metric(&text, "perspective_lag_seconds", "p2") == Some(0.0)
+        },
+    )
+    .await;
+    engine.stop().await;
+}

@@ -1,5 +1,5 @@
 //! Heartbeats in `wh_service_instances`, abandoning instances that stopped heartbeating, and
-//! the pending-events gauge.
+//! the pending-events and lag gauges.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,15 +44,21 @@ impl Heartbeat {
         // Lag per perspective for /metrics (one small aggregate per heartbeat).
         let pending = shared.store.pending_per_perspective().await?;
         for p in &shared.config.perspectives {
-            let n = pending
+            let (n, age) = pending
                 .iter()
-                .find(|(name, _)| *name == p.name)
-                .map_or(0, |(_, n)| *n);
+                .find(|(name, _, _)| *name == p.name)
+                .map_or((0, 0.0), |(_, n, age)| (*n, *age));
+            let label = [p.name.as_str()];
             shared
                 .metrics
                 .pending_events
-                .with_label_values(&[p.name.as_str()])
+                .with_label_values(&label)
                 .set(n);
+            shared
+                .metrics
+                .lag_seconds
+                .with_label_values(&label)
+                .set(age);
         }
         if abandoned > 0 {
             tracing::warn!(

@@ -73,7 +73,8 @@ const INSTANCES_AND_STREAMS: &str = "SELECT
        (SELECT count(*) FROM {schema}.wh_service_instances
         WHERE last_heartbeat_at > now() - make_interval(secs => $1)),
        (SELECT count(*) FROM {schema}.wh_active_streams)";
-const PENDING_PER_PERSPECTIVE: &str = "SELECT perspective_name, count(*)
+const PENDING_PER_PERSPECTIVE: &str = "SELECT perspective_name, count(*),
+            extract(epoch FROM now() - min(created_at))::float8
      FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY perspective_name";
 
 /// Read the status of `schema`. `configured` lists the config's perspectives (so a perspective
@@ -128,8 +129,9 @@ pub async fn read_status(
 }
 
 impl super::Store {
-    /// Work rows not yet applied, per perspective that has any.
-    pub async fn pending_per_perspective(&self) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    /// Work rows not yet applied, and the age in seconds of the oldest, per perspective that has
+    /// any.
+    pub async fn pending_per_perspective(&self) -> Result<Vec<(String, i64, f64)>, sqlx::Error> {
         sqlx::query_as(&self.sql(PENDING_PER_PERSPECTIVE))
             .fetch_all(self.pool())
             .await
