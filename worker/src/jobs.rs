@@ -132,18 +132,6 @@ async fn chunk_once(
     }))
 }
 
-/// The figures of `perspective`'s job, if it has one.
-pub async fn job_of(
-    conn: &mut PgConnection,
-    schema: &str,
-    perspective: &str,
-) -> Result<Option<JobRow>, sqlx::Error> {
-    Ok(store::progress(conn, schema)
-        .await?
-        .into_iter()
-        .find(|j| j.perspective == perspective))
-}
-
 /// What `rebuild` did.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -189,16 +177,18 @@ pub async fn rebuild(
         {
             report.streams_by_this_command += chunk.streams;
             report.work_rows += chunk.work_rows;
-            if let Some(job) = job_of(conn, schema, perspective).await? {
-                let total = job.streams_total.unwrap_or(0);
-                progress(total - job.streams_left, total);
+            if let Some((Some(total), left)) =
+                store::streams_done(conn, schema, perspective).await?
+            {
+                progress(total - left, total);
             }
         }
         // Chunks other sessions hold are still in flight: wait for them to commit.
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    report.streams = store::streams_listed(conn, schema, perspective)
+    report.streams = store::streams_done(conn, schema, perspective)
         .await?
+        .and_then(|(total, _)| total)
         .unwrap_or(report.streams_by_this_command as i64);
     progress(report.streams, report.streams);
     Ok(report)

@@ -532,11 +532,7 @@ async fn a_poison_event_in_the_history_is_retried_then_dead_lettered_and_the_res
 claimWorker:
   pollingIntervalMilliseconds: 100
 ";
-    let both = recording_yaml(&schema, extra).replacen(
-        "      A: INSERT INTO seen_p2",
-        "      A: SELECT (coalesce(:data->>'poison', '0'))::int; INSERT INTO seen_p2",
-        1,
-    );
+    let both = poisonable(&recording_yaml(&schema, extra), "p2");
     let p1_only = both[..both.find("  - name: p2").unwrap()].to_string() + extra;
     migrate_config(&parse_config(&p1_only)).await;
     let stream = Uuid::now_v7();

@@ -1338,11 +1338,7 @@ claimWorker:
   pollingIntervalMilliseconds: 100
 ";
     let fixed = recording_yaml(&schema, extra);
-    let broken = fixed.replacen(
-        "      A: INSERT INTO seen_p1",
-        "      A: SELECT (coalesce(:data->>'poison', '0'))::int; INSERT INTO seen_p1",
-        1,
-    );
+    let broken = poisonable(&fixed, "p1");
     let config = parse_config(&broken);
     migrate_config(&config).await;
     let engine = RunningEngine::start(&config).await;
@@ -1415,9 +1411,10 @@ fn metric(text: &str, name: &str, perspective: &str) -> Option<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lag_seconds_is_the_age_of_the_oldest_unapplied_event() {
     let schema = unique_schema("lagsec");
-    let yaml = recording_yaml(
-        &schema,
-        "worker:
+    let yaml = poisonable(
+        &recording_yaml(
+            &schema,
+            "worker:
   heartbeatIntervalSeconds: 1
   maxPerspectiveEventAttempts: 1000
   failureRetryBaseMilliseconds: 50
@@ -1425,11 +1422,8 @@ async fn lag_seconds_is_the_age_of_the_oldest_unapplied_event() {
 claimWorker:
   pollingIntervalMilliseconds: 100
 ",
-    )
-    .replacen(
-        "      A: INSERT INTO seen_p1",
-        "      A: SELECT (coalesce(:data->>'poison', '0'))::int; INSERT INTO seen_p1",
-        1,
+        ),
+        "p1",
     );
     let config = parse_config(&yaml);
     migrate_config(&config).await;

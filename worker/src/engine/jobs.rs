@@ -1,8 +1,9 @@
 //! The job runner: every instance helps with the schema's perspective jobs (backfills and
 //! rebuilds, see [`crate::jobs`]). Each turn it advances every job it has the perspective for,
-//! takes chunks of streams while a job is queueing (`maxConcurrentDrainConsumers` chunks at a
-//! time, each on its own connection; with the compiled SQL perspectives each chunk also applies
-//! its streams' history, a custom runner gets it queued), and publishes each job's progress in
+//! takes chunks of streams while a job is queueing (up to `maxConcurrentDrainConsumers` chunks at
+//! a time, each on its own connection, fewer and slower while there is live work: see [`pace`];
+//! with the compiled SQL perspectives each chunk also applies its streams' history, a custom
+//! runner gets it queued), and publishes each job's progress in
 //! `/metrics`. It sleeps while there is no job; `wh_job_start` rings the doorbell with the `jobs`
 //! payload, which the listener turns into a wake-up here.
 
@@ -167,11 +168,7 @@ impl JobRunner {
                     }
                 }
                 JobState::Done => {
-                    let what = match kind {
-                        JobKind::Backfill => "backfill",
-                        JobKind::Rebuild => "rebuild",
-                    };
-                    tracing::info!(perspective = %name, "{what} complete: the perspective is live");
+                    tracing::info!(perspective = %name, "{} complete: the perspective is live", kind.as_str());
                 }
                 JobState::Waiting | JobState::Applying | JobState::Busy | JobState::None => {}
             }

@@ -14,8 +14,12 @@ const START: &str = "SELECT {schema}.wh_job_start($1, $2)";
 const ADVANCE: &str = "SELECT {schema}.wh_job_advance($1)";
 const ACTIVE: &str = "SELECT perspective_name, kind FROM {schema}.wh_perspective_jobs
      WHERE state <> 'done' ORDER BY created_at";
-const STREAMS_LISTED: &str = "SELECT streams_total FROM {schema}.wh_perspective_jobs
-     WHERE perspective_name = $1";
+/// A job's listed streams and those not done yet: two index probes, nothing counted in the
+/// work table (unlike [`PROGRESS`]), so cheap enough after every chunk.
+const STREAMS_DONE: &str = "SELECT j.streams_total,
+            (SELECT count(*) FROM {schema}.wh_perspective_job_streams s
+             WHERE s.perspective_name = j.perspective_name)
+     FROM {schema}.wh_perspective_jobs j WHERE j.perspective_name = $1";
 const TAKE_STREAMS: &str = "SELECT {schema}.wh_job_take_streams($1, $2)";
 const REQUEUE_STREAMS: &str =
     "SELECT o_queued, o_applied FROM {schema}.wh_job_requeue_streams($1, $2, $3, $4, $5, $6)";
@@ -151,17 +155,17 @@ pub async fn active(
         .collect())
 }
 
-/// Streams `perspective`'s job listed (None before it listed them, or without a job).
-pub async fn streams_listed(
+/// `perspective`'s job (done or not): (streams listed — None before it listed them —, streams
+/// not done yet). None without a job.
+pub async fn streams_done(
     conn: &mut PgConnection,
     schema: &str,
     perspective: &str,
-) -> Result<Option<i64>, sqlx::Error> {
-    Ok(sqlx::query_scalar(&super::sql(schema, STREAMS_LISTED))
+) -> Result<Option<(Option<i64>, i64)>, sqlx::Error> {
+    sqlx::query_as(&super::sql(schema, STREAMS_DONE))
         .bind(perspective)
         .fetch_optional(&mut *conn)
-        .await?
-        .flatten())
+        .await
 }
 
 /// The figures of each job not done yet.

@@ -194,6 +194,18 @@ pub fn recording_yaml(schema: &str, extra: &str) -> String {
     y
 }
 
+/// `yaml` (from [`recording_yaml`]) with `perspective`'s handler of A failing on every event
+/// whose data has `"poison": "yes"` (a cast error: an exception only for that event).
+pub fn poisonable(yaml: &str, perspective: &str) -> String {
+    yaml.replacen(
+        &format!("      A: INSERT INTO seen_{perspective}"),
+        &format!(
+            "      A: SELECT (coalesce(:data->>'poison', '0'))::int; INSERT INTO seen_{perspective}"
+        ),
+        1,
+    )
+}
+
 /// Migrate a config into the test database.
 pub async fn migrate_config(config: &Config) {
     let mut conn = connect().await;
