@@ -1,7 +1,8 @@
 # perspective-operator — the two commands of the README, plus the benchmark.
 #   make demo    embedded PostgreSQL, migrate examples/shop.yaml, append sample events, apply them, print the tables
 #   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
-#                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/)
+#                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/),
+#                then the real-node scenarios (a kubelet with containerd, runc and the CNI bridge)
 #   make bench   append-path, apply-path and backfill benchmarks (see BENCHMARKS.md)
 #   make images  the worker and operator container images, built with buildah
 SHELL := /bin/bash
@@ -31,9 +32,12 @@ lint:
 postgres:
 	@$(PG) bindir >/dev/null
 
+# Two control planes: one with kwok nodes (pods simulated; tests named real_node::* skipped),
+# one with a real kubelet node (containerd, runc; the images built by tests/e2e/images.sh).
 test: postgres lint
 	$(CARGO) test --workspace --no-run
-	$(PG) with tests/e2e/with-control-plane.sh $(CARGO) test --workspace
+	$(PG) with tests/e2e/with-control-plane.sh $(CARGO) test --workspace -- --skip real_node::
+	$(PG) with tests/e2e/with-control-plane.sh --real-node $(CARGO) test -p perspective-operator --test real_node
 
 # A fresh embedded PostgreSQL each time (no DATABASE_URL), removed afterwards.
 demo: postgres

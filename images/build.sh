@@ -8,7 +8,9 @@
 # image's own filesystem, as that user.
 #
 #   images/build.sh                 # build, check, list
-#   OCI_DIR=out images/build.sh     # also write out/perspective-{worker,operator}.tar (oci-archive)
+#   OCI_DIR=out images/build.sh     # also write out/perspective-{worker,operator}.tar (oci-archive,
+#                                   # named localhost/NAME:VERSION, for `ctr images import`)
+#   PROFILE=debug images/build.sh   # from the debug build (the e2e tests' real node; stripped)
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,11 +24,18 @@ command -v buildah >/dev/null || {
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah >/dev/null
 }
 
-say "building release binaries"
-(cd "$root" && CARGO_TARGET_DIR="$target" cargo build --release -q -p perspective-worker -p perspective-operator)
+profile="${PROFILE:-release}"
+case "$profile" in
+release) profile_flag=--release ;;
+debug) profile_flag= ;;
+*) say "PROFILE must be release or debug, not '$profile'"; exit 2 ;;
+esac
+say "building $profile binaries"
+# shellcheck disable=SC2086 # empty for debug
+(cd "$root" && CARGO_TARGET_DIR="$target" cargo build $profile_flag -q -p perspective-worker -p perspective-operator)
 
 build() { # name
-	local name=$1 bin="$target/release/$1" ctr mnt lib
+	local name=$1 bin="$target/$profile/$1" ctr mnt lib
 	say "$name:$version from scratch"
 	ctr=$(buildah from scratch)
 	mnt=$(buildah mount "$ctr")
@@ -67,8 +76,11 @@ for name in perspective-worker perspective-operator; do
 	check "$name"
 	if [ -n "${OCI_DIR:-}" ]; then
 		mkdir -p "$OCI_DIR"
-		buildah push -q "localhost/$name:$version" "oci-archive:$OCI_DIR/$name.tar:$name:$version"
+		rm -f "$OCI_DIR/$name.tar"
+		buildah push -q "localhost/$name:$version" "oci-archive:$OCI_DIR/$name.tar:localhost/$name:$version"
 		say "wrote $OCI_DIR/$name.tar"
 	fi
 done
+# Earlier builds' layers, no longer tagged, would pile up in buildah's storage.
+buildah rmi --prune >/dev/null 2>&1 || true
 buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E 'perspective-(worker|operator)'

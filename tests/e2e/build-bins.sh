@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the e2e toolchain (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, kwok, helm) from published Go modules, through the
+# kube-scheduler, kubectl, kubelet, kwok, helm, and the real node's pause
+# program) from published Go modules, through the
 # Go module proxy only: the wrapper modules in bins/ pin every version.
 #
 #   tests/e2e/build-bins.sh            # progress on stderr, bin dir on stdout
@@ -73,6 +74,8 @@ targets=(
 	"kube-controller-manager|kubernetes|k8s.io/kubernetes/cmd/kube-controller-manager|$k8s_version|$k8s_ldflags"
 	"kube-scheduler|kubernetes|k8s.io/kubernetes/cmd/kube-scheduler|$k8s_version|$k8s_ldflags"
 	"kubectl|kubernetes|k8s.io/kubernetes/cmd/kubectl|$k8s_version|$k8s_ldflags"
+	"kubelet|kubernetes|k8s.io/kubernetes/cmd/kubelet|$k8s_version|$k8s_ldflags"
+	"pause|pause|perspective.local/e2e-bins/pause|v1|"
 	"kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|$kwok_version|"
 	"helm|helm|helm.sh/helm/v3/cmd/helm|$helm_version| -X helm.sh/helm/v3/internal/version.version=$helm_version -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$helm_kube_minor -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$helm_kube_minor"
 )

@@ -208,8 +208,20 @@ cmd_start() {
 	openssl rsa -in "$dir/pki/sa.key" -pubout -out "$dir/pki/sa.pub" 2>/dev/null
 	chmod 600 "$dir/pki/tokens.csv" "$dir/pki/sa.key"
 
-	# pki/apiserver.crt is written by kube-apiserver (--cert-dir): the
-	# self-signed serving cert followed by its CA, for 127.0.0.1.
+	# The API server's serving certificate, signed by a throwaway CA (pki/ca.crt, which
+	# kubeconfig, controllers and pods trust): valid for 127.0.0.1, the Service IP
+	# 10.0.0.1 and E2E_APISERVER_IPS (comma-separated; a real node's pods reach the API
+	# server through a port forwarded on their bridge gateway).
+	local sans="IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes.default.svc" ip
+	for ip in ${E2E_APISERVER_IPS//,/ }; do sans+=",IP:$ip"; done
+	openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=e2e-ca \
+		-keyout "$dir/pki/ca.key" -out "$dir/pki/ca.crt" 2>/dev/null
+	openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver \
+		-keyout "$dir/pki/apiserver.key" -out "$dir/pki/apiserver.csr" 2>/dev/null
+	openssl x509 -req -in "$dir/pki/apiserver.csr" -CA "$dir/pki/ca.crt" -CAkey "$dir/pki/ca.key" \
+		-CAcreateserial -days 2 -extfile <(printf 'subjectAltName=%s\n' "$sans") \
+		-out "$dir/pki/apiserver.crt" 2>/dev/null
+	chmod 600 "$dir/pki/ca.key" "$dir/pki/apiserver.key"
 	cat >"$dir/kubeconfig" <<-EOF
 		apiVersion: v1
 		kind: Config
@@ -217,7 +229,7 @@ cmd_start() {
 		- name: e2e
 		  cluster:
 		    server: https://127.0.0.1:$api_port
-		    certificate-authority: $dir/pki/apiserver.crt
+		    certificate-authority: $dir/pki/ca.crt
 		users:
 		- name: admin
 		  user:
@@ -246,7 +258,8 @@ cmd_start() {
 	launch kube-apiserver "$bin/kube-apiserver" \
 		--etcd-servers="http://127.0.0.1:$etcd_port" \
 		--bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" \
-		--cert-dir="$dir/pki" \
+		--tls-cert-file="$dir/pki/apiserver.crt" --tls-private-key-file="$dir/pki/apiserver.key" \
+		--kubelet-preferred-address-types=InternalIP \
 		--token-auth-file="$dir/pki/tokens.csv" \
 		--authorization-mode=RBAC \
 		--service-cluster-ip-range=10.0.0.0/24 \
@@ -268,7 +281,7 @@ cmd_start() {
 		--bind-address=127.0.0.1 --secure-port="$kcm_port" \
 		--leader-elect=false --controllers="$kcm_controllers" \
 		--service-account-private-key-file="$dir/pki/sa.key" \
-		--root-ca-file="$dir/pki/apiserver.crt" --profiling=false
+		--root-ca-file="$dir/pki/ca.crt" --profiling=false
 
 	launch kube-scheduler "$bin/kube-scheduler" \
 		--kubeconfig="$kc" \
@@ -293,6 +306,11 @@ cmd_start() {
 	# kwok's documented fake node, minus its NoSchedule taint so that
 	# ordinary pods schedule onto it.
 	local i
+	((nodes > 0)) || {
+		trap - EXIT
+		say "up in $((SECONDS - t0))s: https://127.0.0.1:$api_port, no kwok nodes; state in $dir"
+		return 0
+	}
 	for ((i = 0; i < nodes; i++)); do
 		cat <<-EOF
 			apiVersion: v1

@@ -2,7 +2,14 @@
 # Run a command against a fresh loopback control plane, then tear it down.
 #
 #   tests/e2e/with-control-plane.sh CMD [ARG...]
+#   tests/e2e/with-control-plane.sh --real-node CMD [ARG...]
 #   tests/pg/pg.sh with tests/e2e/with-control-plane.sh cargo test --workspace
+#
+# --real-node: no kwok nodes; instead a real kubelet node (node.sh: containerd, runc, CNI
+# bridge) with the worker and operator images (images.sh, cached by input hash) imported, and
+# E2E_NODE_NAME, E2E_NODE_IP, E2E_NODE_SUBNET, E2E_NODE_DIR exported for CMD. The node is
+# stopped before the control plane, and a leftover (process, mount, cgroup, bridge, sysctl...)
+# fails the run.
 #
 # Builds the binaries if needed (build-bins.sh), starts control-plane.sh in a
 # new temp dir with kwok stages WITHOUT `pod-complete` (Job pods stay Running
@@ -21,7 +28,12 @@ die() {
 	printf 'with-control-plane.sh: ERROR: %s\n' "$*" >&2
 	exit 1
 }
-(($# > 0)) || die "usage: $0 CMD [ARG...]"
+real_node=0
+if [[ "${1:-}" == --real-node ]]; then
+	real_node=1
+	shift
+fi
+(($# > 0)) || die "usage: $0 [--real-node] CMD [ARG...]"
 
 t0=$SECONDS
 dir=""
@@ -49,6 +61,9 @@ cleanup() {
 			say "killing stray pod-runner processes: $left"
 			# shellcheck disable=SC2086
 			kill -KILL $left 2>/dev/null || true
+		fi
+		if ((real_node)) && [[ -d "$dir/node" ]]; then
+			"$here/node.sh" stop "$dir/node" || rc=1
 		fi
 		"$here/control-plane.sh" stop "$dir" || rc=1
 		if [[ "${E2E_KEEP_DIR:-0}" == 1 ]]; then
@@ -88,12 +103,27 @@ if ! grep -q '^  name: pod-ready$' "$stages" || ! grep -q '^  name: pod-delete$'
 	die "unexpected kwok-stages.yaml layout: pod-ready/pod-delete missing after filtering ($stages)"
 fi
 
+if ((real_node)); then
+	t=$SECONDS
+	images="$("$here/images.sh" | tail -n1)"
+	say "images ready in $((SECONDS - t))s: $images"
+	export E2E_NODES=0 E2E_APISERVER_IPS
+	E2E_APISERVER_IPS="$("$here/node.sh" address)"
+fi
+
 t=$SECONDS
 say "starting the control plane in $dir ..."
 E2E_BIN_DIR="$bin" E2E_KWOK_STAGES="$stages" "$here/control-plane.sh" start "$dir"
 say "control plane up in $((SECONDS - t))s"
 
 eval "$("$here/control-plane.sh" env "$dir")"
+if ((real_node)); then
+	t=$SECONDS
+	E2E_BIN_DIR="$bin" "$here/node.sh" start "$dir/node" "$dir/kubeconfig"
+	"$here/node.sh" import "$dir/node" "$images"/perspective-worker.tar "$images"/perspective-operator.tar
+	eval "$("$here/node.sh" env "$dir/node")"
+	say "real node up in $((SECONDS - t))s"
+fi
 export E2E_DIR="$dir"
 # helm keeps its state in the test dir, never in $HOME.
 export HELM_CACHE_HOME="$dir/helm/cache" HELM_CONFIG_HOME="$dir/helm/config" HELM_DATA_HOME="$dir/helm/data"

@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod pod_runner;
+pub mod real_node;
 
 use std::future::Future;
 use std::path::PathBuf;

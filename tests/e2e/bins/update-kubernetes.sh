@@ -43,7 +43,7 @@ dir="$here/kubernetes"
 	echo "require k8s.io/kubernetes $version"
 	echo
 	echo "tool ("
-	for t in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+	for t in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do
 		printf '\tk8s.io/kubernetes/cmd/%s\n' "$t"
 	done
 	echo ")"
