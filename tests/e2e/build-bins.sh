@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the e2e toolchain (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, kwok, helm) from published Go modules, through the
+# kube-scheduler, kubectl, kwok, helm, promtool) from published Go modules, through the
 # Go module proxy only: the wrapper modules in bins/ pin every version.
 #
 #   tests/e2e/build-bins.sh            # progress on stderr, bin dir on stdout
@@ -44,6 +44,8 @@ k8s_minor="${BASH_REMATCH[1]}"
 etcd_version="$(modver etcd go.etcd.io/etcd/server/v3)"
 kwok_version="$(modver kwok sigs.k8s.io/kwok)"
 helm_version="$(modver helm helm.sh/helm/v3)"
+# Prometheus publishes 3.X.Y as the Go module tag v0.3XX.Y.
+prometheus_version="$(modver prometheus github.com/prometheus/prometheus)"
 # helm's Makefile derives its default Capabilities.KubeVersion from the
 # client-go it is built with (v0.X -> 1.X); do the same.
 helm_client_go="$(modver helm k8s.io/client-go)"
@@ -75,9 +77,10 @@ targets=(
 	"kubectl|kubernetes|k8s.io/kubernetes/cmd/kubectl|$k8s_version|$k8s_ldflags"
 	"kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|$kwok_version|"
 	"helm|helm|helm.sh/helm/v3/cmd/helm|$helm_version| -X helm.sh/helm/v3/internal/version.version=$helm_version -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$helm_kube_minor -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$helm_kube_minor"
+	"promtool|prometheus|github.com/prometheus/prometheus/cmd/promtool|$prometheus_version| -X github.com/prometheus/common/version.Version=$prometheus_version"
 )
 
-say "Kubernetes $k8s_version, etcd $etcd_version, kwok $kwok_version, helm $helm_version; $(go version)"
+say "Kubernetes $k8s_version, etcd $etcd_version, kwok $kwok_version, helm $helm_version, prometheus $prometheus_version; $(go version)"
 say "cache: $cache"
 total_start=$SECONDS
 built=0
