@@ -2,18 +2,25 @@
 //! and each deployment's status as gauges (what the chart's PrometheusRule alerts on when the
 //! worker's own metrics cannot say it: migrations, live instances, dead letters).
 //!
+//! The status gauges are read from the controller's cache of `PerspectiveDeployment`s at each
+//! scrape, not set while reconciling: a deleted deployment's series go with it, and only the
+//! leader (the process whose controller runs) exports any.
+//!
 //! Per-deployment series are labelled `deployment_namespace` and `deployment`, not `namespace`:
 //! a scrape adds the operator pod's own `namespace` target label, which would rename ours.
 
 use std::time::Duration;
 
+use std::sync::Mutex;
+
+use kube::runtime::reflector::Store;
+use kube::ResourceExt;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
 
-use crate::conditions;
-use crate::crd::PerspectiveDeploymentStatus;
+use crate::crd::{PerspectiveDeployment, PerspectiveDeploymentStatus};
 
 /// Labels of the per-deployment series.
 const DEPLOYMENT_LABELS: [&str; 2] = ["deployment_namespace", "deployment"];
@@ -32,6 +39,8 @@ pub struct OperatorMetrics {
     live_instances: IntGaugeVec,
     dead_letters: IntGaugeVec,
     migration_failures: IntGaugeVec,
+    /// The controller's cache, once it runs.
+    deployments: Mutex<Option<Store<PerspectiveDeployment>>>,
 }
 
 impl OperatorMetrics {
@@ -126,12 +135,40 @@ impl OperatorMetrics {
             live_instances,
             dead_letters,
             migration_failures,
+            deployments: Mutex::new(None),
         }
     }
 
-    /// Records the status just computed for deployment `namespace/name`. A value the status
-    /// does not know (database not read yet) has no series rather than a misleading 0.
-    pub fn observe_deployment(
+    /// Exports the status of every deployment in `store` (the controller's cache) from now on.
+    pub fn export_deployments(&self, store: Store<PerspectiveDeployment>) {
+        *self.deployments.lock().expect("metrics lock") = Some(store);
+    }
+
+    /// Replaces every per-deployment series with those of `deployments`.
+    fn set_deployments<'a>(
+        &self,
+        deployments: impl IntoIterator<Item = &'a PerspectiveDeployment>,
+    ) {
+        for gauge in [
+            &self.condition,
+            &self.desired_replicas,
+            &self.ready_replicas,
+            &self.live_instances,
+            &self.dead_letters,
+            &self.migration_failures,
+        ] {
+            gauge.reset();
+        }
+        for pd in deployments {
+            let namespace = pd.namespace().unwrap_or_default();
+            let status = pd.status.clone().unwrap_or_default();
+            self.observe_deployment(&namespace, &pd.name_any(), pd.spec.replicas, &status);
+        }
+    }
+
+    /// The series of one deployment (after a reset). A value the status does not know (the
+    /// database not read yet, a condition not set) has no series rather than a misleading 0.
+    fn observe_deployment(
         &self,
         namespace: &str,
         name: &str,
@@ -139,17 +176,10 @@ impl OperatorMetrics {
         status: &PerspectiveDeploymentStatus,
     ) {
         let id = [namespace, name];
-        for type_ in conditions::TYPES {
-            let labels = [namespace, name, type_];
-            match status.conditions.iter().find(|c| c.type_ == type_) {
-                Some(c) => self
-                    .condition
-                    .with_label_values(&labels)
-                    .set(i64::from(c.status == "True")),
-                None => {
-                    let _ = self.condition.remove_label_values(&labels);
-                }
-            }
+        for c in &status.conditions {
+            self.condition
+                .with_label_values(&[namespace, name, c.type_.as_str()])
+                .set(i64::from(c.status == "True"));
         }
         self.desired_replicas
             .with_label_values(&id)
@@ -164,31 +194,9 @@ impl OperatorMetrics {
             (&self.live_instances, status.live_instances),
             (&self.dead_letters, status.dead_letters),
         ] {
-            match value {
-                Some(v) => gauge.with_label_values(&id).set(v),
-                None => {
-                    let _ = gauge.remove_label_values(&id);
-                }
+            if let Some(v) = value {
+                gauge.with_label_values(&id).set(v);
             }
-        }
-    }
-
-    /// Removes every series of a deleted deployment.
-    pub fn forget_deployment(&self, namespace: &str, name: &str) {
-        let id = [namespace, name];
-        for type_ in conditions::TYPES {
-            let _ = self
-                .condition
-                .remove_label_values(&[namespace, name, type_]);
-        }
-        for gauge in [
-            &self.desired_replicas,
-            &self.ready_replicas,
-            &self.live_instances,
-            &self.dead_letters,
-            &self.migration_failures,
-        ] {
-            let _ = gauge.remove_label_values(&id);
         }
     }
 
@@ -203,6 +211,11 @@ impl OperatorMetrics {
 
     /// The Prometheus text exposition of all metrics.
     pub fn render(&self) -> String {
+        // Held until encoded: two scrapes at once must not mix their refreshes.
+        let deployments = self.deployments.lock().expect("metrics lock");
+        if let Some(store) = deployments.as_ref() {
+            self.set_deployments(store.state().iter().map(|pd| pd.as_ref()));
+        }
         let mut out = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut out)
@@ -227,8 +240,10 @@ impl Default for OperatorMetrics {
 mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
     use k8s_openapi::jiff::Timestamp;
+    use kube::runtime::{reflector, watcher};
 
     use super::*;
+    use crate::conditions;
 
     fn condition(type_: &str, status: &str) -> Condition {
         Condition {
@@ -241,20 +256,54 @@ mod tests {
         }
     }
 
+    fn deployment(
+        namespace: &str,
+        name: &str,
+        status: PerspectiveDeploymentStatus,
+    ) -> PerspectiveDeployment {
+        let mut pd: PerspectiveDeployment = serde_json::from_value(serde_json::json!({
+            "apiVersion": "perspectives.dev/v1alpha1",
+            "kind": "PerspectiveDeployment",
+            "metadata": { "name": name, "namespace": namespace },
+            "spec": {
+                "replicas": 3,
+                "database": { "secretRef": { "name": "db" } },
+                "schema": "s",
+                "perspectives": [{ "name": "p", "handlers": { "A": "SELECT 1" } }]
+            }
+        }))
+        .unwrap();
+        pd.status = Some(status);
+        pd
+    }
+
     #[test]
-    fn deployment_status_becomes_gauges_and_goes_with_the_deployment() {
+    fn the_cached_deployments_status_is_exported_and_goes_with_the_deployment() {
         let m = OperatorMetrics::new();
-        let status = PerspectiveDeploymentStatus {
-            conditions: vec![
-                condition(conditions::READY, "True"),
-                condition(conditions::MIGRATIONS_APPLIED, "False"),
-            ],
-            ready_replicas: 2,
-            migration_failures: 3,
-            dead_letters: Some(7),
-            ..Default::default()
-        };
-        m.observe_deployment("shop", "orders", 3, &status);
+        assert!(!m.render().contains("perspective_operator_desired_replicas"));
+
+        let (store, mut writer) = reflector::store();
+        m.export_deployments(store);
+        let orders = deployment(
+            "shop",
+            "orders",
+            PerspectiveDeploymentStatus {
+                conditions: vec![
+                    condition(conditions::READY, "True"),
+                    condition(conditions::MIGRATIONS_APPLIED, "False"),
+                ],
+                ready_replicas: 2,
+                migration_failures: 3,
+                dead_letters: Some(7),
+                ..Default::default()
+            },
+        );
+        writer.apply_watcher_event(&watcher::Event::Apply(orders.clone()));
+        writer.apply_watcher_event(&watcher::Event::Apply(deployment(
+            "shop",
+            "billing",
+            Default::default(),
+        )));
         let text = m.render();
         let id = r#"deployment="orders",deployment_namespace="shop""#;
         for line in [
@@ -264,14 +313,24 @@ mod tests {
             format!("perspective_operator_ready_replicas{{{id}}} 2"),
             format!("perspective_operator_migration_failures{{{id}}} 3"),
             format!("perspective_operator_dead_letters{{{id}}} 7"),
+            r#"perspective_operator_desired_replicas{deployment="billing",deployment_namespace="shop"} 3"#.to_owned(),
         ] {
             assert!(text.contains(&line), "missing {line} in\n{text}");
         }
-        // Unknown until the database is read: no series, not 0.
-        assert!(!text.contains("perspective_operator_live_instances{"));
-        assert!(!text.contains(r#"type="Degraded""#));
+        // Unknown until the database is read or the condition is set: no series, not 0.
+        assert!(
+            !text.contains("perspective_operator_live_instances{"),
+            "{text}"
+        );
+        assert!(!text.contains(r#"type="Degraded""#), "{text}");
+        assert!(
+            !text.contains(r#"deployment="billing",deployment_namespace="shop",type"#),
+            "{text}"
+        );
 
-        m.forget_deployment("shop", "orders");
-        assert!(!m.render().contains("orders"), "{}", m.render());
+        writer.apply_watcher_event(&watcher::Event::Delete(orders));
+        let text = m.render();
+        assert!(!text.contains("orders"), "{text}");
+        assert!(text.contains(r#"deployment="billing""#), "{text}");
     }
 }

@@ -105,7 +105,6 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
     if pd.meta().deletion_timestamp.is_some() {
         // Children go with the owner references; the database schema stays (documented).
         ctx.lag.forget(&key).await;
-        ctx.metrics.forget_deployment(&namespace, &name);
         return Ok(Action::await_change());
     }
     let spec = &pd.spec;
@@ -325,8 +324,6 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
     };
     let mut new_status = status::compute(&previous, &observed, Timestamp::now());
     new_status.last_migration_failure = last_failure;
-    ctx.metrics
-        .observe_deployment(&namespace, &name, spec.replicas, &new_status);
 
     report_degraded_change(ctx, pd, &previous, &new_status).await;
     if new_status != previous {

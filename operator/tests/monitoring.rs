@@ -18,8 +18,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use kube::runtime::{reflector, watcher};
 use perspective_operator::conditions;
-use perspective_operator::crd::PerspectiveDeploymentStatus;
+use perspective_operator::crd::{PerspectiveDeployment, PerspectiveDeploymentStatus};
 use perspective_operator::metrics::OperatorMetrics;
 use serde::Deserialize;
 use serde_json::Value as Json;
@@ -392,13 +393,24 @@ perspectives:
     }
 }
 
-/// What the operator's exporter renders once it has reconciled a deployment whose status
-/// knows everything (database read, every condition set) and seen a failed reconcile.
+/// What the operator's exporter renders once its controller caches a deployment whose status
+/// knows everything (database read, every condition set) and it has seen a failed reconcile.
 fn operator_exposition() -> String {
     let m = OperatorMetrics::new();
     m.observe_reconcile(Duration::from_millis(3), Some("Kube"));
     m.leader.set(1);
-    let status = PerspectiveDeploymentStatus {
+    let mut pd: PerspectiveDeployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "perspectives.dev/v1alpha1",
+        "kind": "PerspectiveDeployment",
+        "metadata": { "name": "pd", "namespace": "ns" },
+        "spec": {
+            "database": { "secretRef": { "name": "db" } },
+            "schema": "s",
+            "perspectives": [{ "name": "p", "handlers": { "A": "SELECT 1" } }]
+        }
+    }))
+    .unwrap();
+    pd.status = Some(PerspectiveDeploymentStatus {
         conditions: conditions::TYPES
             .iter()
             .map(|t| Condition {
@@ -413,8 +425,10 @@ fn operator_exposition() -> String {
         live_instances: Some(1),
         dead_letters: Some(0),
         ..Default::default()
-    };
-    m.observe_deployment("ns", "pd", 1, &status);
+    });
+    let (store, mut writer) = reflector::store();
+    writer.apply_watcher_event(&watcher::Event::Apply(pd));
+    m.export_deployments(store);
     m.render()
 }
 
