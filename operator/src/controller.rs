@@ -42,6 +42,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     let client = ctx.client.clone();
     let pds = deployments_api(client.clone(), namespace.as_deref());
     let (reader, writer) = reflector::store();
+    ctx.metrics.export_deployments(reader.clone());
     // Status writes bump resourceVersion but not generation: filtering on generation keeps the
     // operator from reacting to its own status patches. Lag refreshes come from requeues.
     let trigger = watcher(pds, watcher::Config::default())

@@ -43,6 +43,16 @@ pub fn worker_selector(instance: &str) -> BTreeMap<String, String> {
     ])
 }
 
+/// The labels every worker pod of every deployment carries and no other pod does (migration
+/// pods are `component=migration`): the chart's worker PodMonitor selects on exactly these, so
+/// one monitor finds the workers of all deployments.
+pub fn all_workers_selector() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (NAME.to_owned(), "perspective-worker".to_owned()),
+        (COMPONENT.to_owned(), WORKER.to_owned()),
+    ])
+}
+
 /// `key=value,...` form of a label map, for list calls and the scale subresource.
 pub fn selector_string(labels: &BTreeMap<String, String>) -> String {
     labels

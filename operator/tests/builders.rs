@@ -563,3 +563,23 @@ fn ready_waits_for_workers_to_register_in_the_database() {
     let s = compute(&s, &o, Timestamp::now());
     assert_eq!(condition(&s, conditions::READY).status, "True");
 }
+
+/// The chart's worker PodMonitor selects `labels::all_workers_selector()`: it must match the
+/// worker pods of any deployment and never a migration pod (which serves no metrics).
+#[test]
+fn one_selector_finds_the_worker_pods_of_every_deployment() {
+    let selector = labels::all_workers_selector();
+    let matches = |pod_labels: &std::collections::BTreeMap<String, String>| {
+        selector.iter().all(|(k, v)| pod_labels.get(k) == Some(v))
+    };
+    for instance in ["shop", "billing"] {
+        let sts = workers::statefulset(instance, "ns", &spec(), "worker:1", "cm", "c", "m");
+        let template = sts.spec.unwrap().template;
+        let pod_labels = template.metadata.unwrap().labels.unwrap();
+        assert!(matches(&pod_labels), "{instance}: {pod_labels:?}");
+    }
+    let target = migration_job::target("shop", &spec(), "worker:1");
+    let job = migration_job::build("shop", "ns", &spec(), "worker:1", "cm", &target);
+    let job_pod_labels = job.spec.unwrap().template.metadata.unwrap().labels.unwrap();
+    assert!(!matches(&job_pod_labels), "{job_pod_labels:?}");
+}

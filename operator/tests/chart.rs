@@ -2,14 +2,17 @@
 //!
 //! Offline: `helm lint --strict`, rendering (defaults, one watched namespace, options),
 //! values.schema.json rejecting bad values, and the chart's CRD being a byte-identical copy of
-//! `crds/perspectivedeployment.yaml`.
+//! `crds/perspectivedeployment.yaml`; the observability pack (ServiceMonitor, worker PodMonitor,
+//! PrometheusRule, dashboard ConfigMap) rendered only when enabled, its PodMonitor selecting
+//! what the operator's builders label worker pods with.
 //!
 //! Against a control plane (`cluster_*` tests; KUBECONFIG from `tests/e2e/with-control-plane.sh`
 //! or `eval "$(tests/e2e/control-plane.sh env DIR)"`): `helm install` into a fresh namespace
 //! enforcing the `restricted` Pod Security Standard, the Deployment rolls out (kwok plays the
 //! kubelet), every permission of the operator's ServiceAccount is checked with
 //! `kubectl auth can-i` (granted ones and all other verbs on the same resources), then
-//! `helm uninstall` removes the grants. Each test uses its own namespaces and release, so they
+//! `helm uninstall` removes the grants; the observability pack passes a server-side dry-run
+//! against the Prometheus Operator's CRDs. Each test uses its own namespaces and release, so they
 //! run in parallel.
 
 use std::collections::BTreeSet;
@@ -21,6 +24,8 @@ use std::sync::Mutex;
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use perspective_operator::crd::PerspectiveDeploymentSpec;
+use perspective_operator::{labels, workers};
 use serde::Deserialize;
 use serde_yaml::Value;
 
@@ -328,7 +333,7 @@ fn args_of(deployment: &Value) -> Vec<String> {
 
 #[test]
 fn lint_is_clean_in_strict_mode() {
-    for extra in [&[][..], &["--set", "watchNamespace=apps"][..]] {
+    for extra in [&[][..], &["--set", "watchNamespace=apps"][..], PACK] {
         let out = ok(helm()
             .args(["lint", "--strict"])
             .arg(chart_dir())
@@ -588,6 +593,23 @@ fn schema_rejects_bad_values() {
         (&["--set", "image.tagg=1"], "tagg"),
         (&["--set", "metrics.service.enable=false"], "enable"),
         (&["--set", "resources.request.cpu=1"], "request"),
+        (
+            &["--set", "metrics.prometheusRule.lagFor=10 minutes"],
+            "lagFor",
+        ),
+        (
+            &["--set", "metrics.prometheusRule.lagThresholdSeconds=0"],
+            "lagThresholdSeconds",
+        ),
+        (
+            &["--set", "metrics.prometheusRule.lagThreshold=1"],
+            "lagThreshold",
+        ),
+        (
+            &["--set", "metrics.workerPodMonitor.intervall=1m"],
+            "intervall",
+        ),
+        (&["--set", "metrics.grafanaDashboard.label.x=1"], "label"),
     ];
     let mut failures = Vec::new();
     for (flags, key) in cases {
@@ -605,6 +627,147 @@ fn schema_rejects_bad_values() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The observability pack: monitors, rules, dashboard (operator/tests/monitoring.rs tests the
+// rules and the dashboard's queries with promtool)
+
+/// Every part of the pack enabled.
+const PACK: &[&str] = &[
+    "--set",
+    "metrics.serviceMonitor.enabled=true",
+    "--set",
+    "metrics.workerPodMonitor.enabled=true",
+    "--set",
+    "metrics.prometheusRule.enabled=true",
+    "--set",
+    "metrics.grafanaDashboard.enabled=true",
+];
+const PACK_KINDS: [&str; 4] = [
+    "ServiceMonitor",
+    "PodMonitor",
+    "PrometheusRule",
+    "ConfigMap",
+];
+
+fn rule<'a>(docs: &'a [Value], alert: &str) -> &'a Value {
+    let rules = object(docs, "PrometheusRule", "rel-perspective-operator");
+    at(rules, "spec.groups")
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .flat_map(|g| at(g, "rules").as_sequence().unwrap())
+        .find(|r| str_at(r, "alert") == alert)
+        .unwrap_or_else(|| panic!("no alert {alert}"))
+}
+
+#[test]
+fn renders_the_monitoring_pack_only_when_enabled() {
+    let defaults = kinds(&render("ops", &[]));
+    for kind in PACK_KINDS {
+        assert!(!defaults.contains(kind), "{kind} rendered by default");
+    }
+
+    let docs = render("ops", PACK);
+    let name = "rel-perspective-operator";
+    // The ServiceMonitor scrapes the operator's metrics Service.
+    let monitor = object(&docs, "ServiceMonitor", name);
+    let service = object(&docs, "Service", &format!("{name}-metrics"));
+    for (key, value) in at(monitor, "spec.selector.matchLabels")
+        .as_mapping()
+        .unwrap()
+    {
+        assert_eq!(
+            at(service, "metadata.labels").get(key),
+            Some(value),
+            "{key:?}"
+        );
+    }
+    assert_eq!(
+        str_at(monitor, "spec.endpoints.0.port"),
+        str_at(service, "spec.ports.0.name")
+    );
+    assert_eq!(
+        strings(at(monitor, "spec.namespaceSelector.matchNames")),
+        ["ops"]
+    );
+
+    // The PodMonitor finds the workers of every deployment, in every namespace, on the port
+    // the operator's pod template names.
+    let pods = object(&docs, "PodMonitor", &format!("{name}-workers"));
+    let selector: std::collections::BTreeMap<String, String> =
+        serde_yaml::from_value(at(pods, "spec.selector.matchLabels").clone()).unwrap();
+    assert_eq!(selector, labels::all_workers_selector());
+    assert_eq!(at(pods, "spec.namespaceSelector.any"), &Value::Bool(true));
+    let spec: PerspectiveDeploymentSpec = serde_yaml::from_str(
+        "database: {secretRef: {name: db}}\nschema: s\nperspectives: [{name: p, handlers: {A: SELECT 1}}]",
+    )
+    .unwrap();
+    let template = workers::pod_template("shop", &spec, "w:1", "cm", "c", "m");
+    let port = template.spec.unwrap().containers[0].ports.clone().unwrap()[0]
+        .name
+        .clone()
+        .unwrap();
+    assert_eq!(str_at(pods, "spec.podMetricsEndpoints.0.port"), port);
+    assert_eq!(
+        str_at(pods, "spec.podMetricsEndpoints.0.relabelings.0.targetLabel"),
+        "deployment"
+    );
+
+    // The dashboard, discoverable by Grafana's sidecar.
+    let dashboard = object(&docs, "ConfigMap", &format!("{name}-dashboard"));
+    assert_eq!(str_at(dashboard, "metadata.labels.grafana_dashboard"), "1");
+    let json: serde_json::Value = serde_json::from_str(
+        dashboard["data"]["perspective-operator.json"]
+            .as_str()
+            .unwrap(),
+    )
+    .expect("the dashboard is JSON");
+    assert_eq!(json["uid"], "perspective-workers");
+
+    // Thresholds reach the rules; watching one namespace narrows the PodMonitor.
+    let tuned = [
+        PACK,
+        &[
+            "--set",
+            "metrics.prometheusRule.lagThresholdSeconds=42",
+            "--set",
+            "metrics.prometheusRule.lagFor=3m",
+            "--set",
+            "metrics.prometheusRule.severity=critical",
+            "--set",
+            "watchNamespace=shop",
+        ],
+    ]
+    .concat();
+    let docs = render("ops", &tuned);
+    let lagging = rule(&docs, "PerspectiveLagging");
+    assert!(
+        str_at(lagging, "expr").ends_with("> 42"),
+        "{}",
+        to_yaml(lagging)
+    );
+    assert_eq!(str_at(lagging, "for"), "3m");
+    assert_eq!(str_at(lagging, "labels.severity"), "critical");
+    let pods = object(&docs, "PodMonitor", &format!("{name}-workers"));
+    assert_eq!(
+        strings(at(pods, "spec.namespaceSelector.matchNames")),
+        ["shop"]
+    );
+}
+
+#[test]
+fn service_monitor_needs_the_metrics_service() {
+    let out = output(helm().args(["template", "rel"]).arg(chart_dir()).args([
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.service.enabled=false",
+    ]));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("needs metrics.service.enabled"), "{stderr}");
 }
 
 #[test]
@@ -1014,4 +1177,83 @@ fn cluster_install_watching_one_namespace_grants_only_there() {
         false,
     )];
     assert_permissions(&release.sa(), &revoked);
+}
+
+/// The pack's objects pass the API server's validation against the Prometheus Operator's own
+/// CRDs (from its published Go module, written by build-bins.sh next to the binaries).
+#[test]
+fn cluster_accepts_the_monitoring_pack_in_a_server_side_dry_run() {
+    require_cluster();
+    let crds = tool("kubectl")
+        .parent()
+        .unwrap()
+        .join("prometheus-operator-crds.yaml");
+    assert!(
+        crds.is_file(),
+        "{} is missing: run tests/e2e/build-bins.sh",
+        crds.display()
+    );
+    ok(kubectl()
+        .args(["apply", "--server-side", "--force-conflicts", "-f"])
+        .arg(&crds));
+    ok(kubectl().args([
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/servicemonitors.monitoring.coreos.com",
+        "crd/podmonitors.monitoring.coreos.com",
+        "crd/prometheusrules.monitoring.coreos.com",
+    ]));
+
+    let release = Release::new("mon");
+    let ns = release.namespace.as_str();
+    let pack: Vec<Value> = render(ns, PACK)
+        .into_iter()
+        .filter(|d| PACK_KINDS.contains(&str_at(d, "kind")))
+        .collect();
+    assert_eq!(pack.len(), PACK_KINDS.len(), "{:?}", kinds(&pack));
+    let dry_run = |docs: &[Value], file: &str| {
+        let path = state_dir().join(format!("{ns}-{file}"));
+        std::fs::create_dir_all(state_dir()).unwrap();
+        let text: Vec<String> = docs.iter().map(to_yaml).collect();
+        std::fs::write(&path, text.join("---\n")).unwrap();
+        output(
+            kubectl()
+                .args([
+                    "apply",
+                    "--dry-run=server",
+                    "--validate=strict",
+                    "-n",
+                    ns,
+                    "-f",
+                ])
+                .arg(&path),
+        )
+    };
+    let out = dry_run(&pack, "pack.yaml");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.matches("(server dry run)").count(),
+        PACK_KINDS.len(),
+        "{stdout}"
+    );
+
+    // The check can fail: a field the CRD's schema does not know is rejected.
+    let mut broken = pack
+        .iter()
+        .find(|d| str_at(d, "kind") == "PodMonitor")
+        .unwrap()
+        .clone();
+    broken["spec"]["podMetricsEndpoints"][0]["portt"] = Value::from("http");
+    let out = dry_run(&[broken], "broken.yaml");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("portt"),
+        "{stderr}"
+    );
 }

@@ -598,6 +598,29 @@ async fn lifecycle_of_a_deployment() {
     )
     .await;
 
+    // The operator exports the deployment's status for the chart's alerts (at each scrape, from
+    // its cache): Ready, 3 wanted, 3 live in the database, no dead letters.
+    let operator_addr = w.operators[0]
+        .http_addr()
+        .expect("the operator logged its HTTP address");
+    let id = format!(r#"deployment="shop",deployment_namespace="{}""#, w.ns);
+    let status_series = [
+        format!(r#"perspective_operator_condition{{{id},type="Ready"}} 1"#),
+        format!(r#"perspective_operator_condition{{{id},type="MigrationsApplied"}} 1"#),
+        format!("perspective_operator_desired_replicas{{{id}}} 3"),
+        format!("perspective_operator_live_instances{{{id}}} 3"),
+        format!("perspective_operator_dead_letters{{{id}}} 0"),
+    ];
+    poll("the operator's per-deployment gauges", LONG, || async {
+        let metrics = http_get(&operator_addr, "/metrics")?;
+        Ok(status_series
+            .iter()
+            .all(|s| metrics.contains(s.as_str()))
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+
     // 3. Change a handler: a new Job (new name) runs, then the template rolls.
     let old_hash = template_annotation(&sts, "perspectives.dev/migration-hash").unwrap();
     w.apply(&pd_yaml("shop", &w.schema, 3, "v2", ""));
@@ -729,6 +752,11 @@ async fn lifecycle_of_a_deployment() {
         schema_exists(&mut conn, &w.schema).await,
         "deleting the CR leaves the schema"
     );
+    poll("the deleted deployment's series gone", LONG, || async {
+        Ok((!http_get(&operator_addr, "/metrics")?.contains(&id)).then_some(()))
+    })
+    .await
+    .unwrap();
     wait_sql(
         &mut conn,
         "models intact",
