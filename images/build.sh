@@ -21,7 +21,8 @@ say() { printf '[images] %s\n' "$*" >&2; }
 
 command -v buildah >/dev/null || {
 	say "installing buildah (apt-get)"
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah >/dev/null
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah >/dev/null ||
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah >/dev/null; }
 }
 
 profile="${PROFILE:-release}"

@@ -36,6 +36,7 @@ mod real_node {
     const VERSION: &str = env!("CARGO_PKG_VERSION");
     const PD: &str = "shop";
     const STREAMS: usize = 24;
+    const CANARY: &str = "canary-pw-7f3a";
 
     fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
         let mut child = Command::new("kubectl")
@@ -339,6 +340,17 @@ spec:
             let (_, target) = retarget(&database_url(), "127.0.0.1:1".parse().unwrap());
             let pg = Forward::start(&node.ip, target).await.unwrap();
             let (pod_url, _) = retarget(&database_url(), pg.addr);
+            // A password the server never asks for (trust auth): a canary that must never show
+            // up in status or Events.
+            let pod_url = pod_url.replacen(
+                "postgres://postgres@",
+                &format!("postgres://postgres:{CANARY}@"),
+                1,
+            );
+            assert!(
+                pod_url.contains(CANARY),
+                "TEST_DATABASE_URL is postgres://postgres@…: {pod_url}"
+            );
             kubectl_ok(
                 &[
                     "-n",
@@ -472,12 +484,16 @@ spec:
     }
 
     fn exit_code(pod: &Pod) -> Option<i32> {
+        exit_code_of(pod, "worker")
+    }
+
+    fn exit_code_of(pod: &Pod, container: &str) -> Option<i32> {
         pod.status
             .as_ref()?
             .container_statuses
             .as_ref()?
             .iter()
-            .find(|c| c.name == "worker")?
+            .find(|c| c.name == container)?
             .state
             .as_ref()?
             .terminated
@@ -821,10 +837,10 @@ spec:
             "[real-node] operator leader {leader} stopped and force-deleted; {new_leader} leads after {:?}",
             t.elapsed()
         );
-        assert!(
-            operator_pods.iter().any(|p| p.name_any() == new_leader),
-            "the standby replica took over"
-        );
+        // Whichever replica wins (the standby or the Deployment's replacement pod), it is a
+        // live operator pod, and it reconciles.
+        let new_leader_pod = pods.get(&new_leader).await.unwrap();
+        assert!(is_ready(&new_leader_pod) || new_leader_pod.metadata.deletion_timestamp.is_none());
         kubectl_ok(
             &[
                 "-n",
@@ -840,6 +856,117 @@ spec:
         ready_workers(&pods, &node, 3).await;
         w.wait_pd_ready();
 
+        w.shutdown().await;
+    }
+
+    /// Reads the deployment's status condition `type_` as (status, reason, message).
+    fn pd_condition(ns: &str, type_: &str) -> Option<(String, String, String)> {
+        let out = kubectl_ok(
+            &[
+                "-n",
+                ns,
+                "get",
+                &format!("perspectivedeployment/{PD}"),
+                "-o",
+                "json",
+            ],
+            None,
+        );
+        let pd: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let c = pd["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == type_)?
+            .clone();
+        let s = |k: &str| c[k].as_str().unwrap_or_default().to_owned();
+        Some((s("status"), s("reason"), s("message")))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_real_migration_pod_that_fails_keeps_the_running_workers_and_says_why() {
+        let w = World::new().await;
+        let pods = w.pods();
+        let node = w.node.name.clone();
+        w.install_operator(1);
+        let no_retry = |yaml: String| {
+            yaml.replace(
+                "  worker:\n",
+                "  migrations:\n    backoffLimit: 0\n  worker:\n",
+            )
+        };
+        w.apply(&no_retry(pd_yaml(&w.schema, 1, "v1")));
+        w.wait_pd_ready();
+        let worker = ready_workers(&pods, &node, 1).await.remove(0);
+
+        // Valid config, SQL that fails when `migrate` runs it in the Job's container.
+        let broken = no_retry(pd_yaml(&w.schema, 1, "v1")).replace(
+            "versions bigint[] NOT NULL, tag text NOT NULL)",
+            "versions bigint[] NOT NULL, tag text NOT NULL);\n        CREATE TABLE IF NOT EXISTS broken (n no_such_type)",
+        );
+        w.apply(&broken);
+        let (_, _, message) = poll("Degraded=True MigrationFailed", LONG, || async {
+            Ok(pd_condition(&w.ns, "Degraded")
+                .filter(|(s, r, _)| s == "True" && r == "MigrationFailed"))
+        })
+        .await
+        .unwrap();
+        eprintln!("[real-node] failed migration reported: {message}");
+        assert!(
+            message.contains("no_such_type"),
+            "the real container's error reaches the status: {message}"
+        );
+        // The failed Job's pod really ran and failed in its container.
+        let failed: Vec<Pod> = pods
+            .list(&ListParams::default().labels("app.kubernetes.io/component=migration"))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|p| exit_code_of(p, "migrate").is_some_and(|c| c != 0))
+            .collect();
+        assert!(
+            !failed.is_empty(),
+            "a migration pod whose container exited non-zero"
+        );
+        // The running worker was left alone: same pod, same container, still Ready.
+        let still = pods.get(&worker.name_any()).await.unwrap();
+        assert_eq!(still.metadata.uid, worker.metadata.uid);
+        assert!(is_ready(&still));
+        let restarts = still
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .map(|cs| cs[0].restart_count);
+        assert_eq!(restarts, Some(0));
+        // Nothing the operator published carries the Secret's value.
+        let published = format!(
+            "{}{}",
+            kubectl_ok(
+                &[
+                    "-n",
+                    &w.ns,
+                    "get",
+                    &format!("perspectivedeployment/{PD}"),
+                    "-o",
+                    "json"
+                ],
+                None
+            ),
+            kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None)
+        );
+        assert!(
+            !published.contains(CANARY),
+            "the database password leaked into status or Events"
+        );
+
+        // Fixing the spec: a new Job succeeds and the deployment is Ready again.
+        w.apply(&no_retry(pd_yaml(&w.schema, 1, "v2")));
+        w.wait_pd_ready();
+        poll("Degraded cleared", LONG, || async {
+            Ok(pd_condition(&w.ns, "Degraded").filter(|(s, _, _)| s == "False"))
+        })
+        .await
+        .unwrap();
         w.shutdown().await;
     }
 }

@@ -210,10 +210,10 @@ cmd_start() {
 
 	# The API server's serving certificate, signed by a throwaway CA (pki/ca.crt, which
 	# kubeconfig, controllers and pods trust): valid for 127.0.0.1, the Service IP
-	# 10.0.0.1 and E2E_APISERVER_IPS (comma-separated; a real node's pods reach the API
+	# 10.0.0.1 and E2E_APISERVER_IPS (space-separated; a real node's pods reach the API
 	# server through a port forwarded on their bridge gateway).
 	local sans="IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes.default.svc" ip
-	for ip in ${E2E_APISERVER_IPS//,/ }; do sans+=",IP:$ip"; done
+	for ip in ${E2E_APISERVER_IPS:-}; do sans+=",IP:$ip"; done
 	openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=e2e-ca \
 		-keyout "$dir/pki/ca.key" -out "$dir/pki/ca.crt" 2>/dev/null
 	openssl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver \

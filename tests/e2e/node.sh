@@ -97,6 +97,16 @@ free_port() {
 	echo "$p"
 }
 
+# apt-get install, refreshing the package lists once if they are missing or stale.
+apt_install() { # LOG PACKAGE...
+	local log="$1"
+	shift
+	say "installing $* (apt-get)"
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >"$log" 2>&1 && return 0
+	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"; } >>"$log" 2>&1 ||
+		die "apt-get install $* failed: $(tail -n 5 "$log")"
+}
+
 ensure_packages() {
 	local missing=()
 	command -v containerd >/dev/null || missing+=(containerd)
@@ -104,11 +114,7 @@ ensure_packages() {
 	[[ -x /usr/lib/cni/bridge && -x /usr/lib/cni/host-local && -x /usr/lib/cni/loopback ]] || missing+=(containernetworking-plugins)
 	command -v iptables-save >/dev/null || missing+=(iptables)
 	command -v socat >/dev/null || missing+=(socat)
-	if ((${#missing[@]})); then
-		say "installing ${missing[*]} (apt-get)"
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >"$dir/logs/apt.log" 2>&1 ||
-			die "apt-get install ${missing[*]} failed: $(tail -n 5 "$dir/logs/apt.log")"
-	fi
+	((${#missing[@]} == 0)) || apt_install "$dir/logs/apt.log" "${missing[@]}"
 }
 
 iptables_kube_chains() {
@@ -285,7 +291,7 @@ cmd_import_pause() {
 	hash="$(sha256sum "$bin/pause" | cut -c1-16)"
 	archive="$cache/pause-$hash.tar"
 	if [[ ! -f "$archive" ]]; then
-		command -v buildah >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q buildah >"$dir/logs/apt-buildah.log" 2>&1
+		command -v buildah >/dev/null || apt_install "$dir/logs/apt-buildah.log" buildah
 		mkdir -p "$cache"
 		ctr=$(buildah from scratch)
 		mnt=$(buildah mount "$ctr")
