@@ -71,6 +71,10 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
                 Ok((object, _)) => {
                     debug!(name = %object.name, namespace = ?object.namespace, "reconciled")
                 }
+                // A failed reconcile was logged by `error_policy`, with the object's fields.
+                Err(kube::runtime::controller::Error::ReconcilerFailed(_, object)) => {
+                    debug!(name = %object.name, namespace = ?object.namespace, "reconcile failed")
+                }
                 Err(e) => warn!(error = %e, "controller"),
             }
         })

@@ -201,6 +201,8 @@ fn observed(job: Option<JobState>, sts: Option<StatefulSet>) -> Observed {
         generation: Some(4),
         paused: false,
         problems: vec![],
+        secret_problem: None,
+        rejected: None,
         target: migration_job::target("shop", &spec, "worker:1"),
         config_hash,
         job,
