@@ -12,6 +12,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::reconcile::one_line;
+
 /// Election settings.
 #[derive(Debug, Clone)]
 pub struct Election {
@@ -65,7 +67,7 @@ pub async fn acquire(
                     held = manager.changed() => match held {
                         Ok(true) => continue,
                         Ok(false) => warn!("lost the leader lease"),
-                        Err(e) => warn!(error = %e, "cannot renew the leader lease"),
+                        Err(e) => warn!(error = %one_line(&e), "cannot renew the leader lease"),
                     },
                     _ = stop.cancelled() => return,
                 }
@@ -89,7 +91,7 @@ impl Leadership {
         let _ = self.renewer.await;
         match tokio::time::timeout(Duration::from_secs(5), self.manager.release()).await {
             Ok(Ok(())) => info!("released the leader lease"),
-            Ok(Err(e)) => warn!(error = %e, "could not release the leader lease"),
+            Ok(Err(e)) => warn!(error = %one_line(&e), "could not release the leader lease"),
             Err(_) => warn!("timed out releasing the leader lease"),
         }
     }

@@ -585,7 +585,11 @@ fn paused_then_scaled_says_it_is_paused() {
     );
     let p = condition(&s, conditions::PROGRESSING);
     assert_eq!((p.status.as_str(), p.reason.as_str()), ("False", "Paused"));
-    assert!(p.message.contains("scaled to 5 when it is false"), "{}", p.message);
+    assert!(
+        p.message.contains("scaled to 5 when it is false"),
+        "{}",
+        p.message
+    );
     assert_eq!(s.summary.as_deref(), Some("Paused"));
 }
 
@@ -636,7 +640,10 @@ fn a_missing_secret_is_reported_as_such() {
     o.secret_problem = Some("spec.database.secretRef.name: Secret \"shop-db\" not found".into());
     let s = compute(&ready, &o, now);
     let d = condition(&s, conditions::DEGRADED);
-    assert_eq!((d.status.as_str(), d.reason.as_str()), ("True", "SecretMissing"));
+    assert_eq!(
+        (d.status.as_str(), d.reason.as_str()),
+        ("True", "SecretMissing")
+    );
     assert!(d.message.contains("\"shop-db\" not found"), "{}", d.message);
     assert_eq!(condition(&s, conditions::READY).reason, "SecretMissing");
     let p = condition(&s, conditions::PROGRESSING);
@@ -663,10 +670,20 @@ fn a_rejected_child_is_degraded_with_the_servers_message() {
     );
     let s = compute(&Default::default(), &o, now);
     let d = condition(&s, conditions::DEGRADED);
-    assert_eq!((d.status.as_str(), d.reason.as_str()), ("True", "ChildRejected"));
-    assert!(d.message.contains("nodeSelector: Invalid value"), "{}", d.message);
+    assert_eq!(
+        (d.status.as_str(), d.reason.as_str()),
+        ("True", "ChildRejected")
+    );
+    assert!(
+        d.message.contains("nodeSelector: Invalid value"),
+        "{}",
+        d.message
+    );
     let r = condition(&s, conditions::READY);
-    assert_eq!((r.status.as_str(), r.reason.as_str()), ("False", "ChildRejected"));
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("False", "ChildRejected")
+    );
     assert_eq!(condition(&s, conditions::PROGRESSING).reason, "Stalled");
     assert_eq!(s.summary.as_deref(), Some("Degraded: ChildRejected"));
 }

@@ -142,14 +142,38 @@ fn every_declared_integer_bound_is_in_the_crd() {
     // fails too if an attribute is dropped from the Rust types.
     let declared = [
         (".spec.replicas", Some(0), Some(i64::from(i32::MAX))),
-        (".spec.migrations.backoffLimit", Some(0), Some(i64::from(i32::MAX))),
+        (
+            ".spec.migrations.backoffLimit",
+            Some(0),
+            Some(i64::from(i32::MAX)),
+        ),
         (".spec.migrations.activeDeadlineSeconds", Some(1), None),
         (".spec.terminationGracePeriodSeconds", Some(1), None),
-        (".spec.perspectives[].version", Some(1), Some(i64::from(u32::MAX))),
-        (".spec.worker.perspectiveBatchSize", Some(1), Some(i64::from(u32::MAX))),
-        (".spec.worker.heartbeatIntervalSeconds", Some(1), Some(i64::from(u32::MAX))),
-        (".spec.worker.retryOptions.maxBackoffSeconds", Some(0), Some(i64::from(u32::MAX))),
-        (".spec.claimWorker.pollingIntervalMilliseconds", Some(1), Some((1 << 53) - 1)),
+        (
+            ".spec.perspectives[].version",
+            Some(1),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.worker.perspectiveBatchSize",
+            Some(1),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.worker.heartbeatIntervalSeconds",
+            Some(1),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.worker.retryOptions.maxBackoffSeconds",
+            Some(0),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.claimWorker.pollingIntervalMilliseconds",
+            Some(1),
+            Some((1 << 53) - 1),
+        ),
     ];
     for (path, min, max) in declared {
         let found = checked
@@ -189,8 +213,10 @@ fn compare_bounds(
             .enumerate()
         {
             let value = &generated[key];
-            if !value.is_null() && !(value.is_i64() || value.is_u64()) {
-                problems.push(format!("{path}.{key}: {value} is not written as an integer"));
+            if !(value.is_null() || value.is_i64() || value.is_u64()) {
+                problems.push(format!(
+                    "{path}.{key}: {value} is not written as an integer"
+                ));
             }
             got[i] = value.as_i64();
             if got[i] != want {
@@ -204,11 +230,23 @@ fn compare_bounds(
     if let Some(props) = raw["properties"].as_object() {
         for (name, sub) in props {
             let sub_path = format!("{path}.{name}");
-            compare_bounds(sub, &generated["properties"][name], &sub_path, checked, problems);
+            compare_bounds(
+                sub,
+                &generated["properties"][name],
+                &sub_path,
+                checked,
+                problems,
+            );
         }
     }
     if raw["items"].is_object() {
-        compare_bounds(&raw["items"], &generated["items"], &format!("{path}[]"), checked, problems);
+        compare_bounds(
+            &raw["items"],
+            &generated["items"],
+            &format!("{path}[]"),
+            checked,
+            problems,
+        );
     }
     if raw["additionalProperties"].is_object() {
         compare_bounds(

@@ -1311,7 +1311,9 @@ async fn a_missing_secret_is_reported_until_it_exists() {
     );
     assert_eq!(condition(&pd, "Ready").reason, "SecretMissing");
     assert!(
-        !condition(&pd, "Progressing").message.contains("spec change"),
+        !condition(&pd, "Progressing")
+            .message
+            .contains("spec change"),
         "a Secret is not a spec change"
     );
     assert!(
@@ -1408,7 +1410,10 @@ async fn each_event_says_what_just_happened() {
         let note = event.note.clone().unwrap_or_default();
         assert!(note.contains(param), "in order: {param} not in {note}");
         assert_eq!(event.type_.as_deref(), Some("Warning"));
-        assert!(event.series.is_none(), "not folded into a series: {event:?}");
+        assert!(
+            event.series.is_none(),
+            "not folded into a series: {event:?}"
+        );
     }
 
     // Fixed: the migration Events are about the Job created for this spec.
@@ -1470,7 +1475,11 @@ async fn a_child_the_api_server_refuses_is_reported() {
     assert_eq!(warning.type_.as_deref(), Some("Warning"));
     assert!(warning.note.unwrap_or_default().contains("nodeSelector"));
     let instance = ListParams::default().labels("app.kubernetes.io/instance=shop");
-    assert_eq!(count::<ConfigMap>(&w, &instance).await.unwrap(), 0, "no ConfigMap left");
+    assert_eq!(
+        count::<ConfigMap>(&w, &instance).await.unwrap(),
+        0,
+        "no ConfigMap left"
+    );
     assert!(w.jobs().await.is_empty());
 
     // The manifest without the selector: server-side apply drops the field.
