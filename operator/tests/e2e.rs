@@ -1116,6 +1116,75 @@ async fn leader_election_hands_over() {
     w.shutdown().await;
 }
 
+/// Issue 13: a leader stopped with SIGTERM releases the Lease and a standby takes it within
+/// about a second (it reads the Lease every second), not when the 30 s lease it last read would
+/// have expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_leader_hands_over_at_once() {
+    let mut w = World::new("handover", &[]).await;
+    let ns = w.ns.clone();
+    let args = [
+        "--leader-election",
+        "--lease-namespace",
+        ns.as_str(),
+        "--lease-seconds=30",
+    ];
+    let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
+    let holder = || async {
+        anyhow::Ok(
+            leases
+                .get_opt("perspective-operator")
+                .await?
+                .and_then(|l| l.spec?.holder_identity),
+        )
+    };
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "op-a", &args));
+    poll("op-a leads", LONG, || async {
+        Ok((holder().await?.as_deref() == Some("op-a")).then_some(()))
+    })
+    .await
+    .unwrap();
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "op-b", &args));
+    poll("op-b stands by", LONG, || async {
+        Ok(w.operators[1]
+            .log()
+            .contains("waiting for leadership")
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    // Past op-b's first look at the Lease, so it has read op-a's 30 s lease.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(holder().await.unwrap().as_deref(), Some("op-a"));
+
+    let pid = w.operators[0].child.id();
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    let deadline = std::time::Instant::now() + LONG;
+    let status = loop {
+        if let Some(status) = w.operators[0].child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "op-a did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{}", w.operators[0].log());
+    let stopped = std::time::Instant::now();
+    poll("op-b takes the lease", LONG, || async {
+        Ok((holder().await?.as_deref() == Some("op-b")).then_some(()))
+    })
+    .await
+    .unwrap();
+    let took = stopped.elapsed();
+    eprintln!("[e2e] handover took {took:?}");
+    assert!(
+        took < Duration::from_secs(4),
+        "handover took {took:?}; a released lease should be taken within about a second"
+    );
+    w.shutdown().await;
+}
+
 /// A minimal HTTP/1.0 GET against one of our own loopback processes.
 fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
     use std::io::Read;
