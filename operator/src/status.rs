@@ -305,10 +305,15 @@ pub fn compute(
                 (
                     true,
                     "MinimumAvailable",
-                    format!(
-                        "{}/{} worker pods ready; {step}",
-                        r.ready, o.desired_replicas
-                    ),
+                    if o.paused {
+                        // The count the spec asks for waits for the unpause: the step says so.
+                        step.clone()
+                    } else {
+                        format!(
+                            "{}/{} worker pods ready; {step}",
+                            r.ready, o.desired_replicas
+                        )
+                    },
                 )
             }
             Some((reason, step)) => (false, *reason, step.clone()),

@@ -591,6 +591,19 @@ fn paused_then_scaled_says_it_is_paused() {
         p.message
     );
     assert_eq!(s.summary.as_deref(), Some("Paused"));
+    // Scaled down while paused: the running pods keep it ready, and say why the count differs.
+    o.desired_replicas = 2;
+    let s = compute(&ready, &o, now);
+    let r = condition(&s, conditions::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("True", "MinimumAvailable")
+    );
+    assert_eq!(
+        r.message,
+        "spec.paused is true: 3 worker pods (3 ready), scaled to 2 when it is false"
+    );
+    assert_eq!(s.summary.as_deref(), Some("Paused"));
 }
 
 /// Issue 13: a spec changed while paused says its migration waits for the unpause, not that it
@@ -618,7 +631,7 @@ fn paused_with_a_changed_spec_says_the_migration_waits_for_the_unpause() {
     assert_eq!(r.reason, "MinimumAvailable");
     assert!(
         r.message
-            .ends_with("spec.paused is true: migration Job shop-migrate-new for the current spec is created when it is false"),
+            == "spec.paused is true: migration Job shop-migrate-new for the current spec is created when it is false",
         "{}",
         r.message
     );

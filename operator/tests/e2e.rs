@@ -649,6 +649,20 @@ async fn lifecycle_of_a_deployment() {
         Some(3),
         "paused: StatefulSet untouched"
     );
+    // Issue 13: the replica count that waits says it waits for the unpause (not "3/2 ready").
+    let pd = w
+        .wait_condition("shop", "Ready", "True", Some("MinimumAvailable"))
+        .await;
+    assert_eq!(
+        condition(&pd, "Ready").message,
+        "spec.paused is true: 3 worker pods (3 ready), scaled to 2 when it is false"
+    );
+    let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
+    assert!(
+        table.lines().next().unwrap().contains("STATUS")
+            && table.lines().nth(1).unwrap().contains("Paused"),
+        "the STATUS column says paused: {table}"
+    );
     w.apply(&pd_yaml("shop", &w.schema, 2, "v2", ""));
     w.wait_condition("shop", "ReconciliationPaused", "False", None)
         .await;
@@ -1550,6 +1564,30 @@ async fn a_child_the_api_server_refuses_is_reported() {
         "no ConfigMap left"
     );
     assert!(w.jobs().await.is_empty());
+    // The operator's log: JSON lines, one `message` each, the object as plain fields.
+    let log = w.operators[0].log();
+    let degraded: Vec<Value> = log
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            assert!(
+                l.matches("\"message\":").count() == 1,
+                "one message key per line: {l}"
+            );
+            serde_json::from_str::<Value>(l).unwrap()
+        })
+        .filter(|v| v["fields"]["message"] == "PerspectiveDeployment degraded")
+        .collect();
+    assert!(!degraded.is_empty(), "the refusal is logged:\n{log}");
+    for line in &degraded {
+        let fields = &line["fields"];
+        assert_eq!(
+            (fields["namespace"].as_str(), fields["name"].as_str()),
+            (Some(w.ns.as_str()), Some("shop")),
+            "{fields}"
+        );
+        assert_eq!(fields["reason"], "ChildRejected");
+    }
 
     // The manifest without the selector: server-side apply drops the field.
     w.apply(&valid);
