@@ -15,7 +15,7 @@ use tracing::{debug, warn};
 
 use crate::crd::PerspectiveDeployment;
 use crate::labels;
-use crate::reconcile::{error_policy, reconcile, Context};
+use crate::reconcile::{describe, error_policy, one_line, reconcile, Context};
 
 /// Which namespace to watch; `None` watches all.
 pub fn deployments_api(client: Client, namespace: Option<&str>) -> Api<PerspectiveDeployment> {
@@ -33,7 +33,10 @@ pub async fn check_crd(api: &Api<PerspectiveDeployment>) -> anyhow::Result<()> {
             "the PerspectiveDeployment CRD is not installed: run `kubectl apply --server-side -f crds/` \
              (or `perspective-operator crd | kubectl apply --server-side -f -`)"
         ),
-        Err(e) => Err(anyhow::anyhow!("cannot list PerspectiveDeployments: {e}")),
+        Err(e) => Err(anyhow::anyhow!(
+            "cannot list PerspectiveDeployments: {}",
+            describe(&e)
+        )),
     }
 }
 
@@ -70,9 +73,21 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         .for_each(|result| async move {
             match result {
                 Ok((object, _)) => {
-                    debug!(name = %object.name, namespace = ?object.namespace, "reconciled")
+                    debug!(
+                        namespace = object.namespace.as_deref().unwrap_or_default(),
+                        name = %object.name,
+                        "reconciled"
+                    )
                 }
-                Err(e) => warn!(error = %e, "controller"),
+                // A failed reconcile was logged by `error_policy`, with the object's fields.
+                Err(kube::runtime::controller::Error::ReconcilerFailed(_, object)) => {
+                    debug!(
+                        namespace = object.namespace.as_deref().unwrap_or_default(),
+                        name = %object.name,
+                        "reconcile failed"
+                    )
+                }
+                Err(e) => warn!(error = %one_line(&e), "controller"),
             }
         })
         .await;

@@ -38,6 +38,7 @@ pub const GROUP: &str = "perspectives.dev";
         label_selector_path = ".status.selector"
     ),
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Status","type":"string","jsonPath":".status.summary"}"#,
     printcolumn = r#"{"name":"Replicas","type":"string","jsonPath":".status.replicasSummary"}"#,
     printcolumn = r#"{"name":"Pending","type":"integer","jsonPath":".status.pendingEvents"}"#,
     printcolumn = r#"{"name":"Lag","type":"string","jsonPath":".status.lag"}"#,
@@ -175,6 +176,11 @@ pub struct PerspectiveDeploymentStatus {
     /// The `metadata.generation` this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// What the deployment is doing, in a word or two, for `kubectl get`: `Ready`, `Paused`,
+    /// `Migrating`, `Backfilling 61%`, `RollingOut`, `Degraded: EventsFailing`, or the reason
+    /// it is not ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
     /// Ready, MigrationsApplied, Progressing, Degraded, ReconciliationPaused.
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
@@ -348,6 +354,14 @@ fn kubernetes_int_formats(value: &mut serde_json::Value) {
                 Some("int32") => Some((i64::from(i32::MIN), i64::from(i32::MAX))),
                 _ => None,
             };
+            if bounds.is_none() && map.get("type").and_then(|t| t.as_str()) == Some("integer") {
+                // An int64: no bounds added, but a declared one must be an integer too.
+                for key in ["minimum", "maximum"] {
+                    if let Some(b) = map.get(key).and_then(|v| v.as_f64()) {
+                        map.insert(key.into(), (b as i64).into());
+                    }
+                }
+            }
             if let Some((min, max)) = bounds {
                 let format = if max > i64::from(i32::MAX) {
                     "int64"

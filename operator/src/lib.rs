@@ -9,6 +9,7 @@
 //! - [`reconcile`]: the pipeline validate → build → server-side apply → status
 //! - [`status`] and [`conditions`]: status computed from observations, condition transitions
 //! - [`lag`]: lag / dead letters read from the deployment's database (`store::status`, read-only)
+//! - [`events`]: Kubernetes Events about a deployment, each with the text of what happened
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
 //! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 
@@ -16,6 +17,7 @@ pub mod conditions;
 pub mod config_map;
 pub mod controller;
 pub mod crd;
+pub mod events;
 pub mod labels;
 pub mod lag;
 pub mod leader;

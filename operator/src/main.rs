@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
-use kube::runtime::events::{Recorder, Reporter};
 use kube::Client;
 use perspective_operator::controller;
 use perspective_operator::crd::crd_yaml;
+use perspective_operator::events::Publisher;
 use perspective_operator::lag::LagReader;
 use perspective_operator::leader::{self, Election};
 use perspective_operator::metrics::OperatorMetrics;
@@ -165,13 +165,7 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     let ctx = Arc::new(Context {
         client: client.clone(),
-        recorder: Recorder::new(
-            client,
-            Reporter {
-                controller: "perspective-operator".into(),
-                instance: Some(identity),
-            },
-        ),
+        events: Publisher::new(client, "perspective-operator", &identity),
         metrics: metrics.clone(),
         options: Options {
             default_worker_image: args.default_worker_image,

@@ -123,11 +123,15 @@ pub fn state(job: &Job, pods: &[Pod]) -> JobState {
         Some(failed) => {
             let reason = failed.reason.clone().unwrap_or_else(|| "Failed".to_owned());
             let mut message = failed.message.clone().unwrap_or_default();
-            if let Some(log) = termination_message(pods) {
+            if let Some(output) = termination_message(pods) {
                 if !message.is_empty() {
                     message.push_str(": ");
                 }
-                message.push_str(&log);
+                message.push_str(&failure_detail(&output, OUTPUT_LIMIT));
+                message.push_str(&format!(
+                    " (full output: kubectl logs job/{})",
+                    job.metadata.name.as_deref().unwrap_or_default()
+                ));
             }
             JobState::Failed {
                 reason,
@@ -138,7 +142,12 @@ pub fn state(job: &Job, pods: &[Pod]) -> JobState {
     }
 }
 
-/// The newest failed pod's termination message, trimmed to its last lines.
+/// Bytes of a failed pod's output that go into the condition and the Event: the Event's note
+/// (1 kB) must still hold the Job's name and reason around it.
+pub const OUTPUT_LIMIT: usize = 640;
+
+/// The newest failed pod's termination message (its last log lines, with
+/// `FallbackToLogsOnError`).
 fn termination_message(pods: &[Pod]) -> Option<String> {
     let mut terminated: Vec<_> = pods
         .iter()
@@ -148,16 +157,89 @@ fn termination_message(pods: &[Pod]) -> Option<String> {
         .collect();
     terminated.sort_by_key(|t| t.finished_at.as_ref().map(|f| f.0));
     let message = terminated.last()?.message.as_ref()?.trim();
-    if message.is_empty() {
-        return None;
+    (!message.is_empty()).then(|| message.to_owned())
+}
+
+/// What a failed pod's `output` may show in status and Events: credentials redacted (the
+/// output is raw container output, and status and Events are readable by people who may not
+/// read the Secret: DESIGN §11), then its end — where the error is — within `limit` bytes,
+/// starting at a line when it was cut.
+pub fn failure_detail(output: &str, limit: usize) -> String {
+    let clean = redact_credentials(output.trim());
+    if clean.len() <= limit {
+        return clean;
     }
-    // Status messages should stay readable in `kubectl describe`: keep the end, where the error is.
-    const LIMIT: usize = 1024;
-    let start = message.len().saturating_sub(LIMIT);
-    let start = (start..message.len())
-        .find(|i| message.is_char_boundary(*i))
-        .unwrap_or(0);
-    Some(message[start..].to_owned())
+    let mut start = clean.len() - (limit - "…".len());
+    while !clean.is_char_boundary(start) {
+        start += 1;
+    }
+    let tail = &clean[start..];
+    // Start at the next line if there is one, rather than mid-word.
+    let tail = match tail.find('\n') {
+        Some(i) if i + 1 < tail.len() => &tail[i + 1..],
+        _ => tail,
+    };
+    format!("…{tail}")
+}
+
+/// Shown instead of a URL that could carry a password.
+pub const REDACTED_URL: &str = "<redacted URL>";
+
+/// `text` with every URL that carries credentials (`scheme://user:password@…`) or points at
+/// PostgreSQL (`postgres://…`, `postgresql://…`) replaced by [`REDACTED_URL`], and every
+/// libpq `password=…` value replaced by `<redacted>`.
+pub fn redact_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let before = &rest[..at];
+        let scheme_start = before
+            .char_indices()
+            .rev()
+            .take_while(|(_, c)| c.is_ascii_alphanumeric() || "+-.".contains(*c))
+            .last()
+            .map_or(at, |(i, _)| i);
+        let scheme = &before[scheme_start..];
+        let after = &rest[at + 3..];
+        let end = after
+            .find(|c: char| c.is_whitespace() || "\"'<>`".contains(c))
+            .unwrap_or(after.len());
+        // Sentence punctuation after a URL is not part of it.
+        let end = after[..end]
+            .trim_end_matches(['.', ',', ';', ':', ')', ']'])
+            .len();
+        let authority = after[..end].split('/').next().unwrap_or_default();
+        let secret = authority.contains('@') || scheme.to_ascii_lowercase().starts_with("postgres");
+        out.push_str(&rest[..scheme_start]);
+        if secret {
+            out.push_str(REDACTED_URL);
+        } else {
+            out.push_str(&rest[scheme_start..at + 3 + end]);
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    redact_password_values(&out)
+}
+
+/// libpq keyword/value connection strings: `password=secret` → `password=<redacted>`.
+fn redact_password_values(text: &str) -> String {
+    let lower = text.to_ascii_lowercase();
+    let mut out = String::with_capacity(text.len());
+    let mut copied = 0;
+    let mut from = 0;
+    while let Some(i) = lower[from..].find("password=") {
+        let value_start = from + i + "password=".len();
+        let value_end = text[value_start..]
+            .find(|c: char| c.is_whitespace())
+            .map_or(text.len(), |e| value_start + e);
+        out.push_str(&text[copied..value_start]);
+        out.push_str("<redacted>");
+        copied = value_end;
+        from = value_end;
+    }
+    out.push_str(&text[copied..]);
+    out
 }
 
 /// Delay before a failed migration target is retried: `base` doubling per failure, at most
@@ -165,4 +247,55 @@ fn termination_message(pods: &[Pod]) -> Option<String> {
 pub fn retry_delay(failures: i32, base: std::time::Duration) -> std::time::Duration {
     let exp = failures.clamp(1, 6) - 1;
     (base * (1u32 << exp)).min(base * 20)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_urls_and_conninfo_are_redacted() {
+        let text = "connecting to postgres://app:s3cret@db:5432/shop failed; \
+                    DATABASE_URL=postgresql://db/shop; see https://example.com/docs and \
+                    'https://user:tok@git.example.com/x' host=db password=hunter2 user=app";
+        let clean = redact_credentials(text);
+        for secret in ["s3cret", "hunter2", "tok@", "postgresql://db"] {
+            assert!(!clean.contains(secret), "{secret} left in {clean}");
+        }
+        assert!(
+            clean.contains("connecting to <redacted URL> failed"),
+            "{clean}"
+        );
+        assert!(clean.contains("DATABASE_URL=<redacted URL>;"), "{clean}");
+        assert!(clean.contains("'<redacted URL>'"), "{clean}");
+        assert!(clean.contains("password=<redacted> user=app"), "{clean}");
+        // URLs without credentials are kept: they help.
+        assert!(clean.contains("https://example.com/docs"), "{clean}");
+        assert_eq!(redact_credentials("no urls here"), "no urls here");
+    }
+
+    #[test]
+    fn the_detail_keeps_the_end_where_the_error_is() {
+        let slow = "WARN slow statement: SELECT … FROM shop.wh_apply_order_totals …\n".repeat(40);
+        let output = format!(
+            "{slow}Error: perspective order_totals: handlers.OrderPlaced: division by zero\n"
+        );
+        let detail = failure_detail(&output, OUTPUT_LIMIT);
+        assert!(detail.len() <= OUTPUT_LIMIT, "{}", detail.len());
+        assert!(
+            detail.ends_with("handlers.OrderPlaced: division by zero"),
+            "{detail}"
+        );
+        // Cut at a line start, marked.
+        assert!(detail.starts_with("…WARN slow statement"), "{detail}");
+        assert_eq!(failure_detail("  short\n", OUTPUT_LIMIT), "short");
+        // A secret near the end is redacted before the cut, never half-kept.
+        let leaky = format!("{slow}cannot connect to postgres://app:pw@db/shop");
+        let detail = failure_detail(&leaky, OUTPUT_LIMIT);
+        assert!(
+            detail.ends_with("cannot connect to <redacted URL>"),
+            "{detail}"
+        );
+        assert!(!detail.contains("pw@"));
+    }
 }

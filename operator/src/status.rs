@@ -3,6 +3,7 @@
 //! unit-tested without a cluster.
 
 use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use perspective_worker::progress::Phase;
 use perspective_worker::store::status::{PerspectiveStatus, Status as DbStatus};
@@ -22,8 +23,13 @@ pub struct Observed {
     pub instance: String,
     pub generation: Option<i64>,
     pub paused: bool,
-    /// Spec and Secret problems, each naming its field; non-empty means nothing was changed.
+    /// Spec problems, each naming its field; non-empty means nothing was changed.
     pub problems: Vec<String>,
+    /// Why the database Secret could not be read (missing, or without the key); nothing was
+    /// changed either, and it is looked at again within seconds.
+    pub secret_problem: Option<String>,
+    /// A child object the API server refused, with its message.
+    pub rejected: Option<String>,
     pub target: MigrationTarget,
     pub config_hash: String,
     /// The current target's Job, if it exists.
@@ -85,6 +91,10 @@ pub fn compute(
     let r = rollout(o);
     let mut desired = Vec::new();
     let invalid = !o.problems.is_empty();
+    let secret_missing = !invalid && o.secret_problem.is_some();
+    // Nothing was applied for this spec.
+    let blocked = invalid || secret_missing;
+    let rejected = o.rejected.as_deref().filter(|_| !blocked);
     let failed = matches!(o.job, Some(JobState::Failed { .. }));
     let migrated = matches!(o.job, Some(JobState::Succeeded));
 
@@ -100,7 +110,7 @@ pub fn compute(
     ));
 
     // A spec that fails validation leaves MigrationsApplied as it was: nothing ran for it.
-    if !invalid {
+    if !blocked {
         desired.push(match &o.job {
             Some(JobState::Succeeded) => Desired::new(
                 conditions::MIGRATIONS_APPLIED,
@@ -125,10 +135,19 @@ pub fn compute(
                 "Running",
                 format!("migration Job {} is running", o.target.job_name),
             ),
+            None if o.paused => Desired::new(
+                conditions::MIGRATIONS_APPLIED,
+                false,
+                "Paused",
+                format!(
+                    "migration Job {} will be created when spec.paused is false",
+                    o.target.job_name
+                ),
+            ),
             None => Desired::new(
                 conditions::MIGRATIONS_APPLIED,
                 false,
-                if o.paused { "Paused" } else { "Pending" },
+                "Pending",
                 format!("migration Job {} has not been created", o.target.job_name),
             ),
         });
@@ -148,6 +167,10 @@ pub fn compute(
 
     desired.push(if invalid {
         Desired::new(conditions::DEGRADED, true, "InvalidSpec", o.problems.join("; "))
+    } else if let Some(problem) = o.secret_problem.as_deref() {
+        Desired::new(conditions::DEGRADED, true, "SecretMissing", problem)
+    } else if let Some(message) = rejected {
+        Desired::new(conditions::DEGRADED, true, "ChildRejected", message)
     } else if let Some(JobState::Failed { reason, message, .. }) = &o.job {
         Desired::new(
             conditions::DEGRADED,
@@ -177,21 +200,48 @@ pub fn compute(
 
     let pods_ready = r.exists && r.replicas == o.desired_replicas && r.ready >= o.desired_replicas;
     // What is left before the current spec is fully rolled out (None: it is).
-    let rollout_step: Option<(&str, String)> = if !migrated {
+    // While paused nothing is created or changed, so each step says it waits for the unpause.
+    let rollout_step: Option<(&str, String)> = if !migrated && o.paused && o.job.is_none() {
+        Some((
+            "Paused",
+            format!(
+                "spec.paused is true: migration Job {} for the current spec is created when it is false",
+                o.target.job_name
+            ),
+        ))
+    } else if !migrated {
         Some((
             "MigrationPending",
             format!("waiting for migration Job {}", o.target.job_name),
         ))
     } else if !(r.current_template && r.rolled) {
-        Some((
-            if o.paused { "Paused" } else { "RollingOut" },
-            "worker pods are not all running the current template".to_owned(),
-        ))
+        if o.paused {
+            Some((
+                "Paused",
+                "spec.paused is true: the worker pods keep their template until it is false"
+                    .to_owned(),
+            ))
+        } else {
+            Some((
+                "RollingOut",
+                "worker pods are not all running the current template".to_owned(),
+            ))
+        }
     } else if !pods_ready {
-        Some((
-            "WaitingForPods",
-            format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
-        ))
+        if o.paused && r.replicas != o.desired_replicas {
+            Some((
+                "Paused",
+                format!(
+                    "spec.paused is true: {} worker pods ({} ready), scaled to {} when it is false",
+                    r.replicas, r.ready, o.desired_replicas
+                ),
+            ))
+        } else {
+            Some((
+                "WaitingForPods",
+                format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+            ))
+        }
     } else if let Some(live) = db
         .map(|d| d.live_instances)
         .filter(|live| *live < i64::from(o.desired_replicas))
@@ -214,6 +264,18 @@ pub fn compute(
             false,
             "InvalidSpec",
             "the spec is invalid (see Degraded)".to_owned(),
+        )
+    } else if secret_missing {
+        (
+            false,
+            "SecretMissing",
+            "the database Secret cannot be read (see Degraded)".to_owned(),
+        )
+    } else if rejected.is_some() {
+        (
+            false,
+            "ChildRejected",
+            "the API server refused a child object (see Degraded)".to_owned(),
         )
     } else if failed {
         (
@@ -243,10 +305,15 @@ pub fn compute(
                 (
                     true,
                     "MinimumAvailable",
-                    format!(
-                        "{}/{} worker pods ready; {step}",
-                        r.ready, o.desired_replicas
-                    ),
+                    if o.paused {
+                        // The count the spec asks for waits for the unpause: the step says so.
+                        step.clone()
+                    } else {
+                        format!(
+                            "{}/{} worker pods ready; {step}",
+                            r.ready, o.desired_replicas
+                        )
+                    },
                 )
             }
             Some((reason, step)) => (false, *reason, step.clone()),
@@ -260,10 +327,26 @@ pub fn compute(
     ));
 
     let catching_up = db.map_or_else(Vec::new, |d| catch_up_messages(&d.perspectives));
-    let (progressing, p_reason, mut p_message) = if invalid || failed {
+    let (progressing, p_reason, mut p_message) = if invalid || failed || rejected.is_some() {
         (false, "Stalled", "waiting for a spec change".to_owned())
+    } else if secret_missing {
+        (
+            false,
+            "SecretMissing",
+            format!(
+                "waiting for the database Secret (checked every {} s)",
+                crate::reconcile::SECRET_RECHECK.as_secs()
+            ),
+        )
     } else if o.paused {
-        (false, "Paused", "reconciliation is paused".to_owned())
+        (
+            false,
+            "Paused",
+            match &rollout_step {
+                Some((_, step)) => format!("reconciliation is paused; {step}"),
+                None => "reconciliation is paused".to_owned(),
+            },
+        )
     } else if !migrated {
         (
             true,
@@ -304,7 +387,7 @@ pub fn compute(
     status.selector = Some(labels::selector_string(&labels::worker_selector(
         &o.instance,
     )));
-    if !invalid {
+    if !blocked {
         status.migration_job = Some(o.target.job_name.clone());
         status.migration_failures = o.migration_failures;
         if migrated {
@@ -338,7 +421,45 @@ pub fn compute(
         status.dead_letters = Some(dead_letters);
         status.live_instances = Some(db.live_instances);
     }
+    status.summary = Some(summary(
+        &status.conditions,
+        o.paused,
+        status.phase.as_deref(),
+    ));
     status
+}
+
+/// The `Status` column of `kubectl get pd`: what a `False` in `Ready` means, in a word or two —
+/// `Degraded: <reason>` first (something needs a look), then `Paused`, `Migrating`, a catch-up
+/// (`Backfilling 61%`), a rollout step (`RollingOut`), `Ready`, else why it is not ready.
+pub fn summary(conditions: &[Condition], paused: bool, phase: Option<&str>) -> String {
+    let get = |type_: &str| conditions.iter().find(|c| c.type_ == type_);
+    let is_true = |type_: &str| get(type_).is_some_and(|c| c.status == "True");
+    let reason = |type_: &str| get(type_).map_or("", |c| c.reason.as_str());
+    if is_true(conditions::DEGRADED) {
+        return format!("Degraded: {}", reason(conditions::DEGRADED));
+    }
+    if paused {
+        return "Paused".to_owned();
+    }
+    if get(conditions::MIGRATIONS_APPLIED).is_some_and(|c| c.status == "False")
+        && ["Running", "Pending"].contains(&reason(conditions::MIGRATIONS_APPLIED))
+    {
+        return "Migrating".to_owned();
+    }
+    if let Some(phase) = phase.filter(|p| *p != PerspectivePhase::Live.as_str()) {
+        return phase.to_owned();
+    }
+    if is_true(conditions::PROGRESSING) {
+        return reason(conditions::PROGRESSING).to_owned();
+    }
+    if is_true(conditions::READY) {
+        return "Ready".to_owned();
+    }
+    match reason(conditions::READY) {
+        "" => "Pending".to_owned(),
+        other => other.to_owned(),
+    }
 }
 
 /// `42s`, `3m5s`, `2h0m`: short enough for a `kubectl get` column.

@@ -201,6 +201,8 @@ fn observed(job: Option<JobState>, sts: Option<StatefulSet>) -> Observed {
         generation: Some(4),
         paused: false,
         problems: vec![],
+        secret_problem: None,
+        rejected: None,
         target: migration_job::target("shop", &spec, "worker:1"),
         config_hash,
         job,
@@ -582,4 +584,183 @@ fn one_selector_finds_the_worker_pods_of_every_deployment() {
     let job = migration_job::build("shop", "ns", &spec(), "worker:1", "cm", &target);
     let job_pod_labels = job.spec.unwrap().template.metadata.unwrap().labels.unwrap();
     assert!(!matches(&job_pod_labels), "{job_pod_labels:?}");
+}
+
+/// Issue 13: paused then scaled is "paused", not `WaitingForPods 3/5`.
+#[test]
+fn paused_then_scaled_says_it_is_paused() {
+    let now = Timestamp::now();
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    let ready = compute(&Default::default(), &o, now);
+    assert_eq!(ready.summary.as_deref(), Some("Ready"));
+    o.paused = true;
+    o.desired_replicas = 5;
+    let s = compute(&ready, &o, now);
+    let r = condition(&s, conditions::READY);
+    assert_eq!((r.status.as_str(), r.reason.as_str()), ("False", "Paused"));
+    assert_eq!(
+        r.message,
+        "spec.paused is true: 3 worker pods (3 ready), scaled to 5 when it is false"
+    );
+    let p = condition(&s, conditions::PROGRESSING);
+    assert_eq!((p.status.as_str(), p.reason.as_str()), ("False", "Paused"));
+    assert!(
+        p.message.contains("scaled to 5 when it is false"),
+        "{}",
+        p.message
+    );
+    assert_eq!(s.summary.as_deref(), Some("Paused"));
+    // Scaled down while paused: the running pods keep it ready, and say why the count differs.
+    o.desired_replicas = 2;
+    let s = compute(&ready, &o, now);
+    let r = condition(&s, conditions::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("True", "MinimumAvailable")
+    );
+    assert_eq!(
+        r.message,
+        "spec.paused is true: 3 worker pods (3 ready), scaled to 2 when it is false"
+    );
+    assert_eq!(s.summary.as_deref(), Some("Paused"));
+}
+
+/// Issue 13: a spec changed while paused says its migration waits for the unpause, not that it
+/// waits for a Job that is never created.
+#[test]
+fn paused_with_a_changed_spec_says_the_migration_waits_for_the_unpause() {
+    let now = Timestamp::now();
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    let ready = compute(&Default::default(), &o, now);
+    // A new target whose Job does not exist, while paused.
+    o.paused = true;
+    o.job = None;
+    o.target.hash = "new-target".into();
+    o.target.job_name = "shop-migrate-new".into();
+    let s = compute(&ready, &o, now);
+    let applied = condition(&s, conditions::MIGRATIONS_APPLIED);
+    assert_eq!(applied.reason, "Paused");
+    assert_eq!(
+        applied.message,
+        "migration Job shop-migrate-new will be created when spec.paused is false"
+    );
+    // The running workers keep it ready; the message says why nothing moves.
+    let r = condition(&s, conditions::READY);
+    assert_eq!(r.reason, "MinimumAvailable");
+    assert!(
+        r.message
+            == "spec.paused is true: migration Job shop-migrate-new for the current spec is created when it is false",
+        "{}",
+        r.message
+    );
+    assert!(!r.message.contains("waiting for migration Job"));
+    // Never ready before: not ready, reason Paused.
+    let s = compute(&Default::default(), &o, now);
+    assert_eq!(condition(&s, conditions::READY).reason, "Paused");
+    assert_eq!(s.summary.as_deref(), Some("Paused"));
+}
+
+/// Issue 13: a missing Secret is `SecretMissing` (it recovers without a spec change), not
+/// `InvalidSpec`; a spec problem still wins.
+#[test]
+fn a_missing_secret_is_reported_as_such() {
+    let now = Timestamp::now();
+    let mut o = observed(Some(JobState::Succeeded), None);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    let ready = compute(&Default::default(), &o, now);
+    o.secret_problem = Some("spec.database.secretRef.name: Secret \"shop-db\" not found".into());
+    let s = compute(&ready, &o, now);
+    let d = condition(&s, conditions::DEGRADED);
+    assert_eq!(
+        (d.status.as_str(), d.reason.as_str()),
+        ("True", "SecretMissing")
+    );
+    assert!(d.message.contains("\"shop-db\" not found"), "{}", d.message);
+    assert_eq!(condition(&s, conditions::READY).reason, "SecretMissing");
+    let p = condition(&s, conditions::PROGRESSING);
+    assert_eq!(p.reason, "SecretMissing");
+    assert!(!p.message.contains("spec change"), "{}", p.message);
+    assert_eq!(s.summary.as_deref(), Some("Degraded: SecretMissing"));
+    // Nothing ran for it: the migration condition stays.
+    assert_eq!(condition(&s, conditions::MIGRATIONS_APPLIED).status, "True");
+
+    o.problems = vec!["spec.perspectives[1]: duplicate".into()];
+    let s = compute(&ready, &o, now);
+    assert_eq!(condition(&s, conditions::DEGRADED).reason, "InvalidSpec");
+}
+
+/// Issue 13: a child the API server refuses is `Degraded=ChildRejected` with its message.
+#[test]
+fn a_rejected_child_is_degraded_with_the_servers_message() {
+    let now = Timestamp::now();
+    let mut o = observed(None, None);
+    o.rejected = Some(
+        "Job shop-migrate-1 rejected by the API server: Job.batch \"shop-migrate-1\" is invalid: \
+         spec.template.spec.nodeSelector: Invalid value: \"bad key!\""
+            .into(),
+    );
+    let s = compute(&Default::default(), &o, now);
+    let d = condition(&s, conditions::DEGRADED);
+    assert_eq!(
+        (d.status.as_str(), d.reason.as_str()),
+        ("True", "ChildRejected")
+    );
+    assert!(
+        d.message.contains("nodeSelector: Invalid value"),
+        "{}",
+        d.message
+    );
+    let r = condition(&s, conditions::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("False", "ChildRejected")
+    );
+    assert_eq!(condition(&s, conditions::PROGRESSING).reason, "Stalled");
+    assert_eq!(s.summary.as_deref(), Some("Degraded: ChildRejected"));
+}
+
+/// The `Status` column for each situation the issue names.
+#[test]
+fn the_status_column_explains_a_false_ready() {
+    let now = Timestamp::now();
+    let mut o = observed(Some(JobState::Running), None);
+    let s = compute(&Default::default(), &o, now);
+    assert_eq!(s.summary.as_deref(), Some("Migrating"));
+
+    o.job = Some(JobState::Succeeded);
+    o.statefulset = Some(rolled_sts(&o, 3));
+    o.database = db_with(vec![PerspectiveStatus {
+        name: "order_totals".into(),
+        phase: Phase::Backfilling,
+        progress: Some(Progress {
+            step: "applying".into(),
+            streams_done: 1,
+            streams_total: 2,
+            events_total: 100,
+            events_remaining: 39,
+            percent: 61.0,
+            eta_seconds: None,
+        }),
+        ..Default::default()
+    }]);
+    let s = compute(&Default::default(), &o, now);
+    assert_eq!(s.summary.as_deref(), Some("Backfilling 61%"));
+
+    o.database = db_with(vec![PerspectiveStatus {
+        name: "order_totals".into(),
+        dead_letters: 2,
+        ..Default::default()
+    }]);
+    let s = compute(&Default::default(), &o, now);
+    assert_eq!(s.summary.as_deref(), Some("Degraded: EventsFailing"));
+
+    o.database = db_with(vec![]);
+    let s = compute(&Default::default(), &o, now);
+    assert_eq!(s.summary.as_deref(), Some("Ready"));
+
+    o.statefulset = Some(rolled_sts(&o, 1));
+    let s = compute(&Default::default(), &o, now);
+    assert_eq!(s.summary.as_deref(), Some("WaitingForPods"));
 }

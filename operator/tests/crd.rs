@@ -2,7 +2,9 @@
 
 use std::path::Path;
 
-use perspective_operator::crd::crd_yaml;
+use kube::CustomResourceExt;
+use perspective_operator::crd::{crd_yaml, PerspectiveDeployment};
+use serde_json::Value;
 
 fn repo_file(relative: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -120,4 +122,153 @@ fn example_deployment_is_valid_and_matches_the_worker_example() {
         worker,
         "the example's spec drifted from examples/shop.yaml"
     );
+}
+
+/// Issue 13: every bound the Rust types declare (schemars `range` attributes, unsigned and
+/// 32-bit types) reaches the generated CRD as an integer, so the API server enforces it: a lost
+/// bound (`backoffLimit: -1` accepted, then every Job apply refused) fails here.
+#[test]
+fn every_declared_integer_bound_is_in_the_crd() {
+    let raw = serde_json::to_value(PerspectiveDeployment::crd()).unwrap();
+    let raw = &raw["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    let generated: Value = serde_yaml::from_str(&crd_yaml()).unwrap();
+    let generated = &generated["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    let mut checked = Vec::new();
+    let mut problems = Vec::new();
+    compare_bounds(raw, generated, "", &mut checked, &mut problems);
+    assert!(problems.is_empty(), "bounds lost or wrong: {problems:#?}");
+
+    // The bounds the issue found lost, and a sample of the worker's options, by name: this
+    // fails too if an attribute is dropped from the Rust types.
+    let declared = [
+        (".spec.replicas", Some(0), Some(i64::from(i32::MAX))),
+        (
+            ".spec.migrations.backoffLimit",
+            Some(0),
+            Some(i64::from(i32::MAX)),
+        ),
+        (".spec.migrations.activeDeadlineSeconds", Some(1), None),
+        (".spec.terminationGracePeriodSeconds", Some(1), None),
+        (
+            ".spec.perspectives[].version",
+            Some(1),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.worker.perspectiveBatchSize",
+            Some(1),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.worker.heartbeatIntervalSeconds",
+            Some(1),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.worker.retryOptions.maxBackoffSeconds",
+            Some(0),
+            Some(i64::from(u32::MAX)),
+        ),
+        (
+            ".spec.claimWorker.pollingIntervalMilliseconds",
+            Some(1),
+            Some((1 << 53) - 1),
+        ),
+    ];
+    for (path, min, max) in declared {
+        let found = checked
+            .iter()
+            .find(|(p, _, _)| p == path)
+            .unwrap_or_else(|| panic!("{path}: no bounded integer there"));
+        assert_eq!((found.1, found.2), (min, max), "{path}");
+    }
+}
+
+/// Walks `raw` (schemars' output) and `generated` (the CRD) side by side: at each integer, the
+/// generated bounds are the declared ones narrowed to the type's range, written as integers.
+fn compare_bounds(
+    raw: &Value,
+    generated: &Value,
+    path: &str,
+    checked: &mut Vec<(String, Option<i64>, Option<i64>)>,
+    problems: &mut Vec<String>,
+) {
+    if generated.is_null() {
+        problems.push(format!("{path}: missing from the CRD"));
+        return;
+    }
+    if raw["type"] == "integer" {
+        let (type_min, type_max) = match raw["format"].as_str() {
+            Some("int32") => (Some(i64::from(i32::MIN)), Some(i64::from(i32::MAX))),
+            Some("uint32") => (Some(0), Some(i64::from(u32::MAX))),
+            Some("uint64") | Some("uint") => (Some(0), Some((1 << 53) - 1)),
+            _ => (None, None),
+        };
+        let declared = |key: &str| raw[key].as_f64().map(|b| b as i64);
+        let want_min = max_opt(declared("minimum"), type_min);
+        let want_max = min_opt(declared("maximum"), type_max);
+        let mut got = [None, None];
+        for (i, (key, want)) in [("minimum", want_min), ("maximum", want_max)]
+            .into_iter()
+            .enumerate()
+        {
+            let value = &generated[key];
+            if !(value.is_null() || value.is_i64() || value.is_u64()) {
+                problems.push(format!(
+                    "{path}.{key}: {value} is not written as an integer"
+                ));
+            }
+            got[i] = value.as_i64();
+            if got[i] != want {
+                problems.push(format!("{path}.{key}: {:?}, declared {want:?}", got[i]));
+            }
+        }
+        if want_min.is_some() || want_max.is_some() {
+            checked.push((path.to_owned(), got[0], got[1]));
+        }
+    }
+    if let Some(props) = raw["properties"].as_object() {
+        for (name, sub) in props {
+            let sub_path = format!("{path}.{name}");
+            compare_bounds(
+                sub,
+                &generated["properties"][name],
+                &sub_path,
+                checked,
+                problems,
+            );
+        }
+    }
+    if raw["items"].is_object() {
+        compare_bounds(
+            &raw["items"],
+            &generated["items"],
+            &format!("{path}[]"),
+            checked,
+            problems,
+        );
+    }
+    if raw["additionalProperties"].is_object() {
+        compare_bounds(
+            &raw["additionalProperties"],
+            &generated["additionalProperties"],
+            &format!("{path}{{}}"),
+            checked,
+            problems,
+        );
+    }
+}
+
+fn max_opt(a: Option<i64>, b: Option<i64>) -> Option<i64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+fn min_opt(a: Option<i64>, b: Option<i64>) -> Option<i64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }

@@ -171,12 +171,18 @@ impl Operator {
             "--http-addr=127.0.0.1:0",
             "--watch-namespace",
             namespace,
-            "--status-interval-seconds=1",
             "--default-worker-image=perspective-worker:e2e",
             "--log-format=json",
             "--identity",
             name,
         ])
+        // A status refresh every second unless the test sets its own interval.
+        .args(
+            (!extra
+                .iter()
+                .any(|a| a.starts_with("--status-interval-seconds")))
+            .then_some("--status-interval-seconds=1"),
+        )
         .args(extra)
         .env("RUST_LOG", "info,perspective_operator=debug")
         .envs(env.iter().copied())
@@ -666,6 +672,20 @@ async fn lifecycle_of_a_deployment() {
         Some(3),
         "paused: StatefulSet untouched"
     );
+    // Issue 13: the replica count that waits says it waits for the unpause (not "3/2 ready").
+    let pd = w
+        .wait_condition("shop", "Ready", "True", Some("MinimumAvailable"))
+        .await;
+    assert_eq!(
+        condition(&pd, "Ready").message,
+        "spec.paused is true: 3 worker pods (3 ready), scaled to 2 when it is false"
+    );
+    let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
+    assert!(
+        table.lines().next().unwrap().contains("STATUS")
+            && table.lines().nth(1).unwrap().contains("Paused"),
+        "the STATUS column says paused: {table}"
+    );
     w.apply(&pd_yaml("shop", &w.schema, 2, "v2", ""));
     w.wait_condition("shop", "ReconciliationPaused", "False", None)
         .await;
@@ -981,8 +1001,13 @@ async fn invalid_specs_are_rejected_or_reported() {
                     .find_map(|l| l.strip_prefix("  name: "))
                     .unwrap()
                     .to_owned();
+                let reason = if field.starts_with("spec.database.secretRef") {
+                    "SecretMissing"
+                } else {
+                    "InvalidSpec"
+                };
                 let pd = w
-                    .wait_condition(&name, "Degraded", "True", Some("InvalidSpec"))
+                    .wait_condition(&name, "Degraded", "True", Some(reason))
                     .await;
                 let message = condition(&pd, "Degraded").message;
                 assert!(
@@ -1130,6 +1155,75 @@ async fn leader_election_hands_over() {
     })
     .await
     .unwrap();
+    w.shutdown().await;
+}
+
+/// Issue 13: a leader stopped with SIGTERM releases the Lease and a standby takes it within
+/// about a second (it reads the Lease every second), not when the 30 s lease it last read would
+/// have expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_leader_hands_over_at_once() {
+    let mut w = World::new("handover", &[]).await;
+    let ns = w.ns.clone();
+    let args = [
+        "--leader-election",
+        "--lease-namespace",
+        ns.as_str(),
+        "--lease-seconds=30",
+    ];
+    let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
+    let holder = || async {
+        anyhow::Ok(
+            leases
+                .get_opt("perspective-operator")
+                .await?
+                .and_then(|l| l.spec?.holder_identity),
+        )
+    };
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "op-a", &args));
+    poll("op-a leads", LONG, || async {
+        Ok((holder().await?.as_deref() == Some("op-a")).then_some(()))
+    })
+    .await
+    .unwrap();
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "op-b", &args));
+    poll("op-b stands by", LONG, || async {
+        Ok(w.operators[1]
+            .log()
+            .contains("waiting for leadership")
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    // Past op-b's first look at the Lease, so it has read op-a's 30 s lease.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(holder().await.unwrap().as_deref(), Some("op-a"));
+
+    let pid = w.operators[0].child.id();
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    let deadline = std::time::Instant::now() + LONG;
+    let status = loop {
+        if let Some(status) = w.operators[0].child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "op-a did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{}", w.operators[0].log());
+    let stopped = std::time::Instant::now();
+    poll("op-b takes the lease", LONG, || async {
+        Ok((holder().await?.as_deref() == Some("op-b")).then_some(()))
+    })
+    .await
+    .unwrap();
+    let took = stopped.elapsed();
+    eprintln!("[e2e] handover took {took:?}");
+    assert!(
+        took < Duration::from_secs(4),
+        "handover took {took:?}; a released lease should be taken within about a second"
+    );
     w.shutdown().await;
 }
 
@@ -1310,36 +1404,48 @@ async fn failed_migration_is_retried_with_backoff() {
     w.shutdown().await;
 }
 
-/// A deployment whose Secret does not exist yet is reported (Degraded, the field named, nothing
-/// created) and recovers by itself once the Secret appears — no spec change needed.
+/// A deployment whose Secret does not exist yet is reported (`SecretMissing`, the field named,
+/// nothing created) and recovers by itself once the Secret appears — no spec change needed; a
+/// Secret deleted later is reported the same way and its re-creation recovers in seconds (a short
+/// re-check, not the status interval, which is 10 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_secret_is_reported_until_it_exists() {
-    let w = World::new("secret", &[("op", &[])]).await;
+    let w = World::new("secret", &[("op", &["--status-interval-seconds=10"])]).await;
     w.apply(&pd_yaml("shop", &w.schema, 1, "v1", "").replace("name: shop-db", "name: later-db"));
     let pd = w
-        .wait_condition("shop", "Degraded", "True", Some("InvalidSpec"))
+        .wait_condition("shop", "Degraded", "True", Some("SecretMissing"))
         .await;
     let message = condition(&pd, "Degraded").message;
     assert!(
         message.contains("spec.database.secretRef.name") && message.contains("later-db"),
         "{message}"
     );
+    assert_eq!(condition(&pd, "Ready").reason, "SecretMissing");
+    assert!(
+        !condition(&pd, "Progressing")
+            .message
+            .contains("spec change"),
+        "a Secret is not a spec change"
+    );
     assert!(
         w.jobs().await.is_empty(),
         "nothing runs without the database URL"
     );
-    kubectl_ok(
-        &[
-            "-n",
-            &w.ns,
-            "create",
-            "secret",
-            "generic",
-            "later-db",
-            &format!("--from-literal=url={}", database_url()),
-        ],
-        None,
-    );
+    let create_secret = || {
+        kubectl_ok(
+            &[
+                "-n",
+                &w.ns,
+                "create",
+                "secret",
+                "generic",
+                "later-db",
+                &format!("--from-literal=url={}", database_url()),
+            ],
+            None,
+        )
+    };
+    create_secret();
     w.wait_condition("shop", "Ready", "True", None).await;
     w.wait_condition("shop", "Degraded", "False", None).await;
     let mut conn = db().await;
@@ -1351,6 +1457,170 @@ async fn a_missing_secret_is_reported_until_it_exists() {
         3,
     )
     .await;
+
+    // Deleted later: SecretMissing (within a status interval); recreated: Ready within seconds.
+    kubectl_ok(&["-n", &w.ns, "delete", "secret", "later-db"], None);
+    w.wait_condition("shop", "Degraded", "True", Some("SecretMissing"))
+        .await;
+    create_secret();
+    let recreated = std::time::Instant::now();
+    w.wait_condition("shop", "Ready", "True", None).await;
+    let took = recreated.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "recovery took {took:?}: the Secret is re-checked every few seconds, not every status interval (10 s)"
+    );
+    eprintln!("[e2e] Ready again {took:?} after the Secret was recreated");
+    w.wait_condition("shop", "Degraded", "False", None).await;
+    w.shutdown().await;
+}
+
+/// Issue 13: every Event says what just happened. Three different invalid specs in a row are
+/// three Warning Events with three messages, in order (kube-runtime's recorder showed the first
+/// message three times); a migration Event names its Job as the related object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_event_says_what_just_happened() {
+    use k8s_openapi::api::events::v1::Event;
+    let w = World::new("events", &[("op", &[])]).await;
+    let valid = pd_yaml("shop", &w.schema, 1, "v1", "");
+    let params = [":first_unknown", ":second_unknown", ":third_unknown"];
+    for param in params {
+        w.apply(&valid.replace("WHERE id = 1", &format!("WHERE id = {param}")));
+        let pd = w
+            .wait_condition("shop", "Degraded", "True", Some("InvalidSpec"))
+            .await;
+        let message = condition(&pd, "Degraded").message;
+        assert!(message.contains(param), "{message}");
+    }
+    let events: Api<Event> = Api::namespaced(w.client.clone(), &w.ns);
+    let about_shop = |reason: &'static str| {
+        let events = events.clone();
+        async move {
+            let mut list: Vec<Event> = events
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .filter(|e| {
+                    e.reason.as_deref() == Some(reason)
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("shop")
+                })
+                .collect();
+            list.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+            anyhow::Ok(list)
+        }
+    };
+    let invalid = poll("three InvalidSpec Events", LONG, || async {
+        let list = about_shop("InvalidSpec").await?;
+        Ok((list.len() >= 3).then_some(list))
+    })
+    .await
+    .unwrap();
+    assert_eq!(invalid.len(), 3, "one Event per message");
+    for (event, param) in invalid.iter().zip(params) {
+        let note = event.note.clone().unwrap_or_default();
+        assert!(note.contains(param), "in order: {param} not in {note}");
+        assert_eq!(event.type_.as_deref(), Some("Warning"));
+        assert!(
+            event.series.is_none(),
+            "not folded into a series: {event:?}"
+        );
+    }
+
+    // Fixed: the migration Events are about the Job created for this spec.
+    w.apply(&valid);
+    let pd = w.wait_condition("shop", "Ready", "True", None).await;
+    let job = pd.status.unwrap().migration_job.unwrap();
+    for reason in ["MigrationStarted", "MigrationSucceeded"] {
+        let list = poll(reason, LONG, || async {
+            let list = about_shop(reason).await?;
+            Ok((!list.is_empty()).then_some(list))
+        })
+        .await
+        .unwrap();
+        let related = list[0].related.clone().expect("a related object");
+        assert_eq!(
+            (related.kind.as_deref(), related.name.as_deref()),
+            (Some("Job"), Some(job.as_str())),
+            "{reason}"
+        );
+        assert!(list[0].note.as_deref().unwrap_or_default().contains(&job));
+    }
+    w.shutdown().await;
+}
+
+/// Issue 13: a spec the CRD schema accepts but whose child the API server refuses (here a
+/// node selector key that is not a label key: the Job is invalid) is `Degraded=ChildRejected`
+/// with the server's message and a Warning Event — not only a log line — and leaves no
+/// ConfigMap behind. Fixing the spec recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_the_api_server_refuses_is_reported() {
+    use k8s_openapi::api::events::v1::Event;
+    let w = World::new("reject", &[("op", &[])]).await;
+    let valid = pd_yaml("shop", &w.schema, 1, "v1", "");
+    w.apply(&format!("{valid}  nodeSelector:\n    \"bad key!\": x\n"));
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("ChildRejected"))
+        .await;
+    let message = condition(&pd, "Degraded").message;
+    assert!(
+        message.starts_with("Job shop-migrate-") && message.contains("nodeSelector"),
+        "the server's message, naming the object: {message}"
+    );
+    assert_eq!(condition(&pd, "Ready").reason, "ChildRejected");
+    assert_eq!(
+        pd.status.as_ref().unwrap().summary.as_deref(),
+        Some("Degraded: ChildRejected")
+    );
+    let events: Api<Event> = Api::namespaced(w.client.clone(), &w.ns);
+    let warning = poll("a ChildRejected Event", LONG, || async {
+        Ok(events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("ChildRejected")))
+    })
+    .await
+    .unwrap();
+    assert_eq!(warning.type_.as_deref(), Some("Warning"));
+    assert!(warning.note.unwrap_or_default().contains("nodeSelector"));
+    let instance = ListParams::default().labels("app.kubernetes.io/instance=shop");
+    assert_eq!(
+        count::<ConfigMap>(&w, &instance).await.unwrap(),
+        0,
+        "no ConfigMap left"
+    );
+    assert!(w.jobs().await.is_empty());
+    // The operator's log: JSON lines, one `message` each, the object as plain fields.
+    let log = w.operators[0].log();
+    let degraded: Vec<Value> = log
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            assert!(
+                l.matches("\"message\":").count() == 1,
+                "one message key per line: {l}"
+            );
+            serde_json::from_str::<Value>(l).unwrap()
+        })
+        .filter(|v| v["fields"]["message"] == "PerspectiveDeployment degraded")
+        .collect();
+    assert!(!degraded.is_empty(), "the refusal is logged:\n{log}");
+    for line in &degraded {
+        let fields = &line["fields"];
+        assert_eq!(
+            (fields["namespace"].as_str(), fields["name"].as_str()),
+            (Some(w.ns.as_str()), Some("shop")),
+            "{fields}"
+        );
+        assert_eq!(fields["reason"], "ChildRejected");
+    }
+
+    // The manifest without the selector: server-side apply drops the field.
+    w.apply(&valid);
+    w.wait_condition("shop", "Ready", "True", None).await;
+    w.wait_condition("shop", "Degraded", "False", None).await;
     w.shutdown().await;
 }
 
