@@ -11,7 +11,7 @@ mod support;
 use std::collections::{BTreeSet, HashMap};
 use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
@@ -26,17 +26,11 @@ use perspective_operator::crd::PerspectiveDeployment;
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use support::pod_runner::{PodRunner, ProcState};
-use support::{e2e, fresh_namespace, poll};
+use support::{database_url, e2e, fresh_namespace, kubectl, kubectl_ok, poll};
 
 const LONG: Duration = Duration::from_secs(120);
 
 // --- helpers -------------------------------------------------------------------------------
-
-fn database_url() -> String {
-    std::env::var("TEST_DATABASE_URL").expect(
-        "TEST_DATABASE_URL is not set: run through `tests/pg/pg.sh with tests/e2e/with-control-plane.sh cargo test ...`",
-    )
-}
 
 async fn db() -> PgConnection {
     PgConnection::connect(&database_url())
@@ -58,38 +52,6 @@ fn uuid_like() -> String {
             .as_nanos(),
     );
     format!("{:016x}{:016x}", h.finish(), std::process::id())
-}
-
-/// Runs kubectl (from PATH, as the e2e wrapper sets it up) with optional stdin.
-fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
-    let mut child = Command::new("kubectl")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kubectl on PATH (run via tests/e2e/with-control-plane.sh)");
-    if let Some(input) = stdin {
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-    }
-    drop(child.stdin.take());
-    child.wait_with_output().unwrap()
-}
-
-fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
-    let out = kubectl(args, stdin);
-    assert!(
-        out.status.success(),
-        "kubectl {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Installs the CRD once per test process (tests run in parallel) and waits until it is served.

@@ -12,9 +12,8 @@ mod support;
 
 mod real_node {
     use std::collections::{BTreeMap, HashMap, HashSet};
-    use std::io::Write;
     use std::net::SocketAddr;
-    use std::process::{Command, Output, Stdio};
+    use std::process::Command;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
@@ -30,44 +29,13 @@ mod real_node {
     use sqlx::{Connection, PgConnection};
 
     use crate::support::real_node::{container_pid, process_facts, Forward, RealNode};
-    use crate::support::{e2e, fresh_namespace, poll};
+    use crate::support::{database_url, e2e, fresh_namespace, kubectl_ok, poll};
 
     const LONG: Duration = Duration::from_secs(180);
     const VERSION: &str = env!("CARGO_PKG_VERSION");
     const PD: &str = "shop";
     const STREAMS: usize = 24;
     const CANARY: &str = "canary-pw-7f3a";
-
-    fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
-        let mut child = Command::new("kubectl")
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kubectl on PATH (run via tests/e2e/with-control-plane.sh)");
-        if let Some(input) = stdin {
-            child
-                .stdin
-                .take()
-                .unwrap()
-                .write_all(input.as_bytes())
-                .unwrap();
-        }
-        drop(child.stdin.take());
-        child.wait_with_output().unwrap()
-    }
-
-    fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
-        let out = kubectl(args, stdin);
-        assert!(
-            out.status.success(),
-            "kubectl {args:?} failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
 
     fn helm_ok(args: &[&str]) -> String {
         let out = Command::new("helm")
@@ -81,12 +49,6 @@ mod real_node {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn database_url() -> String {
-        std::env::var("TEST_DATABASE_URL").expect(
-            "TEST_DATABASE_URL is not set: run through `tests/pg/pg.sh with tests/e2e/with-control-plane.sh --real-node ...`",
-        )
     }
 
     /// `url` with its `127.0.0.1:PORT` replaced by `to` (how a pod reaches the same server).

@@ -11,7 +11,9 @@ pub mod pod_runner;
 pub mod real_node;
 
 use std::future::Future;
+use std::io::Write;
 use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -113,4 +115,44 @@ pub async fn delete_namespace(client: &Client, name: &str) -> anyhow::Result<()>
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces.delete(name, &DeleteParams::default()).await?;
     Ok(())
+}
+
+/// The URL of the test PostgreSQL (`tests/pg/pg.sh with …` sets `TEST_DATABASE_URL`).
+pub fn database_url() -> String {
+    std::env::var("TEST_DATABASE_URL").expect(
+        "TEST_DATABASE_URL is not set: run through `tests/pg/pg.sh with tests/e2e/with-control-plane.sh cargo test ...`",
+    )
+}
+
+/// Runs kubectl (from PATH, as the e2e wrapper sets it up) with optional stdin.
+pub fn kubectl(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl on PATH (run via tests/e2e/with-control-plane.sh)");
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().unwrap()
+}
+
+/// [`kubectl`], failing the test unless it succeeds; returns its stdout.
+pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
+    let out = kubectl(args, stdin);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
