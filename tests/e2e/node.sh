@@ -22,7 +22,7 @@
 # 10.213.0.0/24) with no route out: no masquerade, no default route in pods, and pods get a
 # resolv.conf without nameservers, so no packet or DNS query leaves the machine. Pods reach
 # host services (PostgreSQL, the API server) only where a test forwards a port on the gateway.
-set -euo pipefail
+set -Eeuo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 node_name="${E2E_NODE_NAME:-real-node}"
@@ -339,6 +339,8 @@ terminate() { # SIGNAL-WAIT-SECONDS PID...
 
 cmd_stop() {
 	[[ -d "$dir" && -f "$dir/sysctl.saved" ]] || return 0
+	# A step that fails must say so: a silent exit here would leave the machine changed.
+	trap 'say "stop failed at line $LINENO: $BASH_COMMAND"' ERR
 	local t0=$SECONDS pid pids n cg i
 	# 1. The kubelet first, so nothing restarts what we stop next.
 	pid="$(cat "$dir/pids/kubelet.pid" 2>/dev/null || true)"
@@ -383,7 +385,7 @@ cmd_stop() {
 		ipt=iptables
 		[[ "$t" == 6* ]] && ipt=ip6tables && t="${t#6}"
 		# Rules that jump to the chain first (e.g. INPUT -j KUBE-FIREWALL), then the chain.
-		"$ipt" -t "$t" -S | grep -E -- "-j $chain( |\$)" | sed 's/^-A /-D /' | while read -r rule; do
+		{ "$ipt" -t "$t" -S | grep -E -- "-j $chain( |\$)" || true; } | sed 's/^-A /-D /' | while read -r rule; do
 			# shellcheck disable=SC2086 # a rule is a list of arguments
 			"$ipt" -t "$t" $rule 2>/dev/null || true
 		done
