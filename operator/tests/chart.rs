@@ -15,10 +15,12 @@
 //! against the Prometheus Operator's CRDs. Each test uses its own namespaces and release, so they
 //! run in parallel.
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::env;
 use std::ffi::OsStr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::Mutex;
 use std::thread;
@@ -28,10 +30,9 @@ use perspective_operator::crd::PerspectiveDeploymentSpec;
 use perspective_operator::{labels, workers};
 use serde::Deserialize;
 use serde_yaml::Value;
+use support::{repo_root, tool};
 
 const CHART_NAME: &str = "perspective-operator";
-/// Where `tests/e2e/build-bins.sh` puts helm and kubectl when they are not on PATH.
-const K8S_VERSION: &str = "v1.36.3";
 const CRD_NAME: &str = "perspectivedeployments.perspectives.dev";
 
 const READ: &[&str] = &["get", "list", "watch"];
@@ -110,39 +111,8 @@ const NAMESPACE_DENIED: &[(&str, &str, &str)] = &[
 // ---------------------------------------------------------------------------------------------
 // Paths and tools
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("operator/ has a parent")
-        .to_path_buf()
-}
-
 fn chart_dir() -> PathBuf {
     repo_root().join("charts").join(CHART_NAME)
-}
-
-/// `name` from PATH (the e2e wrapper puts the built binaries there), else from the cache that
-/// `tests/e2e/build-bins.sh` fills.
-fn tool(name: &str) -> PathBuf {
-    if let Some(found) = env::var_os("PATH")
-        .iter()
-        .flat_map(env::split_paths)
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
-    {
-        return found;
-    }
-    let cache = env::var_os("PERSPECTIVE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cache/perspective-operator")))
-        .expect("neither PERSPECTIVE_CACHE nor HOME is set");
-    let fallback = cache.join("k8s").join(K8S_VERSION).join("bin").join(name);
-    assert!(
-        fallback.is_file(),
-        "{name} is neither on PATH nor at {}: run tests/e2e/build-bins.sh",
-        fallback.display()
-    );
-    fallback
 }
 
 /// State helm and kubectl would otherwise keep in $HOME.

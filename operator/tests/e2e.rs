@@ -26,7 +26,7 @@ use perspective_operator::crd::PerspectiveDeployment;
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use support::pod_runner::{PodRunner, ProcState};
-use support::{database_url, e2e, fresh_namespace, kubectl, kubectl_ok, poll};
+use support::{database_url, e2e, fresh_namespace, kubectl, kubectl_ok, poll, worker_binary};
 
 const LONG: Duration = Duration::from_secs(120);
 
@@ -89,24 +89,6 @@ fn install_crd() {
     }
     *installed = true;
 }
-
-fn worker_binary() -> PathBuf {
-    // target/debug/deps/e2e-HASH -> target/debug/perspective-worker (built by `cargo test --workspace`).
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("perspective-worker");
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first (`cargo build -p perspective-worker`; `make test` does)",
-        path.display()
-    );
-    path
-}
-
 /// A running operator process, killed on drop.
 struct Operator {
     child: Child,

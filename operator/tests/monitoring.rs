@@ -8,6 +8,8 @@
 //!   names only metrics a real worker serves on `/metrics` (a worker process against the test
 //!   PostgreSQL, `TEST_DATABASE_URL` from `tests/pg/pg.sh`) or the operator's exporter renders.
 
+mod support;
+
 use std::collections::BTreeSet;
 use std::env;
 use std::io::{Read, Write};
@@ -25,38 +27,7 @@ use perspective_operator::metrics::OperatorMetrics;
 use serde::Deserialize;
 use serde_json::Value as Json;
 use serde_yaml::Value;
-
-/// Where `tests/e2e/build-bins.sh` puts its binaries when they are not on PATH.
-const K8S_VERSION: &str = "v1.36.3";
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_owned()
-}
-
-fn tool(name: &str) -> PathBuf {
-    if let Some(found) = env::var_os("PATH")
-        .iter()
-        .flat_map(env::split_paths)
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
-    {
-        return found;
-    }
-    let cache = env::var_os("PERSPECTIVE_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cache/perspective-operator")))
-        .expect("neither PERSPECTIVE_CACHE nor HOME is set");
-    let fallback = cache.join("k8s").join(K8S_VERSION).join("bin").join(name);
-    assert!(
-        fallback.is_file(),
-        "{name} is neither on PATH nor at {}: run tests/e2e/build-bins.sh",
-        fallback.display()
-    );
-    fallback
-}
+use support::{repo_root, tool, worker_binary};
 
 /// A fresh directory for one test's files.
 fn work_dir(tag: &str) -> PathBuf {
@@ -299,23 +270,6 @@ impl Drop for Worker {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn worker_binary() -> PathBuf {
-    // target/debug/deps/monitoring-HASH -> target/debug/perspective-worker.
-    let exe = env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("perspective-worker");
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first (`cargo build -p perspective-worker`; `make test` does)",
-        path.display()
-    );
-    path
 }
 
 fn http_get(addr: &str, path: &str) -> std::io::Result<String> {

@@ -346,6 +346,20 @@ spec:
             );
         }
 
+        /// `spec.replicas` of the deployment, as `kubectl scale` would set it.
+        fn scale(&self, replicas: i32) {
+            kubectl_ok(
+                &[
+                    "-n",
+                    &self.ns,
+                    "scale",
+                    &format!("perspectivedeployment/{PD}"),
+                    &format!("--replicas={replicas}"),
+                ],
+                None,
+            );
+        }
+
         fn wait_pd_ready(&self) {
             kubectl_ok(
                 &[
@@ -705,34 +719,12 @@ spec:
 
         // --- scale 3 -> 5 -> 2: the removed pods hand over on the kubelet's SIGTERM -------------
         let (last_status, watch) = watch_last_status(pods.clone());
-        kubectl_ok(
-            &[
-                "-n",
-                &w.ns,
-                "patch",
-                &format!("perspectivedeployment/{PD}"),
-                "--type=merge",
-                "-p",
-                r#"{"spec":{"replicas":5}}"#,
-            ],
-            None,
-        );
+        w.scale(5);
         let five = ready_workers(&pods, &node, 5).await;
         let appender = Appender::start(&w.schema, appended, 150);
         tokio::time::sleep(Duration::from_secs(2)).await;
         let t = Instant::now();
-        kubectl_ok(
-            &[
-                "-n",
-                &w.ns,
-                "patch",
-                &format!("perspectivedeployment/{PD}"),
-                "--type=merge",
-                "-p",
-                r#"{"spec":{"replicas":2}}"#,
-            ],
-            None,
-        );
+        w.scale(2);
         let two = ready_workers(&pods, &node, 2).await;
         let removed: Vec<String> = uids(&five).difference(&uids(&two)).cloned().collect();
         assert_eq!(removed.len(), 3);
@@ -803,18 +795,7 @@ spec:
         // live operator pod, and it reconciles.
         let new_leader_pod = pods.get(&new_leader).await.unwrap();
         assert!(is_ready(&new_leader_pod) || new_leader_pod.metadata.deletion_timestamp.is_none());
-        kubectl_ok(
-            &[
-                "-n",
-                &w.ns,
-                "patch",
-                &format!("perspectivedeployment/{PD}"),
-                "--type=merge",
-                "-p",
-                r#"{"spec":{"replicas":3}}"#,
-            ],
-            None,
-        );
+        w.scale(3);
         ready_workers(&pods, &node, 3).await;
         w.wait_pd_ready();
 

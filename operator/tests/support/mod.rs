@@ -12,7 +12,7 @@ pub mod real_node;
 
 use std::future::Future;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
@@ -155,4 +155,59 @@ pub fn kubectl_ok(args: &[&str], stdin: Option<&str>) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The Kubernetes release `tests/e2e/build-bins.sh` builds (its bin dir is keyed by it).
+pub const K8S_VERSION: &str = "v1.36.3";
+
+/// The repository's root (the parent of `operator/`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("operator/ has a parent")
+        .to_path_buf()
+}
+
+/// `name` from PATH (the e2e wrapper puts the built binaries there), else from the cache that
+/// `tests/e2e/build-bins.sh` fills.
+pub fn tool(name: &str) -> PathBuf {
+    if let Some(found) = std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+    {
+        return found;
+    }
+    let cache = std::env::var_os("PERSPECTIVE_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/perspective-operator"))
+        })
+        .expect("neither PERSPECTIVE_CACHE nor HOME is set");
+    let fallback = cache.join("k8s").join(K8S_VERSION).join("bin").join(name);
+    assert!(
+        fallback.is_file(),
+        "{name} is neither on PATH nor at {}: run tests/e2e/build-bins.sh",
+        fallback.display()
+    );
+    fallback
+}
+
+/// The `perspective-worker` binary cargo built next to this test binary
+/// (target/debug/deps/TEST-HASH -> target/debug/perspective-worker).
+pub fn worker_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("perspective-worker");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first (`cargo build -p perspective-worker`; `make test` does)",
+        path.display()
+    );
+    path
 }
