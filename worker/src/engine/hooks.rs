@@ -227,14 +227,21 @@ mod tests {
     #[test]
     fn a_full_channel_drops_new_events_counted_and_keeps_the_unread_ones() {
         let hooks = Hooks::with_capacity(2);
-        assert!(hooks.emit(HookEvent::ClaimPolled { streams: 0 }), "no subscriber");
+        assert!(
+            hooks.emit(HookEvent::ClaimPolled { streams: 0 }),
+            "no subscriber"
+        );
         let mut rx = hooks.subscribe();
         let polled = |streams| HookEvent::ClaimPolled { streams };
         assert!(hooks.emit(polled(1)));
         assert!(hooks.emit(polled(2)));
         assert!(!hooks.emit(polled(3)), "full: dropped");
         assert_eq!(hooks.dropped(), 1);
-        assert_eq!(rx.try_recv().unwrap(), polled(1), "nothing unread was evicted");
+        assert_eq!(
+            rx.try_recv().unwrap(),
+            polled(1),
+            "nothing unread was evicted"
+        );
         assert!(hooks.emit(polled(4)), "room again");
         assert_eq!(rx.try_recv().unwrap(), polled(2));
         assert_eq!(rx.try_recv().unwrap(), polled(4));

@@ -12,8 +12,8 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::report::{
-    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed,
-    report_rewound, seconds_since,
+    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed, report_rewound,
+    seconds_since,
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;

@@ -82,7 +82,12 @@ pub(super) fn pair_span(
     )
 }
 /// What happened to a group, for its span and log line (debug).
-pub(super) fn pair_outcome(applied: u64, failed: bool, dead_lettered: bool, rewound: bool) -> &'static str {
+pub(super) fn pair_outcome(
+    applied: u64,
+    failed: bool,
+    dead_lettered: bool,
+    rewound: bool,
+) -> &'static str {
     if dead_lettered {
         "dead_lettered"
     } else if failed {

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, HashSet};
 use uuid::Uuid;
 
 use super::report::{
-    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed,
-    report_rewound, seconds_since,
+    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed, report_rewound,
+    seconds_since,
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
@@ -51,7 +51,11 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
             more.insert(o.stream_id);
         }
         let perspective = o.perspective.as_str();
-        let versions = o.versions.first().zip(o.versions.last()).map(|(a, b)| (*a, *b));
+        let versions = o
+            .versions
+            .first()
+            .zip(o.versions.last())
+            .map(|(a, b)| (*a, *b));
         let outcome = pair_outcome(
             o.applied.max(0) as u64,
             o.failed_work_id.is_some(),
@@ -61,7 +65,12 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         let span = pair_span(perspective, o.stream_id, versions);
         span.record("outcome", outcome);
         let _pair = span.entered();
-        tracing::debug!(rows = o.rows, applied = o.applied, cursor = o.last_version, "pair drained");
+        tracing::debug!(
+            rows = o.rows,
+            applied = o.applied,
+            cursor = o.last_version,
+            "pair drained"
+        );
         if o.rewound {
             report_rewound(&ctx.shared, perspective, o.stream_id);
         }
