@@ -1,10 +1,16 @@
 //! Replaying dead letters (`perspective-worker dead-letters replay`): re-apply poison events
 //! once their handler is fixed. Listing them is [`crate::store::dead_letters::list`].
 //!
-//! A replay applies the dead letter's event snapshot through the perspective's runner in force
-//! mode (regardless of the cursor, which has long moved past it, and without moving it) and
-//! marks the dead letter `replayed` in the same transaction, so a replay happens once or not at
-//! all.
+//! A replay applies the dead letter's event through the perspective's runner in force mode
+//! (regardless of the cursor, which has long moved past it, and without moving it) and marks the
+//! dead letter `replayed` in the same transaction, so a replay happens once or not at all. A
+//! custom runner gets the dead letter's snapshot of the event; the compiled SQL handlers read
+//! the event from the store, which keeps it (it is append-only, and the retention function
+//! `wh_delete_applied_events` spares events with a pending dead letter).
+//!
+//! Until then the event is not "applied by every perspective". If the replay makes it so, the
+//! replay sends its `<schema>_applied` NOTIFY; its PostAllPerspectives / PostLifecycle hooks fire
+//! at the next worker start (orphan reconciliation looks at recent replays).
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgConnection;
@@ -93,6 +99,16 @@ pub async fn replay(
         });
     }
     store::mark_replayed(&mut tx, schema, id).await?;
+    let item = &group.items[0];
+    store::notify_if_applied_by_all(
+        &mut tx,
+        schema,
+        item.stream_id,
+        item.stream_version,
+        &item.event_type,
+        item.event_id,
+    )
+    .await?;
     tx.commit().await?;
     Ok(())
 }

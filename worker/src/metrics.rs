@@ -22,7 +22,7 @@ const DURATION_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-/// Buckets for append-commit → applied latency: 1 ms … 30 s. Steady state is tens of
+/// Buckets for append → applied latency: 1 ms … 30 s. Steady state is tens of
 /// milliseconds (NOTIFY wake-up plus one apply); the tail shows backlogs and slow polls.
 const APPLY_LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -56,7 +56,9 @@ pub struct WorkerMetrics {
     pub failures: IntCounterVec,
     /// `perspective_rewinds_total`: perspective cursors rewound for late events.
     pub rewinds: IntCounter,
-    /// `perspective_apply_latency_seconds`: append commit → applied, per event and perspective.
+    /// `perspective_apply_latency_seconds`: append → applied, one observation per event and
+    /// perspective, measured from the event's `created_at` (the appending transaction's start;
+    /// PostgreSQL records no commit time without `track_commit_timestamp`).
     pub apply_latency: Histogram,
     /// `perspective_notify_wakeups_total`: wake-ups caused by a NOTIFY.
     pub notify_wakeups: IntCounter,
@@ -64,6 +66,9 @@ pub struct WorkerMetrics {
     pub listener_connected: IntGauge,
     /// `perspective_completions_flushed_total`: completed work rows deleted by the flush worker.
     pub completions_flushed: IntCounter,
+    /// `perspective_hook_events_dropped_total`: hook events not delivered because a subscriber
+    /// had fallen the channel's capacity behind.
+    pub hook_events_dropped: IntCounter,
     /// `perspective_phase{perspective,phase}`: 1 for the perspective's phase (Live, Backfilling,
     /// Rebuilding), 0 for the others.
     pub phase: IntGaugeVec,
@@ -159,7 +164,7 @@ impl WorkerMetrics {
         );
         let apply_latency = histogram(
             "perspective_apply_latency_seconds",
-            "Time from the event's append commit until a perspective applied it.",
+            "Time from the event's append (its created_at) until a perspective applied it; one observation per event and perspective.",
             APPLY_LATENCY_BUCKETS,
         );
         let notify_wakeups = counter(
@@ -176,6 +181,11 @@ impl WorkerMetrics {
         let completions_flushed = counter(
             "perspective_completions_flushed_total",
             "Completed work rows deleted in batches by the completion flush worker.",
+        );
+        let hook_events_dropped = counter(
+            "perspective_hook_events_dropped_total",
+            "Hook events not delivered because a subscriber had fallen the channel's capacity behind \
+             (lifecycle stages dropped are not recorded as done and fire again at the next start).",
         );
 
         let phase = IntGaugeVec::new(
@@ -222,6 +232,7 @@ impl WorkerMetrics {
             notify_wakeups,
             listener_connected,
             completions_flushed,
+            hook_events_dropped,
             phase,
             catchup_remaining_events,
             catchup_progress,
@@ -300,6 +311,7 @@ mod tests {
         "perspective_notify_wakeups_total",
         "perspective_listener_connected",
         "perspective_completions_flushed_total",
+        "perspective_hook_events_dropped_total",
         "perspective_phase",
         "perspective_catchup_remaining_events",
         "perspective_catchup_progress_ratio",
@@ -322,6 +334,7 @@ mod tests {
         m.notify_wakeups.inc();
         m.listener_connected.set(1);
         m.completions_flushed.inc_by(10);
+        m.hook_events_dropped.inc();
         let progress = Progress {
             events_remaining: 400,
             percent: 60.0,

@@ -203,13 +203,14 @@ mod tests {
         assert!(!commit.contains("ORDER BY e.event_id"));
     }
 
-    /// rewind_reset.sql: the reset runs before the replay, only with eventId ordering.
+    /// rewind_reset.sql: the reset runs before the replay, under the triggering event's
+    /// identity, only with eventId ordering.
     #[test]
     fn rewind_reset_only_with_event_id_ordering() {
         let sql = create_apply_function("s", &event_id_ordered());
         assert!(
             sql.contains(
-                "IF v_rewound THEN\n      DELETE FROM seen WHERE stream_id = _wh_stream_id;\n    END IF;"
+                "v_set_tenant := set_config('perspective.tenant_id', coalesce(a_tenants[v_trigger_i], ''), true);\n      DELETE FROM seen WHERE stream_id = _wh_stream_id;\n    END IF;"
             ),
             "{sql}"
         );

@@ -49,6 +49,7 @@ DECLARE
   v_prev      uuid;
   v_rewound   boolean := false;
   v_trigger   uuid;
+  v_trigger_i integer;
   -- Events every subscribed perspective has now applied (lifecycle complete).
   v_completed uuid[] := '{}';
   -- Events this call applied, in order (with p_notify_applied: PostPerspective is due for them).

@@ -3,7 +3,8 @@
     cursor (cut at the first unavailable row), the head row dead-lettered once it has failed
     p_max_attempts times, the rest handed to the perspective's apply function. No row leases
     are written: the rows are applied in the same transaction that selects them, under the
-    cursor lock; failures count `attempts` instead. One row per pair out.
+    cursor lock; failures count `attempts` instead. One row per pair out, with the versions of the
+    rows taken (a dead-lettered head first) and when each row was created (latency, logs).
     Slots: schema, perspectives (name, function). #}
 {#- Whether the pair has due work past `version` (one index probe). #}
 {% macro due_after(version) -%}
@@ -29,7 +30,7 @@ EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
     END IF;
 {%- endmacro %}
 {% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer" %}
-{% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_oldest timestamp with time zone, o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]" %}
+{% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]" %}
 {% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
 CREATE OR REPLACE FUNCTION {{ schema }}.wh_drain(
     p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
@@ -45,7 +46,8 @@ DECLARE
   v_events   uuid[];
   v_versions bigint[];
   v_attempts integer[];
-  v_oldest   timestamptz;
+  v_window   bigint[];
+  v_created  timestamptz[];
   v_dead     bigint[];
   v_budget   integer := p_max_rows;
   v_retire   bigint[];
@@ -71,7 +73,7 @@ BEGIN
     IF v_budget <= 0 THEN
       -- Not reached in this call: say so, so the worker comes back for it.
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
-                          '{}'::bigint[], '{}'::bigint[], NULL::timestamptz, false, '{}'::uuid[], true,
+                          '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true,
                           '{}'::uuid[];
       CONTINUE;
     END IF;
@@ -83,8 +85,8 @@ BEGIN
                        WHERE c.stream_id = r.stream_id AND c.perspective_name = r.perspective_name), 0) AS v)
     SELECT array_agg(h.event_work_id ORDER BY h.stream_version), array_agg(h.event_id ORDER BY h.stream_version),
            array_agg(h.stream_version ORDER BY h.stream_version), array_agg(h.attempts ORDER BY h.stream_version),
-           min(h.created_at), (SELECT cur.v FROM cur)
-      INTO v_ids, v_events, v_versions, v_attempts, v_oldest, v_last
+           array_agg(h.created_at ORDER BY h.stream_version), (SELECT cur.v FROM cur)
+      INTO v_ids, v_events, v_versions, v_attempts, v_created, v_last
     FROM (
       SELECT w.*, bool_or(w.unavailable) OVER (ORDER BY w.stream_version ROWS UNBOUNDED PRECEDING) AS fenced
       FROM (
@@ -105,6 +107,7 @@ BEGIN
       {{ retire("") }}
       CONTINUE;
     END IF;
+    v_window := v_versions;
     v_dead := '{}';
     IF p_max_attempts IS NOT NULL AND v_attempts[1] >= p_max_attempts THEN
       PERFORM {{ schema }}.move_to_dead_letters(p_instance_id, ARRAY[v_ids[1]]);
@@ -116,7 +119,7 @@ BEGIN
     IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
       {{ retire("") }}
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, v_last, NULL::bigint, NULL::text,
-                          '{}'::bigint[], v_dead, v_oldest, false, '{}'::uuid[],
+                          '{}'::bigint[], v_dead, v_window, v_created, false, '{}'::uuid[],
                           {{ due_after("v_last") }}, '{}'::uuid[];
       CONTINUE;
     END IF;
@@ -133,7 +136,7 @@ BEGIN
     -- A new statement, so a new snapshot: also sees rows appended while this call ran.
     v_more := {{ due_after("coalesce(o.o_last_version, v_last)") }};
     RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
-                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_oldest, o.o_rewound,
+                        o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_window, v_created, o.o_rewound,
                         o.o_completed_event_ids, v_more, o.o_applied_event_ids;
   END LOOP;
 END

@@ -1,6 +1,12 @@
 {#- The per-event columns read from wh_event_store, one array each, in `order_by` order (the
     group's version order, or event-id order for a rewind's replay). Columns no handler uses
     are not copied: every array element costs. Slots: order_by, uses. #}
+{#- An event's identity `key` (user_id, tenant_id): metadata's value, else scope's, and only a
+    JSON string counts (a number or a nested object is no identity); '' when neither has one. #}
+{% macro identity(key) -%}
+coalesce(CASE WHEN jsonb_typeof(e.metadata -> '{{ key }}') = 'string' THEN e.metadata ->> '{{ key }}' END,
+                            CASE WHEN jsonb_typeof(e.scope -> '{{ key }}') = 'string' THEN e.scope ->> '{{ key }}' END, '')
+{%- endmacro %}
 array_agg(e.event_type ORDER BY {{ order_by }}),
 {% if uses.data %}
          array_agg(e.event_data ORDER BY {{ order_by }}),
@@ -22,5 +28,5 @@ array_agg(e.event_type ORDER BY {{ order_by }}),
 {% else %}
          NULL::timestamptz[],
 {% endif %}
-         array_agg(coalesce(e.metadata ->> 'user_id', e.scope ->> 'user_id', '') ORDER BY {{ order_by }}),
-         array_agg(coalesce(e.scope ->> 'tenant_id', e.metadata ->> 'tenant_id', '') ORDER BY {{ order_by }})
+         array_agg({{ identity("user_id") }} ORDER BY {{ order_by }}),
+         array_agg({{ identity("tenant_id") }} ORDER BY {{ order_by }})

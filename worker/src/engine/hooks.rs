@@ -1,7 +1,13 @@
 //! Processing hooks: what tests and embedding applications wait on instead of sleeping.
+//!
+//! Subscribers share one bounded broadcast channel. One that falls behind by its capacity does
+//! not silently lose events: a full channel drops the event being emitted instead of evicting
+//! one a subscriber has not read yet, counts it (`perspective_hook_events_dropped_total`), and
+//! tells the emitter, so the lifecycle stages are not recorded as done when they were not
+//! delivered (they fire again at the next start, see `lifecycle`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tokio::sync::{broadcast, Notify};
 use uuid::Uuid;
@@ -61,8 +67,8 @@ pub struct Hooks {
     inner: Arc<Inner>,
 }
 
-/// Events a subscriber may fall behind by before it misses some.
-const CAPACITY: usize = 65_536;
+/// Events a subscriber may fall behind by before new ones are dropped (the default).
+pub const DEFAULT_CAPACITY: usize = 65_536;
 
 #[derive(Debug)]
 struct Inner {
@@ -70,6 +76,14 @@ struct Inner {
     /// to (every `perspective-worker run`) has no use for it; events emitted before then had no
     /// receiver anyway.
     events: OnceLock<broadcast::Sender<HookEvent>>,
+    capacity: usize,
+    /// Held from the room check to the send, so two emitters cannot both fill the last slot
+    /// (the second send would evict an unread event).
+    send: Mutex<()>,
+    /// Events dropped because a subscriber had fallen `capacity` behind.
+    dropped: AtomicU64,
+    /// Where drops are also counted: the engine's `perspective_hook_events_dropped_total`.
+    dropped_metric: OnceLock<prometheus::IntCounter>,
     consecutive_empty_polls: AtomicU64,
     idle: AtomicBool,
     wake: Notify,
@@ -83,9 +97,18 @@ impl Default for Hooks {
 
 impl Hooks {
     pub fn new() -> Self {
+        Self::with_capacity(DEFAULT_CAPACITY)
+    }
+
+    /// Hooks whose subscribers may fall `capacity` events behind before events are dropped.
+    pub fn with_capacity(capacity: usize) -> Self {
         Hooks {
             inner: Arc::new(Inner {
                 events: OnceLock::new(),
+                capacity: capacity.max(1),
+                send: Mutex::new(()),
+                dropped: AtomicU64::new(0),
+                dropped_metric: OnceLock::new(),
                 consecutive_empty_polls: AtomicU64::new(0),
                 idle: AtomicBool::new(true),
                 wake: Notify::new(),
@@ -97,15 +120,37 @@ impl Hooks {
     pub fn subscribe(&self) -> broadcast::Receiver<HookEvent> {
         self.inner
             .events
-            .get_or_init(|| broadcast::channel(CAPACITY).0)
+            .get_or_init(|| broadcast::channel(self.inner.capacity).0)
             .subscribe()
     }
 
-    pub(crate) fn emit(&self, event: HookEvent) {
-        // No subscriber is fine.
-        if let Some(events) = self.inner.events.get() {
-            let _ = events.send(event);
+    /// Events dropped so far because a subscriber had fallen behind.
+    pub fn dropped(&self) -> u64 {
+        self.inner.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Count drops in `counter` too (the engine's metric; the first engine started wins).
+    pub(crate) fn count_drops_in(&self, counter: prometheus::IntCounter) {
+        let _ = self.inner.dropped_metric.set(counter);
+    }
+
+    /// Emit `event` to every subscriber. False when it was dropped: a subscriber is `capacity`
+    /// events behind. No subscriber at all is delivered (there is nobody to miss it).
+    pub(crate) fn emit(&self, event: HookEvent) -> bool {
+        let Some(events) = self.inner.events.get() else {
+            return true;
+        };
+        let _serialised = self.inner.send.lock().unwrap_or_else(|e| e.into_inner());
+        // `len` counts the values some live receiver has not seen yet.
+        if events.receiver_count() > 0 && events.len() >= self.inner.capacity {
+            self.inner.dropped.fetch_add(1, Ordering::Relaxed);
+            if let Some(metric) = self.inner.dropped_metric.get() {
+                metric.inc();
+            }
+            return false;
         }
+        let _ = events.send(event);
+        true
     }
 
     /// Consecutive claim polls that returned nothing.
@@ -137,17 +182,17 @@ impl Hooks {
                 .fetch_add(1, Ordering::Relaxed)
                 + 1;
             if n >= idle_threshold && !self.inner.idle.swap(true, Ordering::Relaxed) {
-                self.emit(HookEvent::WorkProcessingIdle);
+                let _ = self.emit(HookEvent::WorkProcessingIdle);
             }
         } else {
             self.inner
                 .consecutive_empty_polls
                 .store(0, Ordering::Relaxed);
             if self.inner.idle.swap(false, Ordering::Relaxed) {
-                self.emit(HookEvent::WorkProcessingStarted);
+                let _ = self.emit(HookEvent::WorkProcessingStarted);
             }
         }
-        self.emit(HookEvent::ClaimPolled { streams });
+        let _ = self.emit(HookEvent::ClaimPolled { streams });
     }
 }
 
@@ -177,6 +222,29 @@ mod tests {
                 HookEvent::WorkProcessingIdle
             ]
         );
+    }
+
+    #[test]
+    fn a_full_channel_drops_new_events_counted_and_keeps_the_unread_ones() {
+        let hooks = Hooks::with_capacity(2);
+        assert!(
+            hooks.emit(HookEvent::ClaimPolled { streams: 0 }),
+            "no subscriber"
+        );
+        let mut rx = hooks.subscribe();
+        let polled = |streams| HookEvent::ClaimPolled { streams };
+        assert!(hooks.emit(polled(1)));
+        assert!(hooks.emit(polled(2)));
+        assert!(!hooks.emit(polled(3)), "full: dropped");
+        assert_eq!(hooks.dropped(), 1);
+        assert_eq!(
+            rx.try_recv().unwrap(),
+            polled(1),
+            "nothing unread was evicted"
+        );
+        assert!(hooks.emit(polled(4)), "room again");
+        assert_eq!(rx.try_recv().unwrap(), polled(2));
+        assert_eq!(rx.try_recv().unwrap(), polled(4));
     }
 
     #[tokio::test]

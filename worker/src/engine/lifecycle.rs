@@ -8,7 +8,12 @@
 //!
 //! A crash between that commit and the record leaves an orphan: at startup
 //! `reconcile_orphans` finds recent events that every perspective applied but that have no
-//! completion record, and fires their stages then.
+//! completion record, and fires their stages then. So does an event whose stages a lagging hook
+//! subscriber did not receive (dropped, see `hooks`): it is not recorded.
+//!
+//! An event dead-lettered in any perspective is not applied by every perspective: its stages
+//! (and the `<schema>_applied` NOTIFY) wait until its dead letter is replayed (the replay sends
+//! the NOTIFY; the stages fire at the next worker start, by reconciliation).
 
 use uuid::Uuid;
 
@@ -33,22 +38,28 @@ pub(crate) fn post_perspective(ctx: &Shared, perspective: &str, stream_id: Uuid,
     }
 }
 
-/// Fires the stages of `completed` (stream, event) pairs, in order, and records them.
+/// Fires the stages of `completed` (stream, event) pairs, in order, and records those delivered.
 pub(crate) async fn fire(ctx: &Shared, completed: &[(Uuid, Uuid)]) {
     if completed.is_empty() {
         return;
     }
+    let mut ids: Vec<Uuid> = Vec::with_capacity(completed.len());
     for &(stream_id, event_id) in completed {
-        ctx.hooks.emit(HookEvent::PostAllPerspectives {
+        // PostLifecycle only after its PostAllPerspectives was delivered.
+        let delivered = ctx.hooks.emit(HookEvent::PostAllPerspectives {
+            stream_id,
+            event_id,
+        }) && ctx.hooks.emit(HookEvent::PostLifecycle {
             stream_id,
             event_id,
         });
-        ctx.hooks.emit(HookEvent::PostLifecycle {
-            stream_id,
-            event_id,
-        });
+        if delivered {
+            ids.push(event_id);
+        }
     }
-    let ids: Vec<Uuid> = completed.iter().map(|(_, e)| *e).collect();
+    if ids.is_empty() {
+        return;
+    }
     let recorded = ctx
         .store
         .record_lifecycle_completions(&ids, ctx.instance_id)

@@ -142,6 +142,9 @@ impl Engine {
         for p in &config.perspectives {
             options.metrics.init_perspective(&p.name);
         }
+        options
+            .hooks
+            .count_drops_in(options.metrics.hook_events_dropped.clone());
         let shared = Arc::new(Shared {
             config: config.clone(),
             instance_id: options.instance_id,

@@ -22,6 +22,11 @@ const MARK_REPLAYED: &str = "UPDATE {schema}.wh_dead_letters
             replay_count = replay_count + 1
       WHERE dead_letter_id = $1";
 
+/// The `<schema>_applied` NOTIFY for a replayed event, if every subscribed perspective has now
+/// applied it (see `wh_applied_by_all`).
+const NOTIFY_IF_APPLIED_BY_ALL: &str = "SELECT pg_notify($1, $2::text)
+     WHERE EXISTS (SELECT 1 FROM {schema}.wh_applied_by_all($3, ARRAY[$4::bigint], ARRAY[$5::text]))";
+
 /// One dead letter, as listed.
 #[derive(Debug, Clone, Serialize, PartialEq, sqlx::FromRow)]
 #[serde(rename_all = "camelCase")]
@@ -88,6 +93,27 @@ pub async fn lock_pending(
         .bind(id)
         .fetch_optional(&mut *tx)
         .await
+}
+
+/// Announce on `<schema>_applied` that `event_id` is applied by every perspective, if it now
+/// is (its replay was the last one missing). Sent when the transaction commits.
+pub async fn notify_if_applied_by_all(
+    tx: &mut PgConnection,
+    schema: &str,
+    stream_id: Uuid,
+    stream_version: i64,
+    event_type: &str,
+    event_id: Uuid,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&super::sql(schema, NOTIFY_IF_APPLIED_BY_ALL))
+        .bind(super::names::applied_channel(schema))
+        .bind(event_id)
+        .bind(stream_id)
+        .bind(stream_version)
+        .bind(event_type)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
 }
 
 /// Mark dead letter `id` replayed.

@@ -55,9 +55,13 @@ pub struct PairOutcome {
     pub done_work_ids: Vec<i64>,
     #[sqlx(rename = "o_dead_lettered")]
     pub dead_lettered: Vec<i64>,
-    /// Creation time of the oldest row taken.
-    #[sqlx(rename = "o_oldest")]
-    pub oldest: Option<DateTime<Utc>>,
+    /// Versions of the rows this call took, ascending (a dead-lettered head first).
+    #[sqlx(rename = "o_versions")]
+    pub versions: Vec<i64>,
+    /// When each of those rows was created: when its event was appended (the appending
+    /// transaction's `now()`, as the event's `created_at`), or queued by a backfill or rebuild.
+    #[sqlx(rename = "o_created_at")]
+    pub created_at: Vec<DateTime<Utc>>,
     #[sqlx(rename = "o_rewound")]
     pub rewound: bool,
     /// Events every subscribed perspective has now applied (lifecycle due).

@@ -9,10 +9,12 @@ const RECORD_COMPLETIONS: &str =
      SELECT unnest($1::uuid[]), $2 ON CONFLICT (event_id) DO NOTHING";
 const DELETE_OLD_COMPLETIONS: &str = "DELETE FROM {schema}.wh_lifecycle_completions
      WHERE completed_at < now() - make_interval(secs => $1)";
-/// Recent events of a subscribed type that every subscribed perspective has applied but whose
-/// lifecycle was never recorded.
+/// Recent events (appended, or their dead letter replayed, in the lookback) of a subscribed type
+/// that every subscribed perspective has applied but whose lifecycle was never recorded.
 const ORPHANED_EVENTS: &str = "SELECT e.stream_id, e.event_id FROM {schema}.wh_event_store e
-     WHERE e.created_at > now() - make_interval(secs => $1)
+     WHERE (e.created_at > now() - make_interval(secs => $1)
+            OR e.event_id IN (SELECT d.event_id FROM {schema}.wh_dead_letters d
+                              WHERE d.recovered_at > now() - make_interval(secs => $1)))
        AND EXISTS (SELECT 1 FROM {schema}.wh_perspective_subscriptions s WHERE s.event_type = e.event_type)
        AND NOT EXISTS (SELECT 1 FROM {schema}.wh_lifecycle_completions l WHERE l.event_id = e.event_id)
        AND EXISTS (SELECT 1 FROM {schema}.wh_applied_by_all(
@@ -47,8 +49,8 @@ impl Store {
             .rows_affected())
     }
 
-    /// Up to `limit` (stream, event) pairs appended in the last `lookback_seconds` whose
-    /// lifecycle is complete but unrecorded, in stream order.
+    /// Up to `limit` (stream, event) pairs appended (or replayed from a dead letter) in the last
+    /// `lookback_seconds` whose lifecycle is complete but unrecorded, in stream order.
     pub async fn orphaned_lifecycles(
         &self,
         lookback_seconds: f64,

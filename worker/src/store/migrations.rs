@@ -48,6 +48,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0007_dead_letter_clears_failure.sql",
         template: include_str!("../../../migrations/0007_dead_letter_clears_failure.sql"),
     },
+    Migration {
+        version: 9,
+        name: "0009_append_only_and_lifecycle_truth.sql",
+        template: include_str!("../../../migrations/0009_append_only_and_lifecycle_truth.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.

@@ -8,10 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use futures::StreamExt;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use super::report::{
-    report_applied, report_dead_lettered, report_failed, report_rewound, seconds_since,
+    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed, report_rewound,
+    seconds_since,
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
@@ -201,17 +203,31 @@ async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>) -> u64 {
     };
     let mut applied = 0u64;
     for group in &chunks {
-        let (n, failed) = match apply_group(ctx, group, mode).await {
-            Applied::Ok { applied, failed } => (applied, failed),
-            // Nothing of the group committed. Like the SQL apply functions' slow path, apply it
-            // one event at a time: the good prefix commits and the failure is pinned on the
-            // event that causes it (not on an innocent first event).
-            Applied::Err(_) if group.items.len() > 1 => apply_one_by_one(ctx, group, mode).await,
-            Applied::Err(error) => {
-                fail_group(ctx, group, &error).await;
-                (0, true)
+        let versions = group
+            .items
+            .first()
+            .zip(group.items.last())
+            .map(|(a, b)| (a.stream_version, b.stream_version));
+        let span = pair_span(&group.perspective, group.stream_id, versions);
+        let (n, failed) = async {
+            match apply_group(ctx, group, mode).await {
+                Applied::Ok { applied, failed } => (applied, failed),
+                // Nothing of the group committed. Like the SQL apply functions' slow path, apply
+                // it one event at a time: the good prefix commits and the failure is pinned on
+                // the event that causes it (not on an innocent first event).
+                Applied::Err(_) if group.items.len() > 1 => {
+                    apply_one_by_one(ctx, group, mode).await
+                }
+                Applied::Err(error) => {
+                    fail_group(ctx, group, &error).await;
+                    (0, true)
+                }
             }
-        };
+        }
+        .instrument(span.clone())
+        .await;
+        span.record("outcome", pair_outcome(n, failed, false, false));
+        span.in_scope(|| tracing::debug!(rows = group.items.len(), applied = n, "pair drained"));
         applied += n;
         if failed {
             break;

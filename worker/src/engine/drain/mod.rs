@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use super::completion::CompletionQueue;
@@ -77,7 +78,10 @@ impl Drainer {
             let Some(batch) = next_batch(&self, &rx).await else {
                 return;
             };
-            process_streams(&self, batch).await;
+            // Every log line of the batch carries the instance (and its pairs' lines their pair).
+            let span = tracing::info_span!("drain_batch", instance_id = %self.shared.instance_id,
+                                           streams = batch.len());
+            process_streams(&self, batch).instrument(span).await;
         }
     }
 }
@@ -237,6 +241,7 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
         .metrics
         .batch_duration
         .observe(started.elapsed().as_secs_f64());
+    tracing::debug!(applied = applied_total, iterations, "drain batch done");
     ctx.shared.hooks.emit(HookEvent::BatchCycleComplete {
         streams: mine.len(),
         events_applied: applied_total,

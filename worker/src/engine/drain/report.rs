@@ -6,7 +6,7 @@ use crate::engine::hooks::HookEvent;
 use crate::engine::Shared;
 
 /// Metrics, hook and log for events of one (stream, perspective) applied and committed;
-/// `latencies` are append-commit → applied, seconds.
+/// `latencies` are append (`created_at`) → applied, seconds, one per event.
 pub(super) fn report_applied(
     ctx: &Shared,
     perspective: &str,
@@ -63,6 +63,42 @@ pub(super) fn report_dead_lettered(
         stream_id,
         event_work_ids,
     });
+}
+/// The span of one (stream, perspective) group: every log line of its apply carries these
+/// fields (and the batch's), so an event's path can be followed in JSON logs. `first_version`
+/// and `last_version` bound the rows taken; `outcome` is recorded once known.
+pub(super) fn pair_span(
+    perspective: &str,
+    stream_id: Uuid,
+    versions: Option<(i64, i64)>,
+) -> tracing::Span {
+    tracing::info_span!(
+        "pair",
+        perspective,
+        stream = %stream_id,
+        first_version = versions.map(|v| v.0),
+        last_version = versions.map(|v| v.1),
+        outcome = tracing::field::Empty,
+    )
+}
+/// What happened to a group, for its span and log line (debug).
+pub(super) fn pair_outcome(
+    applied: u64,
+    failed: bool,
+    dead_lettered: bool,
+    rewound: bool,
+) -> &'static str {
+    if dead_lettered {
+        "dead_lettered"
+    } else if failed {
+        "failed"
+    } else if rewound {
+        "rewound"
+    } else if applied > 0 {
+        "applied"
+    } else {
+        "nothing_due"
+    }
 }
 pub(super) fn seconds_since(
     t: chrono::DateTime<chrono::Utc>,

@@ -6,7 +6,8 @@ use std::collections::{BTreeMap, HashSet};
 use uuid::Uuid;
 
 use super::report::{
-    report_applied, report_dead_lettered, report_failed, report_rewound, seconds_since,
+    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed, report_rewound,
+    seconds_since,
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
@@ -50,6 +51,26 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
             more.insert(o.stream_id);
         }
         let perspective = o.perspective.as_str();
+        let versions = o
+            .versions
+            .first()
+            .zip(o.versions.last())
+            .map(|(a, b)| (*a, *b));
+        let outcome = pair_outcome(
+            o.applied.max(0) as u64,
+            o.failed_work_id.is_some(),
+            !o.dead_lettered.is_empty(),
+            o.rewound,
+        );
+        let span = pair_span(perspective, o.stream_id, versions);
+        span.record("outcome", outcome);
+        let _pair = span.entered();
+        tracing::debug!(
+            rows = o.rows,
+            applied = o.applied,
+            cursor = o.last_version,
+            "pair drained"
+        );
         if o.rewound {
             report_rewound(&ctx.shared, perspective, o.stream_id);
         }
@@ -65,14 +86,19 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         }
         if o.applied > 0 {
             applied += o.applied as u64;
-            let latency = o.oldest.map(|t| seconds_since(t, now));
             report_applied(
                 &ctx.shared,
                 perspective,
                 o.stream_id,
                 o.applied as u32,
                 o.last_version.unwrap_or_default(),
-                latency.into_iter(),
+                // The rows applied: up to the new cursor, a dead-lettered head excepted.
+                o.versions
+                    .iter()
+                    .zip(&o.created_at)
+                    .skip(o.dead_lettered.len())
+                    .filter(|(v, _)| Some(**v) <= o.last_version)
+                    .map(|(_, t)| seconds_since(*t, now)),
             );
         }
         if let Some(work_id) = o.failed_work_id {
