@@ -34,10 +34,6 @@ const CHART_NAME: &str = "perspective-operator";
 const K8S_VERSION: &str = "v1.36.3";
 const CRD_NAME: &str = "perspectivedeployments.perspectives.dev";
 
-const READ: &[&str] = &["get", "list", "watch"];
-const READ_WRITE: &[&str] = &[
-    "get", "list", "watch", "create", "patch", "update", "delete",
-];
 /// Every verb checked on each resource the operator may touch: whatever is not granted must be
 /// denied.
 const ALL_VERBS: &[&str] = &[
@@ -51,41 +47,30 @@ const ALL_VERBS: &[&str] = &[
     "deletecollection",
 ];
 
-/// (API group, resource[/subresource], verbs): exactly what the operator needs in every watched
-/// namespace.
+/// (API group, resource[/subresource], verbs): exactly the calls the operator makes in every
+/// watched namespace (server-side apply is `patch`, also when it creates), and nothing more.
 const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
-    (
-        "perspectives.dev",
-        "perspectivedeployments",
-        &["get", "list", "watch", "patch", "update"],
-    ),
-    (
-        "perspectives.dev",
-        "perspectivedeployments/status",
-        &["get", "patch", "update"],
-    ),
+    ("perspectives.dev", "perspectivedeployments", &["list", "watch"]),
+    ("perspectives.dev", "perspectivedeployments/status", &["patch"]),
     (
         "perspectives.dev",
         "perspectivedeployments/finalizers",
         &["update"],
     ),
-    ("", "configmaps", READ_WRITE),
-    ("", "services", READ_WRITE),
-    ("", "secrets", READ),
-    ("", "pods", READ),
-    ("", "events", &["create", "patch"]),
+    ("", "configmaps", &["list", "patch", "delete"]),
+    ("", "services", &["patch"]),
+    ("", "secrets", &["get"]),
+    ("", "pods", &[]),
+    ("", "events", &[]),
     ("events.k8s.io", "events", &["create", "patch"]),
-    ("apps", "statefulsets", READ_WRITE),
-    ("batch", "jobs", READ_WRITE),
-    ("policy", "poddisruptionbudgets", READ_WRITE),
+    ("apps", "statefulsets", &["get", "list", "watch", "patch"]),
+    ("batch", "jobs", &["get", "list", "watch", "patch", "delete"]),
+    ("policy", "poddisruptionbudgets", &["patch"]),
 ];
 
 /// Leader election, in the release namespace only.
-const LEASE_RULES: &[(&str, &str, &[&str])] = &[(
-    "coordination.k8s.io",
-    "leases",
-    &["get", "list", "watch", "create", "update", "patch"],
-)];
+const LEASE_RULES: &[(&str, &str, &[&str])] =
+    &[("coordination.k8s.io", "leases", &["get", "create", "patch"])];
 
 /// Cluster-scoped things the operator must never be able to do.
 const CLUSTER_DENIED: &[(&str, &str, &str)] = &[
@@ -501,6 +486,8 @@ fn renders_options() {
             "replicaCount=1,leaderElection.enabled=false,logFormat=text",
             "--set",
             "image.repository=registry.example/op,image.tag=1.2.3,workerImage=registry.example/w:9",
+            "--set",
+            "allowedImagePrefixes={registry.example/w:,registry.example/team/}",
             // Large integers must not come out as 1e+06.
             "--set",
             "statusIntervalSeconds=1000000",
@@ -545,6 +532,8 @@ fn renders_options() {
         [
             "--http-addr=0.0.0.0:8080",
             "--default-worker-image=registry.example/w:9",
+            "--allowed-image-prefix=registry.example/w:",
+            "--allowed-image-prefix=registry.example/team/",
             "--status-interval-seconds=1000000",
             "--log-format=text",
         ]
