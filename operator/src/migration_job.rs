@@ -182,7 +182,10 @@ mod tests {
 
     #[test]
     fn a_failed_job_is_reported_by_its_condition_and_a_pointer_to_its_logs() {
-        let job = failed_job("shop-migrate-ab12", "Job has reached the specified backoff limit");
+        let job = failed_job(
+            "shop-migrate-ab12",
+            "Job has reached the specified backoff limit",
+        );
         assert_eq!(
             state(&job),
             JobState::Failed {
@@ -193,9 +196,6 @@ mod tests {
                 at: None,
             }
         );
-        assert_eq!(
-            failure_message(" ", "j"),
-            "its output: kubectl logs job/j"
-        );
+        assert_eq!(failure_message(" ", "j"), "its output: kubectl logs job/j");
     }
 }

@@ -68,7 +68,11 @@ pub fn image_problem(image: &str, defaulted: bool, allowed: &[String]) -> Option
     Some(format!(
         "spec.image: {image:?}{} is not allowed: this operator runs only images starting with {} \
          (--allowed-image-prefix)",
-        if defaulted { " (the operator's default)" } else { "" },
+        if defaulted {
+            " (the operator's default)"
+        } else {
+            ""
+        },
         allowed.join(", ")
     ))
 }
@@ -103,9 +107,16 @@ mod tests {
         );
         // A prefix is matched as written: `registry.example/perspective-worker` (no colon)
         // would also allow `registry.example/perspective-worker-evil`.
-        assert!(image_problem("registry.example/perspective-worker-evil:1", false, &allowed)
-            .is_some());
+        assert!(image_problem(
+            "registry.example/perspective-worker-evil:1",
+            false,
+            &allowed
+        )
+        .is_some());
         let defaulted = image_problem("perspective-worker:0.1.0", true, &allowed).unwrap();
-        assert!(defaulted.contains("(the operator's default)"), "{defaulted}");
+        assert!(
+            defaulted.contains("(the operator's default)"),
+            "{defaulted}"
+        );
     }
 }

@@ -50,8 +50,16 @@ const ALL_VERBS: &[&str] = &[
 /// (API group, resource[/subresource], verbs): exactly the calls the operator makes in every
 /// watched namespace (server-side apply is `patch`, also when it creates), and nothing more.
 const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
-    ("perspectives.dev", "perspectivedeployments", &["list", "watch"]),
-    ("perspectives.dev", "perspectivedeployments/status", &["patch"]),
+    (
+        "perspectives.dev",
+        "perspectivedeployments",
+        &["list", "watch"],
+    ),
+    (
+        "perspectives.dev",
+        "perspectivedeployments/status",
+        &["patch"],
+    ),
     (
         "perspectives.dev",
         "perspectivedeployments/finalizers",
@@ -64,7 +72,11 @@ const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
     ("", "events", &[]),
     ("events.k8s.io", "events", &["create", "patch"]),
     ("apps", "statefulsets", &["get", "list", "watch", "patch"]),
-    ("batch", "jobs", &["get", "list", "watch", "patch", "delete"]),
+    (
+        "batch",
+        "jobs",
+        &["get", "list", "watch", "patch", "delete"],
+    ),
     ("policy", "poddisruptionbudgets", &["patch"]),
 ];
 
@@ -649,6 +661,48 @@ fn rule<'a>(docs: &'a [Value], alert: &str) -> &'a Value {
         .flat_map(|g| at(g, "rules").as_sequence().unwrap())
         .find(|r| str_at(r, "alert") == alert)
         .unwrap_or_else(|| panic!("no alert {alert}"))
+}
+
+/// Issue 12: the optional NetworkPolicy admits only the operator pods' HTTP port, from the
+/// configured peers; off by default.
+#[test]
+fn renders_the_network_policy_only_when_enabled() {
+    assert!(!kinds(&render("ops", &[])).contains("NetworkPolicy"));
+    let docs = render(
+        "ops",
+        &[
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set-json",
+            r#"networkPolicy.from=[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#,
+        ],
+    );
+    let name = "rel-perspective-operator";
+    let policy = object(&docs, "NetworkPolicy", name);
+    assert_eq!(str_at(policy, "metadata.namespace"), "ops");
+    let deployment = object(&docs, "Deployment", name);
+    assert_eq!(
+        at(policy, "spec.podSelector.matchLabels"),
+        at(deployment, "spec.selector.matchLabels")
+    );
+    assert_eq!(strings(at(policy, "spec.policyTypes")), ["Ingress"]);
+    let rules = at(policy, "spec.ingress").as_sequence().unwrap();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(str_at(&rules[0], "ports.0.port"), "http");
+    assert_eq!(
+        str_at(operator_container(deployment), "ports.0.name"),
+        "http"
+    );
+    assert_eq!(
+        at(&rules[0], "from.0.namespaceSelector.matchLabels").get("kubernetes.io/metadata.name"),
+        Some(&Value::from("monitoring"))
+    );
+    // Without peers: the port from anywhere.
+    let open = render("ops", &["--set", "networkPolicy.enabled=true"]);
+    let rule = &at(object(&open, "NetworkPolicy", name), "spec.ingress")
+        .as_sequence()
+        .unwrap()[0];
+    assert!(rule.get("from").is_none(), "{}", to_yaml(rule));
 }
 
 #[test]

@@ -1855,7 +1855,10 @@ async fn a_failed_migrations_output_never_reaches_status_or_events() {
     // The output was there to be copied: the failed pod's termination message holds it (the pod
     // runner copies the output's end there, as `FallbackToLogsOnError` would).
     let pods = kubectl_ok(&["-n", &w.ns, "get", "pods", "-o", "json"], None);
-    assert!(pods.contains(&shapes[1]), "the hostile output reached the pod");
+    assert!(
+        pods.contains(&shapes[1]),
+        "the hostile output reached the pod"
+    );
     let events = poll("the MigrationFailed Event", LONG, || async {
         let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
         Ok(events.contains("MigrationFailed").then_some(events))
@@ -1882,7 +1885,10 @@ async fn a_failed_migrations_output_never_reaches_status_or_events() {
 async fn only_allowed_images_run() {
     let w = World::new(
         "images",
-        &[("op", &["--allowed-image-prefix=registry.example/perspective-worker:"])],
+        &[(
+            "op",
+            &["--allowed-image-prefix=registry.example/perspective-worker:"],
+        )],
     )
     .await;
     w.apply(&pd_yaml("shop", &w.schema, 1, "v1", ""));
@@ -1891,8 +1897,9 @@ async fn only_allowed_images_run() {
         .await;
     let message = condition(&pd, "Degraded").message;
     assert!(
-        message.contains("spec.image: \"perspective-worker:e2e\" (the operator's default) is not allowed")
-            && message.contains("\"registry.example/perspective-worker:\""),
+        message.contains(
+            "spec.image: \"perspective-worker:e2e\" (the operator's default) is not allowed"
+        ) && message.contains("\"registry.example/perspective-worker:\""),
         "{message}"
     );
     assert!(w.jobs().await.is_empty(), "no migration Job");
