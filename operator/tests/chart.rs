@@ -48,7 +48,8 @@ const ALL_VERBS: &[&str] = &[
 ];
 
 /// (API group, resource[/subresource], verbs): exactly the calls the operator makes in every
-/// watched namespace (server-side apply is `patch`, also when it creates), and nothing more.
+/// watched namespace (server-side apply is `patch`, and `create` too when it creates the
+/// object), and nothing more.
 const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
     (
         "perspectives.dev",
@@ -65,19 +66,23 @@ const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
         "perspectivedeployments/finalizers",
         &["update"],
     ),
-    ("", "configmaps", &["list", "patch", "delete"]),
-    ("", "services", &["patch"]),
+    ("", "configmaps", &["list", "create", "patch", "delete"]),
+    ("", "services", &["create", "patch"]),
     ("", "secrets", &["get"]),
     ("", "pods", &[]),
     ("", "events", &[]),
     ("events.k8s.io", "events", &["create", "patch"]),
-    ("apps", "statefulsets", &["get", "list", "watch", "patch"]),
+    (
+        "apps",
+        "statefulsets",
+        &["get", "list", "watch", "create", "patch"],
+    ),
     (
         "batch",
         "jobs",
-        &["get", "list", "watch", "patch", "delete"],
+        &["get", "list", "watch", "create", "patch", "delete"],
     ),
-    ("policy", "poddisruptionbudgets", &["patch"]),
+    ("policy", "poddisruptionbudgets", &["create", "patch"]),
 ];
 
 /// Leader election, in the release namespace only.
