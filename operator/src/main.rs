@@ -38,7 +38,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Reconcile PerspectiveDeployments (uses KUBECONFIG, or the in-cluster service account).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the CustomResourceDefinition YAML (what crds/ and the Helm chart hold).
     Crd,
 }
@@ -106,7 +106,7 @@ fn main() -> ExitCode {
         Command::Run(args) => {
             init_tracing(args.log_format);
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-            match runtime.block_on(run(args)) {
+            match runtime.block_on(run(*args)) {
                 Ok(code) => code,
                 Err(e) => {
                     error!("{e:#}");

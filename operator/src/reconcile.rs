@@ -181,10 +181,10 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
 
     let jobs: Api<Job> = Api::namespaced(client.clone(), &namespace);
     let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), &namespace);
-    let mut job_state = match jobs.get_opt(&target.job_name).await? {
-        Some(job) => Some(migration_job::state(&job)),
-        None => None,
-    };
+    let mut job_state = jobs
+        .get_opt(&target.job_name)
+        .await?
+        .map(|job| migration_job::state(&job));
     let mut statefulset = statefulsets.get_opt(&labels::workers_name(&name)).await?;
 
     // Failures of the current Job: counted once each, retried after a growing delay.

@@ -14,8 +14,6 @@
 
 use std::mem::MaybeUninit;
 
-use unsafe_libyaml as sys;
-
 /// The largest config read: 1 MiB, what a ConfigMap holds.
 pub const MAX_CONFIG_BYTES: usize = 1024 * 1024;
 
@@ -60,49 +58,49 @@ fn unclosed_brackets(text: &str) -> Option<String> {
 
 /// The first anchor, alias or nesting level past [`MAX_NESTING`] that libyaml reports.
 fn parsed_refusal(text: &str) -> Option<String> {
-    let mut parser = Box::new(MaybeUninit::<sys::yaml_parser_t>::uninit());
+    let mut parser = Box::new(MaybeUninit::<unsafe_libyaml::yaml_parser_t>::uninit());
     let parser = parser.as_mut_ptr();
     // SAFETY: `parser` points at owned, writable memory for a `yaml_parser_t`, which
     // `yaml_parser_initialize` initialises; the input outlives the parser, deleted below.
     unsafe {
-        if sys::yaml_parser_initialize(parser).fail {
+        if unsafe_libyaml::yaml_parser_initialize(parser).fail {
             // Out of memory: serde_yaml will fail the same way.
             return None;
         }
-        sys::yaml_parser_set_input_string(parser, text.as_ptr(), text.len() as _);
+        unsafe_libyaml::yaml_parser_set_input_string(parser, text.as_ptr(), text.len() as _);
     }
     let found = first_refused_event(parser);
     // SAFETY: initialised above, not used after this.
-    unsafe { sys::yaml_parser_delete(parser) };
+    unsafe { unsafe_libyaml::yaml_parser_delete(parser) };
     found
 }
 
-fn first_refused_event(parser: *mut sys::yaml_parser_t) -> Option<String> {
+fn first_refused_event(parser: *mut unsafe_libyaml::yaml_parser_t) -> Option<String> {
     let mut depth = 0usize;
     loop {
-        let mut event = MaybeUninit::<sys::yaml_event_t>::uninit();
+        let mut event = MaybeUninit::<unsafe_libyaml::yaml_event_t>::uninit();
         // SAFETY: `parser` is initialised with its input alive; `yaml_parser_parse` initialises
         // `event` when it succeeds, and only then is it read (the union field that matches its
         // type) and deleted, once.
         let (type_, anchored, mark) = unsafe {
-            if sys::yaml_parser_parse(parser, event.as_mut_ptr()).fail {
+            if unsafe_libyaml::yaml_parser_parse(parser, event.as_mut_ptr()).fail {
                 // A syntax error: serde_yaml reports it, with the field path.
                 return None;
             }
             let event = event.as_mut_ptr();
             let type_ = (*event).type_;
             let anchor = match type_ {
-                sys::YAML_SCALAR_EVENT => (*event).data.scalar.anchor,
-                sys::YAML_SEQUENCE_START_EVENT => (*event).data.sequence_start.anchor,
-                sys::YAML_MAPPING_START_EVENT => (*event).data.mapping_start.anchor,
+                unsafe_libyaml::YAML_SCALAR_EVENT => (*event).data.scalar.anchor,
+                unsafe_libyaml::YAML_SEQUENCE_START_EVENT => (*event).data.sequence_start.anchor,
+                unsafe_libyaml::YAML_MAPPING_START_EVENT => (*event).data.mapping_start.anchor,
                 _ => std::ptr::null_mut(),
             };
             let mark = (*event).start_mark;
-            sys::yaml_event_delete(event);
+            unsafe_libyaml::yaml_event_delete(event);
             (type_, !anchor.is_null(), mark)
         };
         let at = format!("at line {}, column {}", mark.line + 1, mark.column + 1);
-        if type_ == sys::YAML_ALIAS_EVENT {
+        if type_ == unsafe_libyaml::YAML_ALIAS_EVENT {
             return Some(format!(
                 "YAML aliases (`*name`) are not accepted; write the value out {at}"
             ));
@@ -113,14 +111,17 @@ fn first_refused_event(parser: *mut sys::yaml_parser_t) -> Option<String> {
             ));
         }
         match type_ {
-            sys::YAML_SEQUENCE_START_EVENT | sys::YAML_MAPPING_START_EVENT => {
+            unsafe_libyaml::YAML_SEQUENCE_START_EVENT
+            | unsafe_libyaml::YAML_MAPPING_START_EVENT => {
                 depth += 1;
                 if depth > MAX_NESTING {
                     return Some(format!("nested more than {MAX_NESTING} levels deep {at}"));
                 }
             }
-            sys::YAML_SEQUENCE_END_EVENT | sys::YAML_MAPPING_END_EVENT => depth -= 1,
-            sys::YAML_STREAM_END_EVENT => return None,
+            unsafe_libyaml::YAML_SEQUENCE_END_EVENT | unsafe_libyaml::YAML_MAPPING_END_EVENT => {
+                depth -= 1
+            }
+            unsafe_libyaml::YAML_STREAM_END_EVENT => return None,
             _ => {}
         }
     }
