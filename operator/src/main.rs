@@ -38,7 +38,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Reconcile PerspectiveDeployments (uses KUBECONFIG, or the in-cluster service account).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the CustomResourceDefinition YAML (what crds/ and the Helm chart hold).
     Crd,
 }
@@ -58,6 +58,12 @@ struct RunArgs {
     /// Worker image for deployments whose spec has no `image`.
     #[arg(long, env = "DEFAULT_WORKER_IMAGE", default_value = concat!("perspective-worker:", env!("CARGO_PKG_VERSION")))]
     default_worker_image: String,
+    /// Run only worker images that start with this prefix (repeatable; default: any image). A
+    /// deployment with another image (or the default one) is `Degraded` `InvalidSpec` and gets no
+    /// child. The image runs with the deployment's database Secret: list only images you trust,
+    /// ending prefixes with `:` or `@` or `/` so that `repo` does not also allow `repo-evil`.
+    #[arg(long = "allowed-image-prefix", value_name = "PREFIX")]
+    allowed_image_prefixes: Vec<String>,
     /// How often each deployment's status (lag, dead letters) is refreshed from its database.
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     status_interval_seconds: u64,
@@ -100,7 +106,7 @@ fn main() -> ExitCode {
         Command::Run(args) => {
             init_tracing(args.log_format);
             let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
-            match runtime.block_on(run(args)) {
+            match runtime.block_on(run(*args)) {
                 Ok(code) => code,
                 Err(e) => {
                     error!("{e:#}");
@@ -171,6 +177,7 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             default_worker_image: args.default_worker_image,
             status_interval: Duration::from_secs(args.status_interval_seconds),
             migration_retry_base: Duration::from_secs(args.migration_retry_seconds),
+            allowed_image_prefixes: args.allowed_image_prefixes,
         },
         lag: LagReader::default(),
     });

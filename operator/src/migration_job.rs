@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
-use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec};
+use k8s_openapi::api::core::v1::PodTemplateSpec;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
 use perspective_worker::compile::definition_hash;
@@ -95,7 +95,7 @@ pub enum JobState {
     Running,
     Succeeded,
     /// The Job failed: its condition reason (e.g. `BackoffLimitExceeded`), a message built from
-    /// the condition and the failed pod's termination message, and when it failed.
+    /// the condition and where the output is ([`failure_message`]), and when it failed.
     Failed {
         reason: String,
         message: String,
@@ -103,8 +103,8 @@ pub enum JobState {
     },
 }
 
-/// Reads a Job's state from its conditions; `pods` are its pods, for a termination message.
-pub fn state(job: &Job, pods: &[Pod]) -> JobState {
+/// Reads a Job's state from its conditions.
+pub fn state(job: &Job) -> JobState {
     let conditions = job
         .status
         .as_ref()
@@ -120,126 +120,31 @@ pub fn state(job: &Job, pods: &[Pod]) -> JobState {
     }
     match true_condition("Failed") {
         None => JobState::Running,
-        Some(failed) => {
-            let reason = failed.reason.clone().unwrap_or_else(|| "Failed".to_owned());
-            let mut message = failed.message.clone().unwrap_or_default();
-            if let Some(output) = termination_message(pods) {
-                if !message.is_empty() {
-                    message.push_str(": ");
-                }
-                message.push_str(&failure_detail(&output, OUTPUT_LIMIT));
-                message.push_str(&format!(
-                    " (full output: kubectl logs job/{})",
-                    job.metadata.name.as_deref().unwrap_or_default()
-                ));
-            }
-            JobState::Failed {
-                reason,
-                message,
-                at: failed.last_transition_time.as_ref().map(|t| t.0),
-            }
-        }
+        Some(failed) => JobState::Failed {
+            reason: failed.reason.clone().unwrap_or_else(|| "Failed".to_owned()),
+            message: failure_message(
+                failed.message.as_deref().unwrap_or_default(),
+                job.metadata.name.as_deref().unwrap_or_default(),
+            ),
+            at: failed.last_transition_time.as_ref().map(|t| t.0),
+        },
     }
 }
 
-/// Bytes of a failed pod's output that go into the condition and the Event: the Event's note
-/// (1 kB) must still hold the Job's name and reason around it.
-pub const OUTPUT_LIMIT: usize = 640;
-
-/// The newest failed pod's termination message (its last log lines, with
-/// `FallbackToLogsOnError`).
-fn termination_message(pods: &[Pod]) -> Option<String> {
-    let mut terminated: Vec<_> = pods
-        .iter()
-        .filter_map(|p| p.status.as_ref()?.container_statuses.as_ref()?.first())
-        .filter_map(|cs| cs.state.as_ref()?.terminated.as_ref())
-        .filter(|t| t.exit_code != 0)
-        .collect();
-    terminated.sort_by_key(|t| t.finished_at.as_ref().map(|f| f.0));
-    let message = terminated.last()?.message.as_ref()?.trim();
-    (!message.is_empty()).then(|| message.to_owned())
-}
-
-/// What a failed pod's `output` may show in status and Events: credentials redacted (the
-/// output is raw container output, and status and Events are readable by people who may not
-/// read the Secret: DESIGN §11), then its end — where the error is — within `limit` bytes,
-/// starting at a line when it was cut.
-pub fn failure_detail(output: &str, limit: usize) -> String {
-    let clean = redact_credentials(output.trim());
-    if clean.len() <= limit {
-        return clean;
+/// What status and Events say about failed Job `job_name`: the Job controller's `condition`
+/// message and where the output is — never the output itself. The container runs an image the
+/// deployment's author chose, with the database Secret in its environment; whatever it prints
+/// (its log, its termination message) could be that Secret in any encoding, and status and
+/// Events are read by people who may not read the Secret or the pod's logs (README, "Trust
+/// model"). Who may read the logs reads them there.
+pub fn failure_message(condition: &str, job_name: &str) -> String {
+    let pointer = format!("its output: kubectl logs job/{job_name}");
+    let condition = condition.trim();
+    if condition.is_empty() {
+        pointer
+    } else {
+        format!("{condition}; {pointer}")
     }
-    let mut start = clean.len() - (limit - "…".len());
-    while !clean.is_char_boundary(start) {
-        start += 1;
-    }
-    let tail = &clean[start..];
-    // Start at the next line if there is one, rather than mid-word.
-    let tail = match tail.find('\n') {
-        Some(i) if i + 1 < tail.len() => &tail[i + 1..],
-        _ => tail,
-    };
-    format!("…{tail}")
-}
-
-/// Shown instead of a URL that could carry a password.
-pub const REDACTED_URL: &str = "<redacted URL>";
-
-/// `text` with every URL that carries credentials (`scheme://user:password@…`) or points at
-/// PostgreSQL (`postgres://…`, `postgresql://…`) replaced by [`REDACTED_URL`], and every
-/// libpq `password=…` value replaced by `<redacted>`.
-pub fn redact_credentials(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find("://") {
-        let before = &rest[..at];
-        let scheme_start = before
-            .char_indices()
-            .rev()
-            .take_while(|(_, c)| c.is_ascii_alphanumeric() || "+-.".contains(*c))
-            .last()
-            .map_or(at, |(i, _)| i);
-        let scheme = &before[scheme_start..];
-        let after = &rest[at + 3..];
-        let end = after
-            .find(|c: char| c.is_whitespace() || "\"'<>`".contains(c))
-            .unwrap_or(after.len());
-        // Sentence punctuation after a URL is not part of it.
-        let end = after[..end]
-            .trim_end_matches(['.', ',', ';', ':', ')', ']'])
-            .len();
-        let authority = after[..end].split('/').next().unwrap_or_default();
-        let secret = authority.contains('@') || scheme.to_ascii_lowercase().starts_with("postgres");
-        out.push_str(&rest[..scheme_start]);
-        if secret {
-            out.push_str(REDACTED_URL);
-        } else {
-            out.push_str(&rest[scheme_start..at + 3 + end]);
-        }
-        rest = &after[end..];
-    }
-    out.push_str(rest);
-    redact_password_values(&out)
-}
-
-/// libpq keyword/value connection strings: `password=secret` → `password=<redacted>`.
-fn redact_password_values(text: &str) -> String {
-    let lower = text.to_ascii_lowercase();
-    let mut out = String::with_capacity(text.len());
-    let mut copied = 0;
-    let mut from = 0;
-    while let Some(i) = lower[from..].find("password=") {
-        let value_start = from + i + "password=".len();
-        let value_end = text[value_start..]
-            .find(|c: char| c.is_whitespace())
-            .map_or(text.len(), |e| value_start + e);
-        out.push_str(&text[copied..value_start]);
-        out.push_str("<redacted>");
-        copied = value_end;
-        from = value_end;
-    }
-    out.push_str(&text[copied..]);
-    out
 }
 
 /// Delay before a failed migration target is retried: `base` doubling per failure, at most
@@ -251,51 +156,46 @@ pub fn retry_delay(failures: i32, base: std::time::Duration) -> std::time::Durat
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::api::batch::v1::{JobCondition, JobStatus};
+
     use super::*;
 
-    #[test]
-    fn credentials_in_urls_and_conninfo_are_redacted() {
-        let text = "connecting to postgres://app:s3cret@db:5432/shop failed; \
-                    DATABASE_URL=postgresql://db/shop; see https://example.com/docs and \
-                    'https://user:tok@git.example.com/x' host=db password=hunter2 user=app";
-        let clean = redact_credentials(text);
-        for secret in ["s3cret", "hunter2", "tok@", "postgresql://db"] {
-            assert!(!clean.contains(secret), "{secret} left in {clean}");
+    fn failed_job(name: &str, message: &str) -> Job {
+        Job {
+            metadata: ObjectMeta {
+                name: Some(name.to_owned()),
+                ..ObjectMeta::default()
+            },
+            status: Some(JobStatus {
+                conditions: Some(vec![JobCondition {
+                    type_: "Failed".to_owned(),
+                    status: "True".to_owned(),
+                    reason: Some("BackoffLimitExceeded".to_owned()),
+                    message: Some(message.to_owned()),
+                    ..JobCondition::default()
+                }]),
+                ..JobStatus::default()
+            }),
+            ..Job::default()
         }
-        assert!(
-            clean.contains("connecting to <redacted URL> failed"),
-            "{clean}"
-        );
-        assert!(clean.contains("DATABASE_URL=<redacted URL>;"), "{clean}");
-        assert!(clean.contains("'<redacted URL>'"), "{clean}");
-        assert!(clean.contains("password=<redacted> user=app"), "{clean}");
-        // URLs without credentials are kept: they help.
-        assert!(clean.contains("https://example.com/docs"), "{clean}");
-        assert_eq!(redact_credentials("no urls here"), "no urls here");
     }
 
     #[test]
-    fn the_detail_keeps_the_end_where_the_error_is() {
-        let slow = "WARN slow statement: SELECT … FROM shop.wh_apply_order_totals …\n".repeat(40);
-        let output = format!(
-            "{slow}Error: perspective order_totals: handlers.OrderPlaced: division by zero\n"
+    fn a_failed_job_is_reported_by_its_condition_and_a_pointer_to_its_logs() {
+        let job = failed_job(
+            "shop-migrate-ab12",
+            "Job has reached the specified backoff limit",
         );
-        let detail = failure_detail(&output, OUTPUT_LIMIT);
-        assert!(detail.len() <= OUTPUT_LIMIT, "{}", detail.len());
-        assert!(
-            detail.ends_with("handlers.OrderPlaced: division by zero"),
-            "{detail}"
+        assert_eq!(
+            state(&job),
+            JobState::Failed {
+                reason: "BackoffLimitExceeded".to_owned(),
+                message: "Job has reached the specified backoff limit; \
+                          its output: kubectl logs job/shop-migrate-ab12"
+                    .to_owned(),
+                at: None,
+            }
         );
-        // Cut at a line start, marked.
-        assert!(detail.starts_with("…WARN slow statement"), "{detail}");
-        assert_eq!(failure_detail("  short\n", OUTPUT_LIMIT), "short");
-        // A secret near the end is redacted before the cut, never half-kept.
-        let leaky = format!("{slow}cannot connect to postgres://app:pw@db/shop");
-        let detail = failure_detail(&leaky, OUTPUT_LIMIT);
-        assert!(
-            detail.ends_with("cannot connect to <redacted URL>"),
-            "{detail}"
-        );
-        assert!(!detail.contains("pw@"));
+        assert_eq!(failure_message(" ", "j"), "its output: kubectl logs job/j");
     }
 }

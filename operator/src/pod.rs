@@ -71,9 +71,9 @@ pub fn container(
             read_only: Some(true),
             ..VolumeMount::default()
         }]),
-        // A failed migration's last log lines become the pod's termination message, which the
-        // operator copies into the CR's status.
-        termination_message_policy: Some("FallbackToLogsOnError".to_owned()),
+        // Only what the container writes to its termination-log file, never its log lines: the
+        // pod status is readable by more people than the log (README, "Trust model").
+        termination_message_policy: Some("File".to_owned()),
         security_context: Some(SecurityContext {
             allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),

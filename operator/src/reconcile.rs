@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Pod, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PropagationPolicy};
@@ -45,6 +45,8 @@ pub struct Options {
     pub status_interval: Duration,
     /// Delay before a failed migration Job runs again, doubled per failure (20 × at most).
     pub migration_retry_base: Duration,
+    /// Worker images must start with one of these (`--allowed-image-prefix`); empty: any image.
+    pub allowed_image_prefixes: Vec<String>,
 }
 
 /// Shared state of all reconciles.
@@ -169,15 +171,20 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
     let config_map_name = labels::config_map_name(&name, &config_hash);
 
     // 1. Validate: the spec, then the Secret it points at.
-    let problems = validate::problems(&name, spec);
+    let mut problems = validate::problems(&name, spec);
+    problems.extend(validate::image_problem(
+        &image,
+        spec.image.is_none(),
+        &ctx.options.allowed_image_prefixes,
+    ));
     let (database_url, secret_problem) = read_database_url(&client, &namespace, pd).await?;
 
     let jobs: Api<Job> = Api::namespaced(client.clone(), &namespace);
     let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), &namespace);
-    let mut job_state = match jobs.get_opt(&target.job_name).await? {
-        Some(job) => Some(job_state(&client, &namespace, &job).await?),
-        None => None,
-    };
+    let mut job_state = jobs
+        .get_opt(&target.job_name)
+        .await?
+        .map(|job| migration_job::state(&job));
     let mut statefulset = statefulsets.get_opt(&labels::workers_name(&name)).await?;
 
     // Failures of the current Job: counted once each, retried after a growing delay.
@@ -467,19 +474,6 @@ async fn read_database_url(
             )),
         )),
     }
-}
-
-/// A Job's state; for a failed Job, with its pods' termination message.
-async fn job_state(client: &Client, namespace: &str, job: &Job) -> Result<JobState, Error> {
-    let state = migration_job::state(job, &[]);
-    if !matches!(state, JobState::Failed { .. }) {
-        return Ok(state);
-    }
-    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
-    let list = pods
-        .list(&ListParams::default().labels(&format!("job-name={}", job.name_any())))
-        .await?;
-    Ok(migration_job::state(job, &list.items))
 }
 
 /// Server-side apply of `object` with the operator's field manager, owned by the deployment.

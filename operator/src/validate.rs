@@ -56,3 +56,67 @@ pub fn problems(name: &str, spec: &PerspectiveDeploymentSpec) -> Vec<String> {
     }
     out
 }
+
+/// The problem with running worker image `image` when the operator runs only images that start
+/// with one of `allowed` (`--allowed-image-prefix`); none when `allowed` is empty. `defaulted`:
+/// the spec names no image, so `image` is the operator's default.
+pub fn image_problem(image: &str, defaulted: bool, allowed: &[String]) -> Option<String> {
+    if allowed.is_empty() || allowed.iter().any(|p| image.starts_with(p.as_str())) {
+        return None;
+    }
+    let allowed: Vec<String> = allowed.iter().map(|p| format!("{p:?}")).collect();
+    Some(format!(
+        "spec.image: {image:?}{} is not allowed: this operator runs only images starting with {} \
+         (--allowed-image-prefix)",
+        if defaulted {
+            " (the operator's default)"
+        } else {
+            ""
+        },
+        allowed.join(", ")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_images_with_an_allowed_prefix_run_when_prefixes_are_set() {
+        let allowed = vec![
+            "registry.example/perspective-worker:".to_owned(),
+            "registry.example/team/".to_owned(),
+        ];
+        assert_eq!(image_problem("anything:1", false, &[]), None);
+        assert_eq!(
+            image_problem("registry.example/perspective-worker:1.2", false, &allowed),
+            None
+        );
+        assert_eq!(
+            image_problem("registry.example/team/worker@sha256:ab", false, &allowed),
+            None
+        );
+        let refused = image_problem("evil.example/perspective-worker:1", false, &allowed).unwrap();
+        assert!(
+            refused.starts_with(
+                "spec.image: \"evil.example/perspective-worker:1\" is not allowed: this operator \
+                 runs only images starting with \"registry.example/perspective-worker:\", \
+                 \"registry.example/team/\""
+            ),
+            "{refused}"
+        );
+        // A prefix is matched as written: `registry.example/perspective-worker` (no colon)
+        // would also allow `registry.example/perspective-worker-evil`.
+        assert!(image_problem(
+            "registry.example/perspective-worker-evil:1",
+            false,
+            &allowed
+        )
+        .is_some());
+        let defaulted = image_problem("perspective-worker:0.1.0", true, &allowed).unwrap();
+        assert!(
+            defaulted.contains("(the operator's default)"),
+            "{defaulted}"
+        );
+    }
+}

@@ -35,10 +35,6 @@ use support::{repo_root, tool};
 const CHART_NAME: &str = "perspective-operator";
 const CRD_NAME: &str = "perspectivedeployments.perspectives.dev";
 
-const READ: &[&str] = &["get", "list", "watch"];
-const READ_WRITE: &[&str] = &[
-    "get", "list", "watch", "create", "patch", "update", "delete",
-];
 /// Every verb checked on each resource the operator may touch: whatever is not granted must be
 /// denied.
 const ALL_VERBS: &[&str] = &[
@@ -52,41 +48,47 @@ const ALL_VERBS: &[&str] = &[
     "deletecollection",
 ];
 
-/// (API group, resource[/subresource], verbs): exactly what the operator needs in every watched
-/// namespace.
+/// (API group, resource[/subresource], verbs): exactly the calls the operator makes in every
+/// watched namespace (server-side apply is `patch`, and `create` too when it creates the
+/// object), and nothing more.
 const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
     (
         "perspectives.dev",
         "perspectivedeployments",
-        &["get", "list", "watch", "patch", "update"],
+        &["list", "watch"],
     ),
     (
         "perspectives.dev",
         "perspectivedeployments/status",
-        &["get", "patch", "update"],
+        &["patch"],
     ),
     (
         "perspectives.dev",
         "perspectivedeployments/finalizers",
         &["update"],
     ),
-    ("", "configmaps", READ_WRITE),
-    ("", "services", READ_WRITE),
-    ("", "secrets", READ),
-    ("", "pods", READ),
-    ("", "events", &["create", "patch"]),
+    ("", "configmaps", &["list", "create", "patch", "delete"]),
+    ("", "services", &["create", "patch"]),
+    ("", "secrets", &["get"]),
+    ("", "pods", &[]),
+    ("", "events", &[]),
     ("events.k8s.io", "events", &["create", "patch"]),
-    ("apps", "statefulsets", READ_WRITE),
-    ("batch", "jobs", READ_WRITE),
-    ("policy", "poddisruptionbudgets", READ_WRITE),
+    (
+        "apps",
+        "statefulsets",
+        &["get", "list", "watch", "create", "patch"],
+    ),
+    (
+        "batch",
+        "jobs",
+        &["get", "list", "watch", "create", "patch", "delete"],
+    ),
+    ("policy", "poddisruptionbudgets", &["create", "patch"]),
 ];
 
 /// Leader election, in the release namespace only.
-const LEASE_RULES: &[(&str, &str, &[&str])] = &[(
-    "coordination.k8s.io",
-    "leases",
-    &["get", "list", "watch", "create", "update", "patch"],
-)];
+const LEASE_RULES: &[(&str, &str, &[&str])] =
+    &[("coordination.k8s.io", "leases", &["get", "create", "patch"])];
 
 /// Cluster-scoped things the operator must never be able to do.
 const CLUSTER_DENIED: &[(&str, &str, &str)] = &[
@@ -471,6 +473,8 @@ fn renders_options() {
             "replicaCount=1,leaderElection.enabled=false,logFormat=text",
             "--set",
             "image.repository=registry.example/op,image.tag=1.2.3,workerImage=registry.example/w:9",
+            "--set",
+            "allowedImagePrefixes={registry.example/w:,registry.example/team/}",
             // Large integers must not come out as 1e+06.
             "--set",
             "statusIntervalSeconds=1000000",
@@ -515,6 +519,8 @@ fn renders_options() {
         [
             "--http-addr=0.0.0.0:8080",
             "--default-worker-image=registry.example/w:9",
+            "--allowed-image-prefix=registry.example/w:",
+            "--allowed-image-prefix=registry.example/team/",
             "--status-interval-seconds=1000000",
             "--log-format=text",
         ]
@@ -630,6 +636,48 @@ fn rule<'a>(docs: &'a [Value], alert: &str) -> &'a Value {
         .flat_map(|g| at(g, "rules").as_sequence().unwrap())
         .find(|r| str_at(r, "alert") == alert)
         .unwrap_or_else(|| panic!("no alert {alert}"))
+}
+
+/// Issue 12: the optional NetworkPolicy admits only the operator pods' HTTP port, from the
+/// configured peers; off by default.
+#[test]
+fn renders_the_network_policy_only_when_enabled() {
+    assert!(!kinds(&render("ops", &[])).contains("NetworkPolicy"));
+    let docs = render(
+        "ops",
+        &[
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set-json",
+            r#"networkPolicy.from=[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#,
+        ],
+    );
+    let name = "rel-perspective-operator";
+    let policy = object(&docs, "NetworkPolicy", name);
+    assert_eq!(str_at(policy, "metadata.namespace"), "ops");
+    let deployment = object(&docs, "Deployment", name);
+    assert_eq!(
+        at(policy, "spec.podSelector.matchLabels"),
+        at(deployment, "spec.selector.matchLabels")
+    );
+    assert_eq!(strings(at(policy, "spec.policyTypes")), ["Ingress"]);
+    let rules = at(policy, "spec.ingress").as_sequence().unwrap();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(str_at(&rules[0], "ports.0.port"), "http");
+    assert_eq!(
+        str_at(operator_container(deployment), "ports.0.name"),
+        "http"
+    );
+    assert_eq!(
+        at(&rules[0], "from.0.namespaceSelector.matchLabels").get("kubernetes.io/metadata.name"),
+        Some(&Value::from("monitoring"))
+    );
+    // Without peers: the port from anywhere.
+    let open = render("ops", &["--set", "networkPolicy.enabled=true"]);
+    let rule = &at(object(&open, "NetworkPolicy", name), "spec.ingress")
+        .as_sequence()
+        .unwrap()[0];
+    assert!(rule.get("from").is_none(), "{}", to_yaml(rule));
 }
 
 #[test]

@@ -177,6 +177,11 @@ struct World {
 
 impl World {
     async fn new(prefix: &str, operators: &[(&str, &[&str])]) -> World {
+        Self::with_worker(prefix, operators, worker_binary()).await
+    }
+
+    /// A world whose pods run `worker` as `perspective-worker` (what the image holds).
+    async fn with_worker(prefix: &str, operators: &[(&str, &[&str])], worker: PathBuf) -> World {
         let env = e2e().await;
         install_crd();
         let ns = fresh_namespace(&env.client, &format!("{prefix}-"))
@@ -200,7 +205,7 @@ impl World {
         let runner = PodRunner::start(
             env.client.clone(),
             &ns,
-            HashMap::from([("perspective-worker".to_owned(), worker_binary())]),
+            HashMap::from([("perspective-worker".to_owned(), worker)]),
             vec![
                 // Every "pod" shares loopback: each worker picks its own free port.
                 ("PERSPECTIVE_HTTP_ADDR".to_owned(), "127.0.0.1:0".to_owned()),
@@ -773,9 +778,10 @@ async fn failed_migration_keeps_the_running_workers() {
         .wait_condition("shop", "Degraded", "True", Some("MigrationFailed"))
         .await;
     let message = condition(&degraded, "Degraded").message;
+    let job = degraded.status.clone().unwrap().migration_job.unwrap();
     assert!(
-        message.contains("no_such_type"),
-        "the Job's error reaches the status: {message}"
+        message.contains(&format!("kubectl logs job/{job}")),
+        "the status says where the Job's output is: {message}"
     );
     assert_eq!(condition(&pd, "Ready").status, "False");
     let sts = w.statefulset("shop").await.unwrap();
@@ -1254,6 +1260,15 @@ async fn operator_works_with_the_charts_rbac() {
         5,
     )
     .await;
+    // A new spec: a new Job and ConfigMap; the superseded ones are deleted with these grants.
+    let first_job = w.pd("shop").await.status.unwrap().migration_job.unwrap();
+    w.apply(&pd_yaml("shop", &w.schema, 2, "v2", ""));
+    poll("the superseded Job deleted", LONG, || async {
+        let jobs: Vec<String> = w.jobs().await.iter().map(|j| j.name_any()).collect();
+        Ok((jobs.len() == 1 && jobs[0] != first_job).then_some(()))
+    })
+    .await
+    .unwrap();
     let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
     let holder = leases
         .get("po")
@@ -1764,4 +1779,127 @@ async fn watch_catch_up(
     });
     eprintln!("[e2e] Progressing seen: {progressing:#?}\n[e2e] Phases seen: {phases:?}");
     (readiness, progressing, phases, done)
+}
+
+/// A worker "image" that prints the database URL from its Secret in shapes no redactor knows
+/// (hex, base64, reversed) and fails, as a hostile image could.
+fn hostile_worker(dir: &std::path::Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("hostile-worker.sh");
+    std::fs::write(
+        &path,
+        "#!/bin/sh\n\
+         echo \"hex: $(printf %s \"$DATABASE_URL\" | od -An -tx1 | tr -d ' \\n')\"\n\
+         echo \"base64: $(printf %s \"$DATABASE_URL\" | base64 -w0)\"\n\
+         echo \"reversed: $(printf %s \"$DATABASE_URL\" | rev)\"\n\
+         exit 1\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+/// Issue 12: the author of a deployment chooses its image, and the image runs with the
+/// database Secret. What its container prints never reaches status or Events (people who may
+/// not read the Secret read those): a failed migration is its reason and a pointer to
+/// `kubectl logs`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_migrations_output_never_reaches_status_or_events() {
+    let dir = e2e().await.dir.join("hostile-bin");
+    let w = World::with_worker("hostile", &[("op", &[])], hostile_worker(&dir)).await;
+    w.apply(&pd_yaml(
+        "shop",
+        &w.schema,
+        1,
+        "v1",
+        "  migrations:\n    backoffLimit: 0\n",
+    ));
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("MigrationFailed"))
+        .await;
+    let job = pd.status.clone().unwrap().migration_job.unwrap();
+    let message = condition(&pd, "Degraded").message;
+    assert!(
+        message.contains(&format!("kubectl logs job/{job}")),
+        "{message}"
+    );
+    let url = database_url();
+    let shapes = [
+        url.clone(),
+        hex::encode(&url),
+        serde_json::to_string(&k8s_openapi::ByteString(url.clone().into_bytes()))
+            .unwrap()
+            .trim_matches('"')
+            .to_owned(),
+        url.chars().rev().collect(),
+    ];
+    // The output was there to be copied: the failed pod's termination message holds it (the pod
+    // runner copies the output's end there, as `FallbackToLogsOnError` would).
+    let pods = kubectl_ok(&["-n", &w.ns, "get", "pods", "-o", "json"], None);
+    assert!(
+        pods.contains(&shapes[1]),
+        "the hostile output reached the pod"
+    );
+    let events = poll("the MigrationFailed Event", LONG, || async {
+        let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
+        Ok(events.contains("MigrationFailed").then_some(events))
+    })
+    .await
+    .unwrap();
+    let published = format!(
+        "{}{events}",
+        kubectl_ok(&["-n", &w.ns, "get", "pd", "shop", "-o", "json"], None)
+    );
+    for shape in &shapes {
+        assert!(
+            !published.contains(shape.as_str()),
+            "the Secret's value ({shape}) reached status or Events:\n{published}"
+        );
+    }
+    w.shutdown().await;
+}
+
+/// Issue 12: `--allowed-image-prefix` runs only the listed images. Another image (here the
+/// operator's default) is `Degraded` `InvalidSpec` naming it, with no child created; an allowed
+/// image runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_allowed_images_run() {
+    let w = World::new(
+        "images",
+        &[(
+            "op",
+            &["--allowed-image-prefix=registry.example/perspective-worker:"],
+        )],
+    )
+    .await;
+    w.apply(&pd_yaml("shop", &w.schema, 1, "v1", ""));
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("InvalidSpec"))
+        .await;
+    let message = condition(&pd, "Degraded").message;
+    assert!(
+        message.contains(
+            "spec.image: \"perspective-worker:e2e\" (the operator's default) is not allowed"
+        ) && message.contains("\"registry.example/perspective-worker:\""),
+        "{message}"
+    );
+    assert!(w.jobs().await.is_empty(), "no migration Job");
+    assert!(w.statefulset("shop").await.is_none(), "no StatefulSet");
+    let config_maps = Api::<ConfigMap>::namespaced(w.client.clone(), &w.ns)
+        .list(&ListParams::default().labels("app.kubernetes.io/managed-by=perspective-operator"))
+        .await
+        .unwrap();
+    assert!(config_maps.items.is_empty(), "no ConfigMap");
+
+    w.apply(&pd_yaml(
+        "shop",
+        &w.schema,
+        1,
+        "v1",
+        "  image: registry.example/perspective-worker:1.0\n",
+    ));
+    w.wait_condition("shop", "Ready", "True", None).await;
+    w.wait_condition("shop", "Degraded", "False", None).await;
+    w.shutdown().await;
 }

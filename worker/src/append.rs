@@ -14,6 +14,8 @@ use sqlx::postgres::PgConnection;
 use sqlx::Connection;
 use uuid::Uuid;
 
+use crate::config::MAX_EVENT_TYPE_LEN;
+
 /// Rows per INSERT statement.
 const CHUNK: usize = 1000;
 
@@ -102,6 +104,14 @@ pub fn parse_lines(reader: impl BufRead, source_name: &str) -> Result<Vec<NewEve
 fn check(ev: &NewEvent) -> Result<(), String> {
     if ev.event_type.trim().is_empty() {
         return Err("event_type must not be empty".into());
+    }
+    // No handler can be declared for a longer type (config), so such an event would never
+    // reach any perspective.
+    let len = ev.event_type.chars().count();
+    if len > MAX_EVENT_TYPE_LEN {
+        return Err(format!(
+            "event_type is {len} characters long; at most {MAX_EVENT_TYPE_LEN} are allowed"
+        ));
     }
     if ev.event_data.is_null() {
         return Err("event_data must not be null (omit it for {})".into());
@@ -198,5 +208,27 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("line 7: missing field `stream_id`"), "{text}");
+    }
+
+    #[test]
+    fn refuses_event_types_no_handler_can_subscribe_to() {
+        let line = |event_type: &str| {
+            format!(
+                r#"{{"stream_id":"0190f5c2-0000-7000-8000-000000000001","event_type":"{event_type}"}}"#
+            )
+        };
+        let longest = "A".repeat(MAX_EVENT_TYPE_LEN);
+        assert!(parse_lines(line(&longest).as_bytes(), "stdin").is_ok());
+        let err = parse_lines(line(&format!("{longest}B")).as_bytes(), "stdin").unwrap_err();
+        assert_eq!(
+            err.problems,
+            vec![(
+                1,
+                format!(
+                    "event_type is {} characters long; at most {MAX_EVENT_TYPE_LEN} are allowed",
+                    MAX_EVENT_TYPE_LEN + 1
+                )
+            )]
+        );
     }
 }

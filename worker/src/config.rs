@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::sql_params::{self, ParsedStatement};
 
+pub mod yaml_limits;
+
 /// Longest allowed schema name. NOTIFY channels are named `<schema>_work`, `<schema>_applied`
 /// and so on, and PostgreSQL truncates identifiers beyond 63 bytes, so the schema leaves room.
 pub const MAX_SCHEMA_LEN: usize = 40;
@@ -28,6 +30,111 @@ pub const MAX_EVENT_TYPE_LEN: usize = 200;
 pub const SCHEMA_PATTERN: &str = "^[a-z_][a-z0-9_]{0,39}$";
 const PERSPECTIVE_NAME_PATTERN: &str = "^[a-z_][a-z0-9_]{0,62}$";
 const RESERVED_SCHEMAS: [&str; 3] = ["public", "pg_catalog", "information_schema"];
+/// PostgreSQL's reserved keywords (`pg_get_keywords()` categories R and T, PostgreSQL 15–18):
+/// not usable as a schema name unless quoted, and the generated SQL does not quote it.
+const RESERVED_KEYWORDS: &[&str] = &[
+    "all",
+    "analyse",
+    "analyze",
+    "and",
+    "any",
+    "array",
+    "as",
+    "asc",
+    "asymmetric",
+    "authorization",
+    "binary",
+    "both",
+    "case",
+    "cast",
+    "check",
+    "collate",
+    "collation",
+    "column",
+    "concurrently",
+    "constraint",
+    "create",
+    "cross",
+    "current_catalog",
+    "current_date",
+    "current_role",
+    "current_schema",
+    "current_time",
+    "current_timestamp",
+    "current_user",
+    "default",
+    "deferrable",
+    "desc",
+    "distinct",
+    "do",
+    "else",
+    "end",
+    "except",
+    "false",
+    "fetch",
+    "for",
+    "foreign",
+    "freeze",
+    "from",
+    "full",
+    "grant",
+    "group",
+    "having",
+    "ilike",
+    "in",
+    "initially",
+    "inner",
+    "intersect",
+    "into",
+    "is",
+    "isnull",
+    "join",
+    "lateral",
+    "leading",
+    "left",
+    "like",
+    "limit",
+    "localtime",
+    "localtimestamp",
+    "natural",
+    "not",
+    "notnull",
+    "null",
+    "offset",
+    "on",
+    "only",
+    "or",
+    "order",
+    "outer",
+    "overlaps",
+    "placing",
+    "primary",
+    "references",
+    "returning",
+    "right",
+    "select",
+    "session_user",
+    "similar",
+    "some",
+    "symmetric",
+    "system_user",
+    "table",
+    "tablesample",
+    "then",
+    "to",
+    "trailing",
+    "true",
+    "union",
+    "unique",
+    "user",
+    "using",
+    "variadic",
+    "verbose",
+    "when",
+    "where",
+    "window",
+    "with",
+];
 
 /// Statements that would end or split the worker's apply transaction.
 const TRANSACTION_CONTROL: [&str; 8] = [
@@ -367,6 +474,9 @@ impl Config {
             source: source.to_owned(),
             problems,
         };
+        if let Some(refusal) = yaml_limits::refusal(text) {
+            return Err(error(vec![Problem::new("", refusal)]));
+        }
         let config: Config = serde_path_to_error::deserialize(serde_yaml::Deserializer::from_str(
             text,
         ))
@@ -390,10 +500,19 @@ impl Config {
     /// Reads, parses and validates a YAML config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let source = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        let refused = |message| ConfigError {
             source: source.clone(),
-            problems: vec![Problem::new("", format!("cannot read file: {e}"))],
-        })?;
+            problems: vec![Problem::new("", message)],
+        };
+        // Not read at all when too large (it could be a device that never ends).
+        let size = std::fs::metadata(path)
+            .map_err(|e| refused(format!("cannot read file: {e}")))?
+            .len();
+        if size > yaml_limits::MAX_CONFIG_BYTES as u64 {
+            return Err(refused(yaml_limits::too_large(size)));
+        }
+        let text =
+            std::fs::read_to_string(path).map_err(|e| refused(format!("cannot read file: {e}")))?;
         Config::from_yaml_str(&text, &source)
     }
 
@@ -735,6 +854,12 @@ fn check_schema_name(schema: &str) -> Result<(), String> {
             message
         }
     })?;
+    if RESERVED_KEYWORDS.contains(&schema) {
+        return Err(format!(
+            "invalid schema name `{schema}`: it is a reserved SQL keyword in PostgreSQL; \
+             choose another name (e.g. `{schema}_events`)"
+        ));
+    }
     if RESERVED_SCHEMAS.contains(&schema) {
         return Err(format!(
             "schema `{schema}` is reserved; give each deployment a schema of its own"
@@ -1077,6 +1202,16 @@ perspectives:
                 MINIMAL.replace("schema: shop", "schema: pg_shop"),
                 "schema",
                 "pg_ are reserved",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: select"),
+                "schema",
+                "invalid schema name `select`: it is a reserved SQL keyword in PostgreSQL",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: user"),
+                "schema",
+                "`user`: it is a reserved SQL keyword",
             ),
             (
                 MINIMAL.replace("schema: shop", &format!("schema: {}", "s".repeat(41))),
@@ -1470,6 +1605,36 @@ worker:
 
         let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/shop.yaml");
         assert_eq!(Config::load(&example).unwrap().schema, "shop");
+    }
+
+    #[test]
+    fn hostile_yaml_is_refused_before_it_is_expanded() {
+        let aliased = format!("{MINIMAL}worker: &w {{}}\nclaimWorker: *w\n");
+        let error = Config::from_yaml_str(&aliased, "shop.yaml").unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "shop.yaml: YAML anchors (`&name`) are not accepted; write the value out at line 6, \
+             column 9"
+        );
+        let nested = format!("{MINIMAL}x: {}", "[".repeat(100_000));
+        let error = Config::from_yaml_str(&nested, "shop.yaml").unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .starts_with("shop.yaml: more than 64 unclosed"),
+            "{error}"
+        );
+
+        let big = std::env::temp_dir().join(format!("perspective-big-{}.yaml", std::process::id()));
+        std::fs::write(&big, " ".repeat(yaml_limits::MAX_CONFIG_BYTES + 1)).unwrap();
+        let error = Config::load(&big).unwrap_err();
+        std::fs::remove_file(&big).unwrap();
+        assert!(
+            error
+                .to_string()
+                .ends_with(": the config is 1048577 bytes; at most 1048576 (1 MiB) are read"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -14,17 +14,27 @@
 //!
 //! The server binds before returning, so `127.0.0.1:0` yields a free port that the caller
 //! learns (and logs), and it drains in-flight requests when the cancellation token fires.
+//!
+//! Slow clients cannot starve the probes ([`Limits`]): a connection has a few seconds to send
+//! each request's headers, and at most a fixed number are open at once — a new connection
+//! beyond that closes the oldest one, so a flood of idle or trickling connections (slow-loris)
+//! cannot keep the kubelet's `/livez` out and get the pod restarted.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::metrics::WorkerMetrics;
 
@@ -156,6 +166,26 @@ async fn metrics_handler(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
+/// What one client may hold of the server.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Time to send a request's headers, from the connection's start or its previous response
+    /// (so also how long an idle keep-alive connection stays open).
+    pub header_read_timeout: Duration,
+    /// Connections open at once; one more closes the oldest.
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    /// 5 s for the headers (probes and scrapers send theirs at once), 128 connections.
+    fn default() -> Self {
+        Limits {
+            header_read_timeout: Duration::from_secs(5),
+            max_connections: 128,
+        }
+    }
+}
+
 /// Binds `addr` and serves the endpoints until `shutdown` is cancelled, then finishes the
 /// requests in flight and returns. Returns the bound address (the real port when `addr` asked
 /// for port 0) and the server task.
@@ -164,6 +194,17 @@ pub async fn serve<M: MetricsSource + 'static>(
     readiness: Readiness,
     metrics: Arc<M>,
     shutdown: CancellationToken,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), std::io::Error> {
+    serve_with(addr, readiness, metrics, shutdown, Limits::default()).await
+}
+
+/// [`serve`] with `limits`.
+pub async fn serve_with<M: MetricsSource + 'static>(
+    addr: SocketAddr,
+    readiness: Readiness,
+    metrics: Arc<M>,
+    shutdown: CancellationToken,
+    limits: Limits,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), std::io::Error> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
         std::io::Error::new(
@@ -175,15 +216,77 @@ pub async fn serve<M: MetricsSource + 'static>(
     tracing::info!("HTTP endpoints on http://{local} (/livez, /readyz, /metrics)");
     let app = router(readiness, metrics);
     let task = tokio::spawn(async move {
-        let result = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
-        match result {
-            Ok(()) => tracing::debug!("HTTP endpoints on {local} stopped"),
-            Err(e) => tracing::error!("HTTP server on {local} failed: {e}"),
+        let connections = TaskTracker::new();
+        let open = OpenConnections::default();
+        loop {
+            let stream = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of file descriptors and the like: wait rather than spin.
+                        tracing::warn!("HTTP endpoints on {local}: accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+            };
+            let (id, evicted) = open.admit(limits.max_connections);
+            let (open, shutdown, app) = (open.clone(), shutdown.clone(), app.clone());
+            connections.spawn(async move {
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(limits.header_read_timeout)
+                    .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+                tokio::pin!(connection);
+                tokio::select! {
+                    // Closed by the client, or timed out reading headers: either way done.
+                    _ = connection.as_mut() => {}
+                    // Dropping the connection closes it.
+                    _ = evicted.cancelled() => {}
+                    _ = shutdown.cancelled() => {
+                        connection.as_mut().graceful_shutdown();
+                        let _ = connection.await;
+                    }
+                }
+                open.remove(id);
+            });
         }
+        connections.close();
+        connections.wait().await;
+        tracing::debug!("HTTP endpoints on {local} stopped");
     });
     Ok((local, task))
+}
+
+/// The open connections, oldest first, each with the token that closes it.
+#[derive(Clone, Default)]
+struct OpenConnections {
+    inner: Arc<Mutex<(u64, BTreeMap<u64, CancellationToken>)>>,
+}
+
+impl OpenConnections {
+    /// Registers a new connection, closing the oldest ones beyond `max` - 1; returns its id and
+    /// the token that closes it.
+    fn admit(&self, max: usize) -> (u64, CancellationToken) {
+        let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let (next, open) = &mut *guard;
+        while open.len() >= max.max(1) {
+            if let Some((_, oldest)) = open.pop_first() {
+                oldest.cancel();
+            }
+        }
+        let id = *next;
+        *next += 1;
+        let token = CancellationToken::new();
+        open.insert(id, token.clone());
+        (id, token)
+    }
+
+    fn remove(&self, id: u64) {
+        let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        guard.1.remove(&id);
+    }
 }
 
 #[cfg(test)]
@@ -340,6 +443,63 @@ mod tests {
         .await
         .expect_err("port already taken");
         assert!(err.to_string().contains(&addr.to_string()), "{err}");
+        token.cancel();
+    }
+
+    /// Reads until the server closes the connection (EOF or reset); false on `within` expiring.
+    async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+        let mut buf = [0u8; 256];
+        tokio::time::timeout(within, async {
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    /// Issue 12: slow-loris. Connections that never finish their headers are closed after the
+    /// header timeout, more than the cap close the oldest, and `/livez` answers at once all along.
+    #[tokio::test]
+    async fn slow_clients_cannot_starve_livez() {
+        let token = CancellationToken::new();
+        let limits = Limits {
+            header_read_timeout: Duration::from_secs(2),
+            max_connections: 16,
+        };
+        let (addr, _task) = serve_with(
+            "127.0.0.1:0".parse().unwrap(),
+            Readiness::default(),
+            Arc::new(WorkerMetrics::new()),
+            token.clone(),
+            limits,
+        )
+        .await
+        .unwrap();
+        // Three times the cap of clients that send half a request and then nothing.
+        let mut slow = Vec::new();
+        for _ in 0..3 * limits.max_connections {
+            let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+            stream
+                .write_all(b"GET /livez HTTP/1.1\r\nHost: x\r\n")
+                .await
+                .unwrap();
+            slow.push(stream);
+        }
+        // The probe still gets in, at once.
+        let reply = tokio::time::timeout(Duration::from_secs(1), get(addr, "/livez"))
+            .await
+            .expect("/livez answers within a second")
+            .unwrap();
+        assert_eq!(reply.status, 200);
+        // The oldest slow clients were closed to make room.
+        assert!(closed_within(&mut slow[0], Duration::from_secs(1)).await);
+        // The newest is closed by the header timeout.
+        let newest = slow.last_mut().unwrap();
+        assert!(closed_within(newest, limits.header_read_timeout * 3).await);
         token.cancel();
     }
 

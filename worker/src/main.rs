@@ -23,8 +23,10 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(cli::dispatch(args)) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader closed standard output: it wants nothing more.
+        Err(e) if e.downcast_ref::<cli::StdoutClosed>().is_some() => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", cli::error_text(&e));
             if e.downcast_ref::<cli::InvalidInput>().is_some() {
                 ExitCode::from(2)
             } else {

@@ -222,3 +222,90 @@ fn missing_config_or_database_is_invalid_input() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out).contains("no database"), "{}", text(&out));
 }
+
+/// Issue 12: a reader that closes the pipe (`status --json | head -0`) ends the command
+/// quietly, not with a panic.
+#[tokio::test]
+async fn a_closed_stdout_is_not_a_panic() {
+    let (schema, _) = migrated_schema("clipipe").await;
+    let config = config_file(&schema);
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&config)
+        .args(["status", "--json"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
+
+/// Issue 12: a URL that is not a PostgreSQL URL is refused as invalid input, without echoing it
+/// (it may hold a password).
+#[test]
+fn a_database_url_that_is_not_postgres_is_refused() {
+    let path = config_file("t_badurl");
+    for (url, says) in [
+        (
+            "mysql://app:s3cret@db/shop",
+            "is a mysql:// URL; it must be a PostgreSQL URL",
+        ),
+        (
+            "host=db password=s3cret",
+            "is not a URL; it must be a PostgreSQL URL",
+        ),
+    ] {
+        let out = worker_bin()
+            .env("DATABASE_URL", url)
+            .arg("--config")
+            .arg(&path)
+            .arg("status")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(text(&out).contains(says), "{}", text(&out));
+        assert!(!text(&out).contains("s3cret"), "{}", text(&out));
+    }
+}
+
+/// Issue 12: an error names its cause once ("X: X" was sqlx's I/O error printed by itself and
+/// again as its source).
+#[test]
+fn an_error_names_its_cause_once() {
+    // Port 1 on loopback: nothing listens, the connection is refused.
+    let path = config_file("t_refused");
+    let out = worker_bin()
+        .env("DATABASE_URL", "postgres://app@127.0.0.1:1/shop")
+        .arg("--config")
+        .arg(&path)
+        .arg("status")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stderr.lines().find(|l| l.starts_with("error: ")).unwrap();
+    assert!(line.contains("Connection refused"), "{line}");
+    assert_eq!(line.matches("Connection refused").count(), 1, "{line}");
+}
+
+/// Issue 12: `append` refuses an event type no handler could subscribe to (longer than the
+/// config allows), writing nothing.
+#[test]
+fn append_refuses_event_types_longer_than_the_config_allows() {
+    let path = config_file("t_longtype");
+    let long = "E".repeat(perspective_worker::config::MAX_EVENT_TYPE_LEN + 1);
+    let line = format!(
+        "{{\"stream_id\":\"0190f5c2-0000-7000-8000-000000000001\",\"event_type\":\"{long}\"}}\n"
+    );
+    let out = run_with_stdin(&["append"], &path, &line);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("line 1: event_type is 201 characters long; at most 200 are allowed"),
+        "{}",
+        text(&out)
+    );
+}

@@ -8,6 +8,7 @@ use perspective_worker::append::{self, NewEvent};
 use perspective_worker::db;
 
 use super::context::{Context, InvalidInput};
+use super::out::outln;
 
 #[derive(clap::Args, Debug)]
 pub struct AppendArgs {
@@ -43,12 +44,12 @@ pub async fn execute(ctx: &Context, args: &AppendArgs) -> anyhow::Result<()> {
             db::describe_error(&e, None)
         )
     })?;
-    println!(
+    outln!(
         "appended {} event(s) to {} stream(s) in schema {schema} in {:.2}s",
         report.events,
         report.streams,
         started.elapsed().as_secs_f64()
-    );
+    )?;
     Ok(())
 }
 

@@ -34,6 +34,9 @@ impl Context {
         let path = config.ok_or_else(|| {
             InvalidInput::error("no config: pass --config FILE or set PERSPECTIVE_CONFIG")
         })?;
+        if let Some(url) = &database_url {
+            check_database_url(url)?;
+        }
         Ok(Context {
             config: Config::load(path).map_err(|e| InvalidInput::error(e.to_string()))?,
             config_source: path.display().to_string(),
@@ -64,6 +67,25 @@ impl Context {
             .iter()
             .map(|p| p.name.clone())
             .collect()
+    }
+}
+
+/// A database URL must be a PostgreSQL URL; what else it is is not printed (it may hold a
+/// password).
+fn check_database_url(url: &str) -> anyhow::Result<()> {
+    let scheme = url.split_once("://").map(|(scheme, _)| scheme);
+    match scheme {
+        Some("postgres" | "postgresql") => Ok(()),
+        Some(other) if !other.is_empty() && other.chars().all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) => {
+            Err(InvalidInput::error(format!(
+                "DATABASE_URL (or --database-url) is a {other}:// URL; it must be a PostgreSQL URL, \
+                 postgres://USER:PASSWORD@HOST:PORT/DATABASE"
+            )))
+        }
+        _ => Err(InvalidInput::error(
+            "DATABASE_URL (or --database-url) is not a URL; it must be a PostgreSQL URL, \
+             postgres://USER:PASSWORD@HOST:PORT/DATABASE",
+        )),
     }
 }
 

@@ -7,6 +7,7 @@ use perspective_worker::store::dead_letters::{self as store, DeadLetter};
 use sqlx::postgres::PgConnection;
 
 use super::context::{Context, InvalidInput};
+use super::out::{out, outln};
 use super::table::{Column, Style, Table};
 
 #[derive(clap::Subcommand, Debug)]
@@ -42,11 +43,11 @@ async fn list(ctx: &Context, conn: &mut PgConnection, all: bool, json: bool) -> 
         .await
         .map_err(|e| anyhow::anyhow!("listing dead letters: {}", db::describe_error(&e, None)))?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&letters)?);
+        outln!("{}", serde_json::to_string_pretty(&letters)?)?;
     } else if letters.is_empty() {
-        println!("no dead letters in schema {}", ctx.config.schema);
+        outln!("no dead letters in schema {}", ctx.config.schema)?;
     } else {
-        print!("{}", render(&letters));
+        out!("{}", render(&letters))?;
     }
     Ok(())
 }
@@ -105,18 +106,18 @@ async fn replay(
     let mut failed = 0;
     for id in &ids {
         match dead_letters::replay(conn, schema, &runner, *id).await {
-            Ok(()) => println!("replayed dead letter {id}"),
+            Ok(()) => outln!("replayed dead letter {id}")?,
             Err(e) => {
                 failed += 1;
                 eprintln!("error: {e}");
             }
         }
     }
-    println!(
+    outln!(
         "{} of {} dead letter(s) replayed",
         ids.len() - failed,
         ids.len()
-    );
+    )?;
     if failed > 0 {
         anyhow::bail!("{failed} dead letter(s) could not be replayed");
     }

@@ -14,6 +14,7 @@ use uuid::Uuid;
 use super::append::read_file;
 use super::context::{connect, Context};
 use super::migrate::migrate_before_start;
+use super::out::{out, outln};
 use super::run::{instance_id, Database, RunningEngine, RuntimeArgs};
 use super::status;
 use super::table::{Column, Style, Table};
@@ -44,10 +45,11 @@ async fn demo(ctx: &Context, url: &str, args: &DemoArgs, instance_id: Uuid) -> a
         let events = read_file(path)?;
         let mut conn = connect(url, "demo").await?;
         let r = append::append(&mut conn, &ctx.config.schema, &events, |_| {}).await?;
-        println!(
+        outln!(
             "appended {} sample event(s) to {} stream(s)",
-            r.events, r.streams
-        );
+            r.events,
+            r.streams
+        )?;
     }
     let hooks = Hooks::new();
     let events = hooks.subscribe();
@@ -104,11 +106,11 @@ async fn print_tables(ctx: &Context, url: &str) -> anyhow::Result<()> {
         for row in model.rows {
             table.row(row);
         }
-        println!("\n{schema}.{} ({count} rows)", model.name);
-        print!("{}", table.render());
+        outln!("\n{schema}.{} ({count} rows)", model.name)?;
+        out!("{}", table.render())?;
     }
     let st = read_status(&mut conn, schema, &names, STALE_AFTER_SECONDS).await?;
-    println!();
-    print!("{}", status::render(&st));
+    outln!()?;
+    out!("{}", status::render(&st))?;
     Ok(())
 }

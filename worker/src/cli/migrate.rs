@@ -5,6 +5,7 @@ use std::time::Instant;
 use perspective_worker::migrate::{self, MigrateError, MigrateOptions, MigrateReport};
 
 use super::context::{connect, Context, InvalidInput};
+use super::out::outln;
 
 #[derive(clap::Args, Debug)]
 pub struct MigrateArgs {
@@ -26,9 +27,9 @@ pub async fn execute(ctx: &Context, args: &MigrateArgs) -> anyhow::Result<()> {
         .await
         .map_err(migrate_error)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print_report(&report, started.elapsed().as_secs_f64());
+        print_report(&report, started.elapsed().as_secs_f64())?;
     }
     Ok(())
 }
@@ -44,64 +45,64 @@ pub async fn migrate_before_start(ctx: &Context, url: &str) -> anyhow::Result<()
     )
     .await
     .map_err(migrate_error)?;
-    print_report(&report, 0.0);
-    Ok(())
+    print_report(&report, 0.0)
 }
 
-fn print_report(r: &MigrateReport, seconds: f64) {
+fn print_report(r: &MigrateReport, seconds: f64) -> anyhow::Result<()> {
     let verb = if r.dry_run {
         "dry run, rolled back:"
     } else {
         "migrated"
     };
-    println!(
+    outln!(
         "{verb} schema {}: {} migration(s) applied, {} already applied; {} statement(s) prepared; {:.2}s",
         r.schema,
         r.applied.len(),
         r.already_applied,
         r.statements_prepared,
         seconds
-    );
+    )?;
     for m in &r.applied {
-        println!("  applied {m}");
+        outln!("  applied {m}")?;
     }
     for (p, e) in &r.subscriptions_added {
-        println!("  subscribed {p} to {e}");
+        outln!("  subscribed {p} to {e}")?;
     }
     for (p, e) in &r.subscriptions_removed {
-        println!("  unsubscribed {p} from {e}");
+        outln!("  unsubscribed {p} from {e}")?;
     }
     for p in &r.setups_run {
-        println!("  ran setup of {p}");
+        outln!("  ran setup of {p}")?;
     }
     for removed in &r.perspectives_removed {
-        println!(
+        outln!(
             "  removed perspective {} (no longer in the config): {} pending work row(s) and {} cursor(s) deleted; its tables are yours and were kept",
             removed.perspective, removed.work_rows, removed.cursors
-        );
+        )?;
     }
     for p in &r.backfills {
-        println!(
+        outln!(
             "  backfilling {p} from the event store: running workers apply its history, oldest first per stream \
              (`perspective-worker status` shows the progress)"
-        );
+        )?;
     }
     for c in &r.rebuilds {
-        println!(
+        outln!(
             "  rebuilding {} (version {} -> {}): running workers reset and replay it stream by stream \
              (`perspective-worker status` shows the progress)",
             c.perspective, c.from, c.to
-        );
+        )?;
     }
     for w in &r.warnings {
-        println!("  warning: {w}");
+        outln!("  warning: {w}")?;
     }
     if r.streams_unpinned > 0 {
-        println!(
+        outln!(
             "  unpinned {} stream(s) with nothing left to apply",
             r.streams_unpinned
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Config problems found by `migrate` are the caller's (exit 2); the rest are failures (exit 1).

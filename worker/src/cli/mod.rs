@@ -6,6 +6,7 @@ mod context;
 mod dead_letters;
 mod demo;
 mod migrate;
+mod out;
 mod rebuild;
 mod run;
 mod status;
@@ -17,6 +18,7 @@ use clap::{Parser, Subcommand};
 
 use context::Context;
 pub use context::InvalidInput;
+pub use out::StdoutClosed;
 
 const ABOUT: &str = "Materializes perspectives (read models) from a PostgreSQL event store.
 
@@ -110,5 +112,41 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Rebuild(args) => rebuild::execute(&ctx, args).await,
         Command::DeadLetters(command) => dead_letters::execute(&ctx, command).await,
         Command::Status(args) => status::execute(&ctx, args).await,
+    }
+}
+
+/// `error` and its causes in one line, `a: b: c`, leaving out a cause whose text the message
+/// before it already ends with (many errors print their source in their own message, and
+/// `{:#}` would then say it twice: "X: X").
+pub fn error_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        if text.ends_with(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_does_not_repeat_its_cause() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let sqlx = sqlx::Error::Io(io);
+        let error = anyhow::Error::new(sqlx).context("connecting to PostgreSQL");
+        assert_eq!(
+            error_text(&error),
+            "connecting to PostgreSQL: error communicating with database: refused"
+        );
+        let plain = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_text(&plain), "outer: inner");
     }
 }

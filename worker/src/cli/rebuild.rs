@@ -7,6 +7,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use perspective_worker::jobs::{self, JobError};
 
 use super::context::{Context, InvalidInput};
+use super::out::outln;
 
 #[derive(clap::Args, Debug)]
 pub struct RebuildArgs {
@@ -51,7 +52,7 @@ pub async fn execute(ctx: &Context, args: &RebuildArgs) -> anyhow::Result<()> {
     });
     bar.finish_and_clear();
     let report = report?;
-    println!(
+    outln!(
         "rebuild of {perspective}: {} stream(s) reset and queued ({} by this command, the rest by running workers), \
          {} event(s) queued by this command in {:.2}s; running workers apply them \
          (`perspective-worker status` shows the progress)",
@@ -59,6 +60,6 @@ pub async fn execute(ctx: &Context, args: &RebuildArgs) -> anyhow::Result<()> {
         report.streams_by_this_command,
         report.work_rows,
         started.elapsed().as_secs_f64()
-    );
+    )?;
     Ok(())
 }

@@ -4,6 +4,7 @@ use perspective_worker::db;
 use perspective_worker::store::status::{read_status, Status};
 
 use super::context::Context;
+use super::out::{out, outln};
 use super::table::{Column, Style, Table};
 
 #[derive(clap::Args, Debug)]
@@ -26,9 +27,9 @@ pub async fn execute(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
             )
         })?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&st)?);
+        outln!("{}", serde_json::to_string_pretty(&st)?)?;
     } else {
-        print!("{}", render(&st));
+        out!("{}", render(&st))?;
     }
     Ok(())
 }
