@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v16";
+const FORMAT_VERSION: &str = "apply-v17";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -141,8 +141,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v16",
-                "c7555cebe11f465c3a5c669d9b61c0e182c3894165da3fa52c4277871debc661"
+                "apply-v17",
+                "12aded4b8421d44d44b5a0e3bb1efc2e0ba6d667b45428ea5a2104649b6aec06"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );
