@@ -79,10 +79,11 @@ claimWorker:
     // p2: three recorded failures with backoff, then the dead letter; never applied.
     let mut failures = 0;
     let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        let event = tokio::time::timeout(Duration::from_secs(15), hooks.recv())
+        let event = tokio::time::timeout_at(deadline, hooks.recv())
             .await
-            .expect("p2's event is dead-lettered")
+            .expect("p2's event is dead-lettered in time")
             .unwrap();
         match event {
             HookEvent::PerspectiveEventFailed {
@@ -153,10 +154,11 @@ claimWorker:
 
     let started = Instant::now();
     let mut failures = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let event = tokio::time::timeout(Duration::from_secs(20), hooks.recv())
+        let event = tokio::time::timeout_at(deadline, hooks.recv())
             .await
-            .expect("the hung event is dead-lettered")
+            .expect("the hung event is dead-lettered in time")
             .unwrap();
         match event {
             HookEvent::PerspectiveEventFailed {
@@ -218,16 +220,13 @@ claimWorker:
 ",
     )));
     migrate_config(&config).await;
-    let options = EngineOptions::new(config.clone(), database_url());
-    let instance = options.instance_id;
-    let engine = RunningEngine::start_with(options).await;
+    let engine = RunningEngine::start(&config).await;
     let hung = Uuid::now_v7();
     append(&schema, hung, serde_json::json!({ "hang": "yes" })).await;
     wait_until("the handler hangs", Duration::from_secs(15), || async {
         scalar(&format!(
             "SELECT count(*) FROM pg_stat_activity
-             WHERE state = 'active' AND pid <> pg_backend_pid()
-               AND query LIKE '%wh_drain(''{instance}''%'"
+             WHERE state = 'active' AND wait_event = 'PgSleep' AND query LIKE '%{schema}.wh_drain(%'"
         ))
         .await
             == 1
@@ -307,7 +306,8 @@ perspectives:
 
 /// Item 4. An event failing again and again waits 1 s, 2 s, 4 s (the documented doubling from
 /// `failureRetryBaseMilliseconds`), measured in the database: scheduled_for minus the time of
-/// the failing transaction (the cursor's processed_at, stamped by the same transaction).
+/// the failing transaction (the cursor's processed_at, stamped by the same transaction just
+/// before the failure is recorded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_delays_double_from_the_first_failure() {
     let schema = unique_schema("delays");
@@ -346,8 +346,13 @@ claimWorker:
             .unwrap();
         if let Some((attempts, Some(delay))) = row {
             if attempts as usize == delays.len() + 1 {
-                assert_eq!(delay, retry_delay_ms(1000.0, 300_000.0, attempts));
-                delays.push(delay);
+                // From the failure (clock time, a moment after the cursor's stamp).
+                let expected = retry_delay_ms(1000.0, 300_000.0, attempts);
+                assert!(
+                    delay >= expected && delay < expected + 250.0,
+                    "failure {attempts}: {delay} ms, expected {expected} ms"
+                );
+                delays.push(expected);
             }
         }
         assert!(
@@ -374,7 +379,7 @@ fn url_for_database(db: &str) -> String {
 /// Item 5. While the LISTEN connection is down (here: the database refuses new connections, and
 /// the LISTEN session is terminated), the claim loop keeps polling at pollingIntervalMilliseconds
 /// however long it finds nothing, so events appended during a 10 s outage are applied about as
-/// fast as the tight interval. (With an idle back-off they waited up to 8 s.)
+/// fast as the tight interval. (With an idle back-off they waited seconds.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_notify_is_down_the_claim_loop_keeps_the_tight_interval() {
     // Its own database: refusing connections must not disturb the other tests.
@@ -443,16 +448,11 @@ async fn while_notify_is_down_the_claim_loop_keeps_the_tight_interval() {
         engine.metrics.listener_connected.get() == 0
     })
     .await;
-    // Appended through the outage, after the idle polls had time to back off (they would
-    // have reached 8 s by the end).
+    // Appended late in the outage, after seconds without work (an idle back-off would have
+    // stretched the polls to 4 s and 8 s by then).
     let mut latencies = Vec::new();
-    let mut i = 0;
-    while outage.elapsed() < Duration::from_secs(10) {
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        i += 1;
-        if i < 4 {
-            continue;
-        }
+    for at in [Duration::from_millis(4500), Duration::from_millis(9000)] {
+        tokio::time::sleep(at.saturating_sub(outage.elapsed())).await;
         let s = Uuid::now_v7();
         sqlx::query(&format!(
             "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
@@ -462,9 +462,10 @@ async fn while_notify_is_down_the_claim_loop_keeps_the_tight_interval() {
         .await
         .unwrap();
         let appended = Instant::now();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         let mut done = 0;
         while done < 2 {
-            let event = tokio::time::timeout(Duration::from_secs(15), hooks.recv())
+            let event = tokio::time::timeout_at(deadline, hooks.recv())
                 .await
                 .expect("applied during the outage")
                 .unwrap();
@@ -476,6 +477,8 @@ async fn while_notify_is_down_the_claim_loop_keeps_the_tight_interval() {
         }
         latencies.push(appended.elapsed());
     }
+    // The outage lasts 10 s.
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(outage.elapsed())).await;
     assert_eq!(
         engine.metrics.listener_connected.get(),
         0,
@@ -484,9 +487,8 @@ async fn while_notify_is_down_the_claim_loop_keeps_the_tight_interval() {
     let restored = psql(&format!("ALTER DATABASE {db} ALLOW_CONNECTIONS true"));
     assert!(restored.status.success(), "{restored:?}");
     println!("apply latency during the outage: {latencies:?}");
-    assert!(latencies.len() >= 4, "{latencies:?}");
     for l in &latencies {
-        assert!(*l < Duration::from_millis(1500), "{latencies:?}");
+        assert!(*l < Duration::from_millis(1000), "{latencies:?}");
     }
     engine.stop().await;
     drop(appender);

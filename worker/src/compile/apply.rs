@@ -305,7 +305,7 @@ mod tests {
     fn the_retry_delay_counts_this_failure_once() {
         let sql = create_apply_function("s", &commit_ordered());
         assert!(sql.contains(
-            "scheduled_for = now() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"
+            "scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"
         ), "{sql}");
     }
 

