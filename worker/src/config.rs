@@ -218,6 +218,10 @@ pub enum CompletionStrategy {
     Instant,
 }
 
+/// Largest `worker.handlerTimeoutMilliseconds`: twice it must fit PostgreSQL's
+/// `statement_timeout` (a 32-bit count of ms).
+pub const MAX_HANDLER_TIMEOUT_MILLISECONDS: u64 = 1_000_000_000;
+
 /// Options of the perspective worker (names and defaults follow PerspectiveWorkerOptions).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
@@ -260,12 +264,15 @@ pub struct WorkerOptions {
     /// Interval between heartbeats in wh_service_instances, in seconds (default 10).
     #[schemars(range(min = 1))]
     pub heartbeat_interval_seconds: u32,
-    /// First retry delay after a handler fails, in ms; doubles per attempt (default 1000).
+    /// First retry delay after a handler fails, in ms; doubles with each further failure of the event: 1 s, 2 s, 4 s … with the default, up to failureRetryMaxMilliseconds (default 1000).
     #[schemars(range(min = 1))]
     pub failure_retry_base_milliseconds: u64,
     /// Longest retry delay after a handler fails, in ms (default 300000).
     #[schemars(range(min = 1))]
     pub failure_retry_max_milliseconds: u64,
+    /// Longest an event's SQL handler may run, in ms; null: no limit (default 30000). A handler still running is cancelled once it has run this long, at the latest twice this long (the bound is the statement timeout of the wh_drain call, which starts no event after this long), and the event fails like any other: retried with backoff, then dead-lettered. A lock wait outside the handlers is cancelled the same way and recorded on its (stream, perspective). Compiled SQL perspectives only; a custom PerspectiveRunner bounds its own work.
+    #[schemars(range(min = 1, max = 1_000_000_000))]
+    pub handler_timeout_milliseconds: Option<u64>,
     /// Lifecycle stages: fire the PostPerspective hook once per event and perspective after it is applied, and once every subscribed perspective applied an event, NOTIFY `<schema>_applied` with its id (read-your-writes) and fire the PostAllPerspectives / PostLifecycle hooks, recorded in wh_lifecycle_completions (default false).
     pub notify_applied: bool,
     /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty).
@@ -291,6 +298,7 @@ impl Default for WorkerOptions {
             heartbeat_interval_seconds: 10,
             failure_retry_base_milliseconds: 1000,
             failure_retry_max_milliseconds: 300_000,
+            handler_timeout_milliseconds: Some(30_000),
             notify_applied: false,
             instance_metadata: BTreeMap::new(),
         }
@@ -356,7 +364,7 @@ pub struct ClaimWorkerOptions {
     /// Base interval between claim polls while LISTEN/NOTIFY is healthy, in ms; never below pollingIntervalMilliseconds (default 5000).
     #[schemars(range(min = 1))]
     pub notify_healthy_polling_interval_milliseconds: u64,
-    /// Cap of the interval, which doubles with each consecutive empty poll, in ms; never below the base interval nor above a third of abandonStaleInstanceThresholdSeconds (default 10000).
+    /// Cap of the interval while LISTEN/NOTIFY is healthy, which doubles with each consecutive empty poll, in ms; never below the base interval nor above a third of abandonStaleInstanceThresholdSeconds (default 10000). While NOTIFY is down every poll waits pollingIntervalMilliseconds.
     #[schemars(range(min = 1))]
     pub polling_max_interval_milliseconds: u64,
     /// Streams one claim poll offers to the drain consumers at most (default 1000).
@@ -720,6 +728,16 @@ impl WorkerOptions {
             ),
         ];
         check_at_least_one("worker", &at_least_one, problems);
+        if let Some(t) = self.handler_timeout_milliseconds {
+            if !(1..=MAX_HANDLER_TIMEOUT_MILLISECONDS).contains(&t) {
+                problems.push(Problem::new(
+                    "worker.handlerTimeoutMilliseconds",
+                    format!(
+                        "must be between 1 and {MAX_HANDLER_TIMEOUT_MILLISECONDS}, or null for no limit, got {t}"
+                    ),
+                ));
+            }
+        }
         if self.max_perspective_event_attempts == Some(0) {
             problems.push(Problem::new(
                 "worker.maxPerspectiveEventAttempts",
@@ -1038,6 +1056,7 @@ perspectives:
 
         let worker = &config.worker;
         assert_eq!(worker.max_perspective_event_attempts, Some(10));
+        assert_eq!(worker.handler_timeout_milliseconds, Some(30_000));
         assert_eq!(worker.lease_seconds, 300);
         assert_eq!(worker.abandon_stale_instance_threshold_seconds, 30);
         assert!(!worker.debug_mode);
@@ -1076,6 +1095,7 @@ perspectives:
         let config = parse(&format!(
             "{MINIMAL}worker:
   maxPerspectiveEventAttempts: null
+  handlerTimeoutMilliseconds: null
   perspectiveBatchSize: 50
   completionStrategy: Instant
   drainBatcher: {{ maxSize: 10 }}
@@ -1086,6 +1106,10 @@ claimWorker:
         ))
         .unwrap();
         assert_eq!(config.worker.max_perspective_event_attempts, None);
+        assert_eq!(
+            config.worker.handler_timeout_milliseconds, None,
+            "null: no limit"
+        );
         assert_eq!(config.worker.perspective_batch_size, 50);
         assert_eq!(
             config.worker.completion_strategy,
@@ -1295,6 +1319,11 @@ perspectives:
                 format!("{MINIMAL}worker:\n  maxPerspectiveEventAttempts: 0\n"),
                 "worker.maxPerspectiveEventAttempts",
                 "or null to never dead-letter",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  handlerTimeoutMilliseconds: 0\n"),
+                "worker.handlerTimeoutMilliseconds",
+                "or null for no limit, got 0",
             ),
             (
                 format!("{MINIMAL}worker:\n  retryOptions: {{ backoffMultiplier: 0.5 }}\n"),

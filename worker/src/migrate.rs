@@ -17,7 +17,7 @@ use sqlx::Connection;
 
 use crate::compile::{
     apply_function_name, create_apply_function, create_drain_function, definition_hash,
-    handlers_hash,
+    handlers_hash, runs_as_perform,
 };
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
@@ -428,7 +428,7 @@ async fn setup_and_prepare(
         let at = |field: &str| format!("perspectives[{index}] ({}).{field}", p.name);
         if let Some(setup) = p.setup.as_deref().filter(|s| !s.trim().is_empty()) {
             match in_savepoint(conn, Step::Script(setup)).await? {
-                Ok(()) => report.setups_run.push(p.name.clone()),
+                Ok(_) => report.setups_run.push(p.name.clone()),
                 Err(e) => {
                     problems.push(Problem {
                         path: at("setup"),
@@ -446,7 +446,16 @@ async fn setup_and_prepare(
                 .map(|p| PgTypeInfo::with_name(p.pg_type()))
                 .collect();
             match in_savepoint(conn, Step::Prepare(&sql, &types)).await? {
-                Ok(()) => report.statements_prepared += 1,
+                Ok(columns) if returns_rows_nowhere(columns, &stmt) => problems.push(Problem {
+                    path,
+                    message: format!(
+                        "returns rows, which a handler has nowhere to put (every event would fail \
+                         with \"query has no destination for result data\"): drop its RETURNING \
+                         clause, or make a query a plain SELECT (its rows are discarded): {}",
+                        sql.trim()
+                    ),
+                }),
+                Ok(_) => report.statements_prepared += 1,
                 Err(e) => problems.push(Problem {
                     path,
                     message: describe_error(&e, Some(&sql)),
@@ -537,6 +546,14 @@ async fn compile(
     Ok(problems)
 }
 
+/// Whether a handler or reset statement whose result has `columns` columns returns rows the
+/// compiled function cannot run: only a bare SELECT is run as PERFORM (rows discarded); any
+/// other statement with a result (`INSERT … RETURNING`, `WITH … SELECT`, `VALUES`) fails in
+/// PL/pgSQL on every event.
+fn returns_rows_nowhere(columns: usize, stmt: &ParsedStatement) -> bool {
+    columns > 0 && !runs_as_perform(stmt)
+}
+
 /// A statement run in its own savepoint.
 enum Step<'a> {
     Script(&'a str),
@@ -545,17 +562,18 @@ enum Step<'a> {
 
 /// Run `step` in a savepoint: released when it succeeds, rolled back when it fails (so the
 /// migration transaction stays usable), with the step's own error as the inner result.
+/// A prepared statement's result is its column count (0: no rows; a script's is 0).
 async fn in_savepoint(
     conn: &mut PgConnection,
     step: Step<'_>,
-) -> Result<Result<(), sqlx::Error>, MigrateError> {
+) -> Result<Result<usize, sqlx::Error>, MigrateError> {
     let mut sp = conn.begin().await.map_err(db_err("opening a savepoint"))?;
     let result = match step {
-        Step::Script(script) => store::execute_script(&mut sp, script).await,
+        Step::Script(script) => store::execute_script(&mut sp, script).await.map(|()| 0),
         Step::Prepare(sql, types) => store::prepare(&mut sp, sql, types).await,
     };
     match result {
-        Ok(()) => sp.commit().await.map_err(db_err("releasing a savepoint"))?,
+        Ok(_) => sp.commit().await.map_err(db_err("releasing a savepoint"))?,
         Err(_) => sp
             .rollback()
             .await

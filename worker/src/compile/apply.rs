@@ -8,6 +8,7 @@ use minijinja::{context, Value};
 use super::{apply_function_name, render};
 use crate::config::{Ordering, PerspectiveConfig};
 use crate::sql_params::{Param, ParsedStatement};
+use crate::store::failure::retry_delay_sql;
 use crate::store::names::{applied_channel, cursor_status};
 
 /// `CREATE OR REPLACE FUNCTION` for `perspective` in `schema`, preceded by the drop of overloads
@@ -26,6 +27,11 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
             applied_channel => applied_channel(schema),
+            retry_delay => retry_delay_sql(
+                "p_retry_base_ms",
+                "p_retry_max_ms",
+                "w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END",
+            ),
         },
     );
     render(
@@ -78,11 +84,18 @@ fn reset(perspective: &PerspectiveConfig) -> Value {
         .collect()
 }
 
+/// Whether `stmt` runs as PERFORM, its rows discarded: a bare SELECT. PL/pgSQL refuses any
+/// other statement that returns rows (`INSERT … RETURNING`, `WITH … SELECT`, `VALUES`) at run
+/// time, so `migrate` rejects those (see `migrate::returns_rows_nowhere`).
+pub fn runs_as_perform(stmt: &ParsedStatement) -> bool {
+    stmt.leading_keyword().as_deref() == Some("select")
+}
+
 /// One handler statement as PL/pgSQL: parameters become variables; a bare SELECT becomes
 /// PERFORM (PL/pgSQL refuses a SELECT whose result goes nowhere).
 fn statement(stmt: &ParsedStatement) -> String {
     let text = stmt.render_with(|p| format!("_wh_{}", p.name()));
-    if stmt.leading_keyword().as_deref() == Some("select") {
+    if runs_as_perform(stmt) {
         format!("PERFORM{}", &text["select".len()..])
     } else {
         text
@@ -259,6 +272,44 @@ mod tests {
         ), "{sql}");
     }
 
+    /// apply_body.sql and slow_path.sql: a cancelled handler (statement timeout) fails its
+    /// event without running again, and no event starts past wh_drain's budget.
+    #[test]
+    fn a_cancelled_handler_fails_its_event_and_is_not_run_again() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(
+            sql.contains("p_contiguous boolean DEFAULT false, p_stop_at timestamptz DEFAULT NULL)")
+        );
+        assert_eq!(
+            sql.matches("EXCEPTION WHEN OTHERS OR query_canceled THEN")
+                .count(),
+            2,
+            "{sql}"
+        );
+        assert!(!sql.contains("EXCEPTION WHEN OTHERS THEN"), "{sql}");
+        assert!(sql.contains("      v_running := v_i;\n"), "{sql}");
+        assert!(sql.contains("IF SQLSTATE = '57014' THEN\n      v_cancelled := v_running;"));
+        assert!(sql.contains(
+            "IF v_i = v_cancelled THEN\n        -- Cancelled on the fast path (the call's timer is spent): not run again.\n        v_failed := v_i;"
+        ), "{sql}");
+        assert!(sql.contains(
+            "IF v_i > v_start AND NOT v_rewound AND clock_timestamp() >= p_stop_at THEN"
+        ));
+        assert!(sql.contains(
+            "IF v_cancelled IS NULL AND v_i > v_start AND clock_timestamp() >= p_stop_at THEN"
+        ));
+    }
+
+    /// A failing event waits base × 2^(failures − 1): the drain path counts this failure, a
+    /// custom runner's lease has counted it already.
+    #[test]
+    fn the_retry_delay_counts_this_failure_once() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(sql.contains(
+            "scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"
+        ), "{sql}");
+    }
+
     /// apply_function.sql: the argument list the drop block keeps matches the CREATE statement.
     #[test]
     fn the_function_keeps_its_shape() {
@@ -267,7 +318,8 @@ mod tests {
         assert!(sql.contains("p.proname = 'wh_apply_p'"));
         assert!(sql.contains(
             "oidvectortypes(p.proargtypes) <> 'uuid, bigint[], uuid[], bigint[], boolean, boolean, \
-             boolean, double precision, double precision, boolean, boolean, boolean'"
+             boolean, double precision, double precision, boolean, boolean, boolean, \
+             timestamp with time zone'"
         ));
         assert!(sql.contains("SET search_path TO s, public"));
         assert!(sql.contains("RETURNS TABLE (o_applied integer,"));

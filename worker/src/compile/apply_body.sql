@@ -1,9 +1,11 @@
 {#- The body of a perspective's apply function (between its dollar quotes): applies one
     (stream, perspective) group of events. Pieces: event_arrays.sql (the events read),
     rewind_detect.sql and rewind_reset.sql (ordering eventId only), apply_event.sql (one event),
-    slow_path.sql (failure isolation), notify_applied.sql (lifecycle), instant_completion.sql.
+    slow_path.sql (failure isolation; a handler cancelled by the statement timeout fails its
+    event), notify_applied.sql (lifecycle), instant_completion.sql.
     Slots: schema, perspective, event_id_order, handled_types, uses, handlers, reset,
-    cursor_completed and cursor_failed (status flags), applied_channel. #}
+    cursor_completed and cursor_failed (status flags), applied_channel, retry_delay (the backoff
+    after this failure, see store::failure::retry_delay_sql). #}
 #variable_conflict use_column
 DECLARE
   _wh_stream_id      uuid := p_stream_id;
@@ -57,6 +59,11 @@ DECLARE
   -- What perspective.user_id / tenant_id are currently set to in this transaction (NULL: unknown).
   v_set_user   text;
   v_set_tenant text;
+  -- The event the fast path was applying, and the error, when a statement timeout cancelled
+  -- it (worker.handlerTimeoutMilliseconds): the slow path must not run that handler again.
+  v_running    integer;
+  v_cancelled  integer;
+  v_cancel_err text;
 BEGIN
   IF v_n = 0 THEN
     RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{}'::bigint[], false, '{}'::uuid[],
@@ -137,6 +144,14 @@ BEGIN
 {% include "rewind_reset.sql" %}
 {% endif %}
     FOR v_i IN v_start..v_end LOOP
+      -- Past p_stop_at (wh_drain's handler-timeout budget), leave the rest for the next call,
+      -- whose timer starts afresh; the first event always runs (progress).
+      -- (A rewind's replay is all or nothing: never cut.)
+      IF v_i > v_start AND NOT v_rewound AND clock_timestamp() >= p_stop_at THEN
+        v_end := v_i - 1;
+        EXIT;
+      END IF;
+      v_running := v_i;
 {% include "apply_event.sql" %}
     END LOOP;
     v_ok := true;
@@ -144,11 +159,15 @@ BEGIN
       v_applied := v_end - v_start + 1;
       v_last_i := v_end;
     END IF;
-  EXCEPTION WHEN OTHERS THEN
+  EXCEPTION WHEN OTHERS OR query_canceled THEN
     IF p_force THEN
       RAISE;
     END IF;
     v_ok := false;
+    IF SQLSTATE = '57014' THEN
+      v_cancelled := v_running;
+      v_cancel_err := SQLERRM;
+    END IF;
     IF v_rewound THEN
       -- A replay is all or nothing (a prefix would be out of order): the group's first new
       -- row carries the failure, retried with backoff like any other.
@@ -193,8 +212,11 @@ BEGIN
       UPDATE {{ schema }}.wh_perspective_events w
          SET error = v_err, instance_id = NULL, lease_expiry = NULL,
              attempts = w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END,
-             scheduled_for = now() + make_interval(secs =>
-               least(p_retry_base_ms * power(2, greatest(w.attempts - 1, 0)), p_retry_max_ms) / 1000.0)
+             -- (w.attempts is the value before this UPDATE; without p_count_failure the lease
+             -- that fetched the row has counted this failure already. The delay runs from now,
+             -- not from the transaction's start: a long call must not leave the retry already
+             -- due.)
+             scheduled_for = clock_timestamp() + {{ retry_delay }}
        WHERE w.event_work_id = a_work_ids[v_failed];
     END IF;
     -- Rows at or below the cursor are done, applied now or earlier (redelivered).

@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v17";
+const FORMAT_VERSION: &str = "apply-v18";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -141,8 +141,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v17",
-                "2d9c2e02fe2b64577e619517bdf3a9c9c6a0c2638b27512eec06cffbb3909cc9"
+                "apply-v18",
+                "136405fc1d10660ed31b6b7a3e853c7b40d0eaec7778e91e5d46965a6345945c"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -4,6 +4,8 @@ use minijinja::{context, Value};
 
 use super::{apply_function_name, render};
 use crate::config::PerspectiveConfig;
+use crate::store::failure::retry_delay_sql;
+use crate::store::names::cursor_status;
 
 /// `CREATE OR REPLACE FUNCTION <schema>.wh_drain(...)`, dispatching to the apply function of
 /// each of `perspectives` (see `drain.sql`), preceded by the drop of an older shape.
@@ -12,7 +14,16 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
         .iter()
         .map(|p| context! { name => &p.name, function => apply_function_name(&p.name) })
         .collect();
-    render("drain.sql", context! { schema, perspectives })
+    render(
+        "drain.sql",
+        context! {
+            schema,
+            perspectives,
+            cursor_failed => cursor_status::FAILED,
+            // The head row's failure count after this failure: its attempts plus this one.
+            retry_delay => retry_delay_sql("p_retry_base_ms", "p_retry_max_ms", "w.attempts + 1"),
+        },
+    )
 }
 
 #[cfg(test)]
@@ -33,7 +44,7 @@ mod tests {
             let keyword = if i == 0 { "IF" } else { "ELSIF" };
             assert!(
                 sql.contains(&format!(
-                    "{keyword} r.perspective_name = '{}' THEN\n      SELECT * INTO o FROM shop.{}(",
+                    "{keyword} r.perspective_name = '{}' THEN\n        SELECT * INTO o FROM shop.{}(",
                     p.name,
                     apply_function_name(&p.name)
                 )),
@@ -46,6 +57,10 @@ mod tests {
             "AND w.stream_version > coalesce(o.o_last_version, v_last) AND w.processed_at IS NULL"
         ));
         assert!(sql.contains("PERFORM shop.move_to_dead_letters("));
+        // Each pair in its own subtransaction; its failure is recorded on its head row with
+        // the backoff after one more failure.
+        assert!(sql.contains("EXCEPTION WHEN OTHERS OR query_canceled THEN"));
+        assert!(sql.contains("attempts = w.attempts + 1,\n               scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + 1) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"), "{sql}");
         // Retired rows are those at or below the cursor read with them, after the apply.
         assert!(sql.contains("AND NOT (w.event_work_id = ANY (o.o_done_work_ids))"));
     }

@@ -51,7 +51,7 @@ use minijinja::syntax::SyntaxConfig;
 use minijinja::{AutoEscape, Environment, UndefinedBehavior, Value};
 use sha2::{Digest, Sha256};
 
-pub use apply::create_apply_function;
+pub use apply::{create_apply_function, runs_as_perform};
 pub use definition::{definition_hash, handlers_hash};
 pub use drain::create_drain_function;
 

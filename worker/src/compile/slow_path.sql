@@ -7,11 +7,22 @@
     v_applied := 0;
     v_last_i := NULL;
     FOR v_i IN v_start..v_end LOOP
+      IF v_cancelled IS NULL AND v_i > v_start AND clock_timestamp() >= p_stop_at THEN
+        -- Past wh_drain's handler-timeout budget: the rest waits for the next call. (After a
+        -- cancellation the call's timer is spent: replay the prefix and fail the cancelled one.)
+        EXIT;
+      END IF;
+      IF v_i = v_cancelled THEN
+        -- Cancelled on the fast path (the call's timer is spent): not run again.
+        v_failed := v_i;
+        v_err := v_cancel_err;
+        EXIT;
+      END IF;
       BEGIN
 {% filter indent(2, true) %}
 {% include "apply_event.sql" %}
 {% endfilter +%}
-      EXCEPTION WHEN OTHERS THEN
+      EXCEPTION WHEN OTHERS OR query_canceled THEN
         v_failed := v_i;
         v_err := SQLERRM;
         v_set_user := NULL;

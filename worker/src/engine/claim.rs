@@ -24,25 +24,27 @@ pub(crate) struct ClaimLoop {
     pub last_work: Arc<super::jobs::LastWork>,
 }
 
-/// The wait before the next poll: the tight interval while NOTIFY is unavailable, the relaxed
-/// safety net while it is healthy (none at all without `enableSafetyNetPoll`), doubling with
-/// consecutive empty polls up to the cap — never so long that our own heartbeat-based liveness
-/// would look stale to peers (a third of `abandon_threshold_seconds`).
+/// The wait before the next poll: the tight interval while NOTIFY is unavailable, however long
+/// the polls have been empty (the poll is then the only way to see new work, so backing off
+/// would add the outage to every event's latency); while it is healthy the relaxed safety net
+/// (none at all without `enableSafetyNetPoll`), doubling with consecutive empty polls up to the
+/// cap — never so long that our own heartbeat-based liveness would look stale to peers (a third
+/// of `abandon_threshold_seconds`).
 pub(crate) fn next_interval(
     opts: &ClaimWorkerOptions,
     abandon_threshold_seconds: u32,
     healthy: bool,
     empty_polls: u64,
 ) -> Option<Duration> {
-    if healthy && !opts.enable_safety_net_poll {
+    if !healthy {
+        return Some(Duration::from_millis(opts.polling_interval_milliseconds));
+    }
+    if !opts.enable_safety_net_poll {
         return None;
     }
-    let base = if healthy {
-        opts.polling_interval_milliseconds
-            .max(opts.notify_healthy_polling_interval_milliseconds)
-    } else {
-        opts.polling_interval_milliseconds
-    };
+    let base = opts
+        .polling_interval_milliseconds
+        .max(opts.notify_healthy_polling_interval_milliseconds);
     let cap = opts
         .polling_max_interval_milliseconds
         .min(abandon_threshold_seconds as u64 * 1000 / 3)
@@ -192,14 +194,32 @@ mod tests {
     }
 
     #[test]
-    fn polling_interval_doubles_per_empty_poll_up_to_the_max_interval() {
+    fn polling_interval_stays_tight_while_notify_is_down() {
         let opts = ClaimWorkerOptions {
             polling_interval_milliseconds: 100,
             polling_max_interval_milliseconds: 1000,
             ..Default::default()
         };
+        assert_eq!(waits(&opts, 30, false), [ms(100); 7]);
+        assert_eq!(next_interval(&opts, 30, false, u64::MAX), ms(100));
+        // Also without the safety net: the poll is the only way to see work.
+        let no_net = ClaimWorkerOptions {
+            enable_safety_net_poll: false,
+            ..opts
+        };
+        assert_eq!(waits(&no_net, 30, false), [ms(100); 7]);
+    }
+
+    #[test]
+    fn polling_max_interval_milliseconds_caps_the_backoff() {
+        let opts = |max| ClaimWorkerOptions {
+            polling_interval_milliseconds: 100,
+            notify_healthy_polling_interval_milliseconds: 100,
+            polling_max_interval_milliseconds: max,
+            ..Default::default()
+        };
         assert_eq!(
-            waits(&opts, 30, false),
+            waits(&opts(1000), 30, true),
             [
                 ms(100),
                 ms(100),
@@ -211,22 +231,13 @@ mod tests {
             ]
         );
         // Many empty polls do not overflow.
-        assert_eq!(next_interval(&opts, 30, false, u64::MAX), ms(1000));
-    }
-
-    #[test]
-    fn polling_max_interval_milliseconds_caps_the_backoff() {
-        let opts = |max| ClaimWorkerOptions {
-            polling_interval_milliseconds: 100,
-            polling_max_interval_milliseconds: max,
-            ..Default::default()
-        };
-        assert_eq!(next_interval(&opts(300), 30, false, 6), ms(300));
-        assert_eq!(next_interval(&opts(5000), 30, false, 6), ms(3200));
+        assert_eq!(next_interval(&opts(1000), 30, true, u64::MAX), ms(1000));
+        assert_eq!(next_interval(&opts(300), 30, true, 6), ms(300));
+        assert_eq!(next_interval(&opts(5000), 30, true, 6), ms(3200));
         // A cap below the base interval does not shorten the base.
-        assert_eq!(next_interval(&opts(50), 30, false, 6), ms(100));
+        assert_eq!(next_interval(&opts(50), 30, true, 6), ms(100));
         // Nor may the backoff outgrow a third of the abandon threshold.
-        assert_eq!(next_interval(&opts(5000), 1, false, 6), ms(333));
+        assert_eq!(next_interval(&opts(5000), 1, true, 6), ms(333));
     }
 
     #[test]

@@ -112,6 +112,10 @@ pub(crate) struct Shared {
     pub shutdown: CancellationToken,
 }
 
+/// How long in-flight `wh_drain` calls may run on after shutdown before they are cancelled: well
+/// inside the pod's default 30 s termination grace period.
+const DRAIN_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// A running engine.
 pub struct Engine {
     shared: Arc<Shared>,
@@ -255,8 +259,28 @@ impl Engine {
         shared.shutdown.cancelled().await;
         tracing::info!("stopping: finishing in-flight work");
         self.readiness.set_not_ready("shutting down");
-        for t in self.tasks {
-            let _ = t.await;
+        let tasks = futures::future::join_all(self.tasks);
+        tokio::pin!(tasks);
+        // A drain stuck in a hung handler would hold the worker until its statement timeout
+        // (twice handlerTimeoutMilliseconds, or never): past a short grace, cancel it. The
+        // cancelled event fails like a timed-out one; the rest of its call commits.
+        let mut grace = DRAIN_SHUTDOWN_GRACE;
+        loop {
+            tokio::select! {
+                _ = &mut tasks => break,
+                _ = tokio::time::sleep(grace) => {}
+            }
+            match shared.store.cancel_drains(shared.instance_id).await {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(
+                    cancelled = n,
+                    "in-flight wh_drain calls did not finish in time; cancelled"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %crate::db::describe_error(&e, None), "could not cancel in-flight wh_drain calls")
+                }
+            }
+            grace = Duration::from_secs(1);
         }
         // Last: the drain consumers may still have queued completions.
         let _ = self.flush_task.await;

@@ -3,14 +3,18 @@
 //! custom [`crate::engine::PerspectiveRunner`]).
 
 use chrono::{DateTime, Utc};
+use sqlx::FromRow;
 use uuid::Uuid;
 
 use super::Store;
 use crate::engine::WorkItem;
 
-const DRAIN: &str = "SELECT * FROM {schema}.wh_drain($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 const CLAIM_AND_FETCH: &str = "SELECT * FROM \
     {schema}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4, $5, $6, $7)";
+
+const CANCEL_DRAINS: &str = "SELECT count(*) FILTER (WHERE pg_cancel_backend(a.pid))
+    FROM pg_stat_activity a
+    WHERE a.pid <> pg_backend_pid() AND a.state = 'active' AND strpos(a.query, $1) > 0";
 
 /// The arguments of one `wh_drain` call.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +34,47 @@ pub struct DrainArgs {
     pub notify_applied: bool,
     /// Failures after which the head row of a pair is dead-lettered (None: never).
     pub max_attempts: Option<i32>,
+    /// `worker.handlerTimeoutMilliseconds`: the call starts no event after this long, and is
+    /// cancelled (statement timeout) after twice this long (None: no limit).
+    pub handler_timeout_ms: Option<u64>,
+}
+
+/// The text of one `wh_drain` call, preceded by its statement timeout. Sent as one simple
+/// query: `SET LOCAL` then lasts exactly for the call (the two statements share an implicit
+/// transaction, and PostgreSQL arms a statement's timer when the statement starts, never from
+/// inside a function). Every value is a number, a boolean or a UUID, so literals are safe. The
+/// text starts the call with [`drain_marker`], by which shutdown finds and cancels it.
+pub(crate) fn drain_sql(schema: &str, streams: &[Uuid], args: &DrainArgs) -> String {
+    let mut sql = String::new();
+    if let Some(t) = args.handler_timeout_ms {
+        sql.push_str(&format!(
+            "SET LOCAL statement_timeout = {}; ",
+            t.saturating_mul(2)
+        ));
+    }
+    let streams: Vec<String> = streams.iter().map(Uuid::to_string).collect();
+    let or_null = |v: Option<String>, ty: &str| v.unwrap_or_else(|| format!("NULL::{ty}"));
+    sql.push_str(&format!(
+        "SELECT * FROM {schema}.{marker}, '{{{streams}}}'::uuid[], {per_pair}, {max_rows}, {instant}, {debug}, \
+         {base}::float8, {max}::float8, {notify}, {attempts}, {timeout})",
+        marker = drain_marker(args.instance_id),
+        streams = streams.join(","),
+        per_pair = args.per_pair,
+        max_rows = args.max_rows,
+        instant = args.instant,
+        debug = args.debug,
+        base = args.retry_base_ms,
+        max = args.retry_max_ms,
+        notify = args.notify_applied,
+        attempts = or_null(args.max_attempts.map(|m| m.to_string()), "integer"),
+        timeout = or_null(args.handler_timeout_ms.map(|t| t.to_string()), "integer"),
+    ));
+    sql
+}
+
+/// How the text of `instance_id`'s `wh_drain` calls begins (after the schema).
+pub(crate) fn drain_marker(instance_id: Uuid) -> String {
+    format!("wh_drain('{instance_id}'::uuid")
 }
 
 /// One row of `wh_drain`: what happened to one (stream, perspective).
@@ -97,18 +142,17 @@ impl Store {
         streams: &[Uuid],
         args: DrainArgs,
     ) -> Result<Vec<PairOutcome>, sqlx::Error> {
-        sqlx::query_as(&self.sql(DRAIN))
-            .bind(args.instance_id)
-            .bind(streams)
-            .bind(args.per_pair)
-            .bind(args.max_rows)
-            .bind(args.instant)
-            .bind(args.debug)
-            .bind(args.retry_base_ms)
-            .bind(args.retry_max_ms)
-            .bind(args.notify_applied)
-            .bind(args.max_attempts)
-            .fetch_all(self.pool())
+        let sql = drain_sql(self.schema(), streams, &args);
+        let rows = sqlx::raw_sql(&sql).fetch_all(self.pool()).await?;
+        rows.iter().map(PairOutcome::from_row).collect()
+    }
+
+    /// Cancel the `wh_drain` calls `instance_id` is running (shutdown: a hung handler must not
+    /// hold the worker past its grace period). Returns how many were cancelled.
+    pub async fn cancel_drains(&self, instance_id: Uuid) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar(CANCEL_DRAINS)
+            .bind(format!("{}.{}", self.schema(), drain_marker(instance_id)))
+            .fetch_one(self.pool())
             .await
     }
 
@@ -128,5 +172,49 @@ impl Store {
             .bind(args.payloads)
             .fetch_all(self.pool())
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(handler_timeout_ms: Option<u64>, max_attempts: Option<i32>) -> DrainArgs {
+        DrainArgs {
+            instance_id: Uuid::nil(),
+            per_pair: 100,
+            max_rows: 1000,
+            instant: false,
+            debug: true,
+            retry_base_ms: 1000.0,
+            retry_max_ms: 0.5,
+            notify_applied: false,
+            max_attempts,
+            handler_timeout_ms,
+        }
+    }
+
+    #[test]
+    fn the_call_is_bounded_by_twice_the_handler_timeout() {
+        let s = Uuid::from_u128(1);
+        let sql = drain_sql("shop", &[s, s], &args(Some(30_000), Some(10)));
+        assert_eq!(
+            sql,
+            format!(
+                "SET LOCAL statement_timeout = 60000; SELECT * FROM shop.wh_drain('{nil}'::uuid, \
+                 '{{{s},{s}}}'::uuid[], 100, 1000, false, true, 1000::float8, 0.5::float8, false, 10, 30000)",
+                nil = Uuid::nil()
+            )
+        );
+        assert!(sql.contains(&format!("shop.{}", drain_marker(Uuid::nil()))));
+        let unbounded = drain_sql("shop", &[s], &args(None, None));
+        assert!(
+            unbounded.starts_with("SELECT * FROM shop.wh_drain("),
+            "{unbounded}"
+        );
+        assert!(
+            unbounded.ends_with(", false, NULL::integer, NULL::integer)"),
+            "{unbounded}"
+        );
     }
 }

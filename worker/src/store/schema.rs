@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use sqlx::postgres::{PgConnection, PgTypeInfo};
-use sqlx::{Executor, Row};
+use sqlx::{Executor, Row, Statement};
 
 use super::migrations::Migration;
 use super::Store;
@@ -166,13 +166,14 @@ pub async fn execute_script(conn: &mut PgConnection, script: &str) -> Result<(),
 }
 
 /// Prepare `sql` with parameter `types` (proves a handler statement is valid; nothing runs).
+/// Returns how many columns its result rows have (0: it returns no rows).
 pub async fn prepare(
     conn: &mut PgConnection,
     sql: &str,
     types: &[PgTypeInfo],
-) -> Result<(), sqlx::Error> {
-    conn.prepare_with(sql, types).await?;
-    Ok(())
+) -> Result<usize, sqlx::Error> {
+    let statement = conn.prepare_with(sql, types).await?;
+    Ok(statement.columns().len())
 }
 
 /// What `migrate` records of a compiled perspective.

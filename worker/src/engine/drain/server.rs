@@ -31,6 +31,7 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         retry_max_ms: w.failure_retry_max_milliseconds as f64,
         notify_applied: w.notify_applied,
         max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
+        handler_timeout_ms: w.handler_timeout_milliseconds,
     };
     let outcomes = ctx.shared.store.drain(streams, args).await;
     let outcomes = match outcomes {
@@ -109,6 +110,9 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
                 work_id,
                 o.error.as_deref().unwrap_or_default(),
             );
+        } else if let Some(error) = o.error.as_deref() {
+            // The pair failed, but no row of it could carry the failure.
+            tracing::warn!(perspective, stream = %o.stream_id, error, "applying a (stream, perspective) failed");
         }
         if !instant && !o.done_work_ids.is_empty() {
             ctx.completions.queue(o.stream_id, &o.done_work_ids);

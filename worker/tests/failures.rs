@@ -1,0 +1,496 @@
+//! Failures at the edges of the engine (issue 12, "Engine"): an error outside the handlers
+//! stays on its (stream, perspective), a hung handler times out, handlers that return rows are
+//! refused by migrate, retry delays double from the first failure, and the claim loop keeps
+//! its tight interval while NOTIFY is down. Real PostgreSQL, see `common`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use perspective_worker::engine::{EngineOptions, HookEvent};
+use perspective_worker::migrate::{migrate, MigrateError, MigrateOptions};
+use perspective_worker::store::failure::retry_delay_ms;
+use uuid::Uuid;
+
+/// Append one event of type A with `data` to `stream`.
+async fn append(schema: &str, stream: Uuid, data: serde_json::Value) {
+    let mut conn = connect().await;
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data) VALUES ($1, 'A', $2)"
+    ))
+    .bind(stream)
+    .bind(data)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+}
+
+/// The versions `perspective` (p1 or p2 of `recording_yaml`) applied to `stream`.
+async fn seen(schema: &str, perspective: &str, stream: Uuid) -> Vec<i64> {
+    let mut conn = connect().await;
+    sqlx::query_scalar::<_, Vec<i64>>(&format!(
+        "SELECT versions FROM {schema}.seen_{perspective} WHERE stream_id = $1"
+    ))
+    .bind(stream)
+    .fetch_optional(&mut conn)
+    .await
+    .unwrap()
+    .unwrap_or_default()
+}
+
+/// Item 1. One wh_drain call covers both perspectives of a stream. Perspective p2's cursor
+/// update (outside the per-event subtransactions) fails with a serialization failure: that
+/// must stay on (stream, p2) — recorded on its event with attempts and backoff, dead-lettered
+/// at the limit — while p1's apply of the same stream, in the same call, commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_outside_the_handlers_stays_on_its_pair_and_the_other_pairs_commit() {
+    let schema = unique_schema("pairfail");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  maxPerspectiveEventAttempts: 3
+  failureRetryBaseMilliseconds: 200
+claimWorker:
+  pollingIntervalMilliseconds: 50
+  notifyHealthyPollingIntervalMilliseconds: 50
+  pollingMaxIntervalMilliseconds: 200
+",
+    ));
+    migrate_config(&config).await;
+    // Completing p2's cursor fails, the way a serialization failure or deadlock would; the
+    // failure record (status Failed) passes.
+    let trigger = psql(&format!(
+        "CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001'; END $$;
+         CREATE TRIGGER refuse BEFORE UPDATE ON {schema}.wh_perspective_cursors FOR EACH ROW
+         WHEN (NEW.perspective_name = 'p2' AND NEW.status = 2) EXECUTE FUNCTION {schema}.refuse();"
+    ));
+    assert!(trigger.status.success(), "{trigger:?}");
+    let engine = RunningEngine::start(&config).await;
+    let mut hooks = engine.hooks.subscribe();
+    let stream = Uuid::now_v7();
+    append(&schema, stream, serde_json::json!({})).await;
+
+    wait_until("p1 applied the stream", Duration::from_secs(15), || async {
+        seen(&schema, "p1", stream).await == [1]
+    })
+    .await;
+    // p2: three recorded failures with backoff, then the dead letter; never applied.
+    let mut failures = 0;
+    let started = Instant::now();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let event = tokio::time::timeout_at(deadline, hooks.recv())
+            .await
+            .expect("p2's event is dead-lettered in time")
+            .unwrap();
+        match event {
+            HookEvent::PerspectiveEventFailed {
+                perspective, error, ..
+            } if perspective == "p2" => {
+                assert!(error.contains("could not serialize access"), "{error}");
+                failures += 1;
+            }
+            HookEvent::DeadLettered { perspective, .. } if perspective == "p2" => break,
+            _ => {}
+        }
+    }
+    assert_eq!(failures, 3, "one failure per attempt, no hot retries");
+    // Backoff between them: 200 ms, then 400 ms.
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_dead_letters WHERE perspective_name = 'p2'"
+        ))
+        .await,
+        1
+    );
+    assert!(seen(&schema, "p2", stream).await.is_empty());
+    engine.stop().await;
+}
+
+/// Hang forever on events whose data says so (a bare SELECT runs as PERFORM).
+fn hangable(yaml: &str) -> String {
+    yaml.replacen(
+        "      A: INSERT INTO seen_p1",
+        "      A: SELECT pg_sleep(CASE WHEN :data->>'hang' = 'yes' THEN 3600 ELSE 0 END); INSERT INTO seen_p1",
+        1,
+    )
+}
+
+/// Item 2. A handler that hangs is cancelled by worker.handlerTimeoutMilliseconds and fails like
+/// any other (attempts, backoff, dead letter); the other pair of the stream and other streams
+/// keep flowing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_handler_times_out_and_fails_like_any_other() {
+    let schema = unique_schema("hang");
+    let config = parse_config(&hangable(&recording_yaml(
+        &schema,
+        "worker:
+  handlerTimeoutMilliseconds: 400
+  maxPerspectiveEventAttempts: 2
+  failureRetryBaseMilliseconds: 100
+claimWorker:
+  pollingIntervalMilliseconds: 50
+  notifyHealthyPollingIntervalMilliseconds: 50
+  pollingMaxIntervalMilliseconds: 200
+",
+    )));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let mut hooks = engine.hooks.subscribe();
+    let hung = Uuid::now_v7();
+    append(&schema, hung, serde_json::json!({ "hang": "yes" })).await;
+    append(&schema, hung, serde_json::json!({})).await;
+    let others: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    for s in &others {
+        append(&schema, *s, serde_json::json!({})).await;
+    }
+
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let event = tokio::time::timeout_at(deadline, hooks.recv())
+            .await
+            .expect("the hung event is dead-lettered in time")
+            .unwrap();
+        match event {
+            HookEvent::PerspectiveEventFailed {
+                perspective,
+                stream_id,
+                error,
+                ..
+            } => {
+                assert_eq!((perspective.as_str(), stream_id), ("p1", hung));
+                failures.push(error);
+            }
+            HookEvent::DeadLettered { perspective, .. } if perspective == "p1" => break,
+            _ => {}
+        }
+    }
+    assert_eq!(failures.len(), 2, "{failures:?}");
+    for error in &failures {
+        assert!(error.contains("statement timeout"), "{error}");
+    }
+    // Two attempts of at most 2 × 400 ms each, plus backoff: nowhere near the hour.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    // After the dead letter the stream goes on; the other pair and streams were never held.
+    wait_until(
+        "everything else applied",
+        Duration::from_secs(10),
+        || async {
+            seen(&schema, "p1", hung).await == [2] && seen(&schema, "p2", hung).await == [1, 2] && {
+                let mut all = true;
+                for s in &others {
+                    all &= seen(&schema, "p1", *s).await == [1]
+                        && seen(&schema, "p2", *s).await == [1];
+                }
+                all
+            }
+        },
+    )
+    .await;
+    engine.stop().await;
+}
+
+/// Item 2, shutdown. Without a handler timeout a hung handler would hold its wh_drain call
+/// forever; stopping the worker (what SIGTERM does) still finishes well inside the pod's 30 s
+/// grace period, and the cancelled event is recorded as failed, not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_a_hung_handler_stops_within_its_grace_period() {
+    let schema = unique_schema("hangstop");
+    let config = parse_config(&hangable(&recording_yaml(
+        &schema,
+        "worker:
+  handlerTimeoutMilliseconds: null
+claimWorker:
+  pollingIntervalMilliseconds: 50
+  notifyHealthyPollingIntervalMilliseconds: 50
+  pollingMaxIntervalMilliseconds: 200
+",
+    )));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let hung = Uuid::now_v7();
+    append(&schema, hung, serde_json::json!({ "hang": "yes" })).await;
+    wait_until("the handler hangs", Duration::from_secs(15), || async {
+        scalar(&format!(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE state = 'active' AND wait_event = 'PgSleep' AND query LIKE '%{schema}.wh_drain(%'"
+        ))
+        .await
+            == 1
+    })
+    .await;
+    let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(15), engine.stop())
+        .await
+        .expect("the worker stops despite the hung handler");
+    println!("stopped {:?} after shutdown began", started.elapsed());
+    let (attempts, error): (i32, Option<String>) = {
+        let mut conn = connect().await;
+        sqlx::query_as(&format!(
+            "SELECT attempts, error FROM {schema}.wh_perspective_events
+             WHERE stream_id = $1 AND perspective_name = 'p1'"
+        ))
+        .bind(hung)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+    };
+    assert_eq!(attempts, 1);
+    assert!(error.unwrap_or_default().contains("canceling statement"));
+    // p2 applied the stream in the same call: its commit was not lost with the cancellation.
+    assert_eq!(seen(&schema, "p2", hung).await, [1]);
+}
+
+/// Item 3. Handlers whose statements return rows cannot run in the compiled function (PL/pgSQL
+/// has nowhere to put the rows): migrate refuses them, naming perspective and handler. A plain
+/// SELECT runs with its rows discarded and is accepted.
+#[tokio::test]
+async fn migrate_rejects_handlers_that_return_rows() {
+    let schema = unique_schema("rows");
+    let yaml = format!(
+        "schema: {schema}
+perspectives:
+  - name: rows
+    setup: CREATE TABLE IF NOT EXISTS rows_seen (stream_id uuid)
+    handlers:
+      A: INSERT INTO rows_seen VALUES (:stream_id) RETURNING stream_id
+      B: WITH x AS (SELECT :stream_id AS s) SELECT s FROM x
+      C: VALUES (1)
+      D: SELECT 1; INSERT INTO rows_seen VALUES (:stream_id)
+      E: WITH x AS (SELECT :stream_id AS s) INSERT INTO rows_seen SELECT s FROM x
+"
+    );
+    let config = parse_config(&yaml);
+    let mut conn = connect().await;
+    let err = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .expect_err("handlers returning rows are refused");
+    let MigrateError::InvalidPerspectives(e) = &err else {
+        panic!("{err}");
+    };
+    let paths: Vec<&str> = e.problems.iter().map(|p| p.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "perspectives[0] (rows).handlers.A",
+            "perspectives[0] (rows).handlers.B",
+            "perspectives[0] (rows).handlers.C"
+        ],
+        "{err}"
+    );
+    for p in &e.problems {
+        assert!(p.message.contains("returns rows"), "{}", p.message);
+    }
+    // Nothing was compiled or recorded.
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM pg_proc WHERE proname = 'wh_apply_rows' AND pronamespace = to_regnamespace('{schema}')"
+        ))
+        .await,
+        0
+    );
+}
+
+/// Item 4. An event failing again and again waits 1 s, 2 s, 4 s (the documented doubling from
+/// `failureRetryBaseMilliseconds`), measured in the database: scheduled_for minus the time of
+/// the failing transaction (the cursor's processed_at, stamped by the same transaction just
+/// before the failure is recorded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_delays_double_from_the_first_failure() {
+    let schema = unique_schema("delays");
+    let config = parse_config(&poisonable(
+        &recording_yaml(
+            &schema,
+            "worker:
+  maxPerspectiveEventAttempts: null
+  failureRetryBaseMilliseconds: 1000
+claimWorker:
+  pollingIntervalMilliseconds: 50
+  notifyHealthyPollingIntervalMilliseconds: 50
+  pollingMaxIntervalMilliseconds: 200
+",
+        ),
+        "p1",
+    ));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let stream = Uuid::now_v7();
+    append(&schema, stream, serde_json::json!({ "poison": "yes" })).await;
+    let sql = format!(
+        "SELECT w.attempts, extract(epoch FROM w.scheduled_for - c.processed_at)::float8 * 1000
+         FROM {schema}.wh_perspective_events w
+         JOIN {schema}.wh_perspective_cursors c USING (stream_id, perspective_name)
+         WHERE w.stream_id = $1 AND w.perspective_name = 'p1'"
+    );
+    let mut conn = connect().await;
+    let mut delays = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while delays.len() < 3 {
+        let row: Option<(i32, Option<f64>)> = sqlx::query_as(&sql)
+            .bind(stream)
+            .fetch_optional(&mut conn)
+            .await
+            .unwrap();
+        if let Some((attempts, Some(delay))) = row {
+            if attempts as usize == delays.len() + 1 {
+                // From the failure (clock time, a moment after the cursor's stamp).
+                let expected = retry_delay_ms(1000.0, 300_000.0, attempts);
+                assert!(
+                    delay >= expected && delay < expected + 250.0,
+                    "failure {attempts}: {delay} ms, expected {expected} ms"
+                );
+                delays.push(expected);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "three failures in time: {delays:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(delays, [1000.0, 2000.0, 4000.0]);
+    engine.stop().await;
+}
+
+/// `database_url()` with its database replaced by `db`.
+fn url_for_database(db: &str) -> String {
+    let url = database_url();
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b.to_string(), format!("?{q}")),
+        None => (url.clone(), String::new()),
+    };
+    let cut = base.rfind('/').expect("a database in the URL");
+    format!("{}/{db}{query}", &base[..cut])
+}
+
+/// Item 5. While the LISTEN connection is down (here: the database refuses new connections, and
+/// the LISTEN session is terminated), the claim loop keeps polling at pollingIntervalMilliseconds
+/// however long it finds nothing, so events appended during a 10 s outage are applied about as
+/// fast as the tight interval. (With an idle back-off they waited seconds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_notify_is_down_the_claim_loop_keeps_the_tight_interval() {
+    // Its own database: refusing connections must not disturb the other tests.
+    let db = unique_schema("cadence");
+    let created = psql(&format!("CREATE DATABASE {db}"));
+    assert!(created.status.success(), "{created:?}");
+    let url = url_for_database(&db);
+    let schema = "cadence";
+    let config = parse_config(&recording_yaml(schema, ""));
+    {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+            .await
+            .expect("migrate");
+    }
+    let mut options = EngineOptions::new(config.clone(), url.clone());
+    // Two connections, both opened before the outage (nothing new is needed during it).
+    options.max_connections = 2;
+    let engine = RunningEngine::start_with(options).await;
+    let mut hooks = engine.hooks.subscribe();
+    let sessions = |app: &'static str| {
+        let db = db.clone();
+        async move {
+            scalar(&format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' AND application_name = '{app}'"
+            ))
+            .await
+        }
+    };
+    // Warm the pool up to its two connections, and wait for the LISTEN session.
+    {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+             SELECT gen_random_uuid(), 'A' FROM generate_series(1, 200)"
+        ))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    wait_until(
+        "both pool connections open",
+        Duration::from_secs(20),
+        || async { sessions("perspective-worker").await == 2 },
+    )
+    .await;
+    wait_until("LISTEN connected", Duration::from_secs(10), || async {
+        sessions("perspective-worker listen").await == 1
+    })
+    .await;
+    // The outage: no new connections, and the LISTEN session is gone.
+    let mut appender = {
+        use sqlx::Connection;
+        sqlx::PgConnection::connect(&url).await.unwrap()
+    };
+    let blocked = psql(&format!(
+        "ALTER DATABASE {db} ALLOW_CONNECTIONS false;
+         SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = '{db}' AND application_name = 'perspective-worker listen'"
+    ));
+    assert!(blocked.status.success(), "{blocked:?}");
+    let outage = Instant::now();
+    wait_until("the listener noticed", Duration::from_secs(5), || async {
+        engine.metrics.listener_connected.get() == 0
+    })
+    .await;
+    // Appended late in the outage, after seconds without work (an idle back-off would have
+    // stretched the polls to 4 s and 8 s by then).
+    let mut latencies = Vec::new();
+    for at in [Duration::from_millis(4500), Duration::from_millis(9000)] {
+        tokio::time::sleep(at.saturating_sub(outage.elapsed())).await;
+        let s = Uuid::now_v7();
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+        ))
+        .bind(s)
+        .execute(&mut appender)
+        .await
+        .unwrap();
+        let appended = Instant::now();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        let mut done = 0;
+        while done < 2 {
+            let event = tokio::time::timeout_at(deadline, hooks.recv())
+                .await
+                .expect("applied during the outage")
+                .unwrap();
+            if let HookEvent::PerspectiveEventProcessed { stream_id, .. } = event {
+                if stream_id == s {
+                    done += 1;
+                }
+            }
+        }
+        latencies.push(appended.elapsed());
+    }
+    // The outage lasts 10 s.
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(outage.elapsed())).await;
+    assert_eq!(
+        engine.metrics.listener_connected.get(),
+        0,
+        "NOTIFY stayed down throughout"
+    );
+    let restored = psql(&format!("ALTER DATABASE {db} ALLOW_CONNECTIONS true"));
+    assert!(restored.status.success(), "{restored:?}");
+    println!("apply latency during the outage: {latencies:?}");
+    for l in &latencies {
+        assert!(*l < Duration::from_millis(1000), "{latencies:?}");
+    }
+    engine.stop().await;
+    drop(appender);
+    let _ = psql(&format!("DROP DATABASE {db} WITH (FORCE)"));
+}
