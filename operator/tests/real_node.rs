@@ -873,6 +873,12 @@ spec:
             !failed.is_empty(),
             "a migration pod whose container exited non-zero"
         );
+        // And the error is where the status points: the container's log, served by the kubelet.
+        let log = kubectl_ok(&["-n", &w.ns, "logs", &failed[0].name_any()], None);
+        assert!(
+            log.contains("no_such_type"),
+            "the migrate container's log says what failed: {log}"
+        );
         // The running worker was left alone: same pod, same container, still Ready.
         let still = pods.get(&worker.name_any()).await.unwrap();
         assert_eq!(still.metadata.uid, worker.metadata.uid);
