@@ -685,6 +685,13 @@ spec:
             "[real-node] new Job {} succeeded; StatefulSet untouched until then",
             new_job.name_any()
         );
+        // The operator applies the new template on its next reconcile after the Job's success;
+        // only then does `rollout status` watch the right revision.
+        poll("the StatefulSet gets the new template", LONG, || async {
+            Ok((template_of(&sts_api.get(PD).await?) != before).then_some(()))
+        })
+        .await
+        .unwrap();
         kubectl_ok(
             &[
                 "-n",
@@ -696,12 +703,14 @@ spec:
             ],
             None,
         );
-        let rolled = ready_workers(&pods, &node, 3).await;
-        assert!(
-            uids(&rolled).is_disjoint(&uids(&workers)),
-            "every worker pod was replaced"
-        );
-        assert_ne!(template_of(&sts_api.get(PD).await.unwrap()), before);
+        // Every worker pod replaced, the new ones Ready (real readiness gated the rollout).
+        let old = uids(&workers);
+        poll("3 Ready worker pods, none of them old", LONG, || async {
+            let list = ready_workers(&pods, &node, 3).await;
+            Ok(uids(&list).is_disjoint(&old).then_some(()))
+        })
+        .await
+        .unwrap();
         w.wait_pd_ready();
         let appended = appender.stop().await;
         assert_exactly_once(&w.schema, &appended, "rollout under load").await;
