@@ -4,6 +4,8 @@
 #                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/),
 #                then the real-node scenarios (a kubelet with containerd, runc and the CNI bridge)
 #   make bench   append-path, apply-path and backfill benchmarks (see BENCHMARKS.md)
+#   make bench-scale  how the cost grows with history, breadth, fan-out, a hot stream and churn
+#                (~20 min; appends its table to BENCHMARKS.md)
 #   make images  the worker and operator container images, built with buildah
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -14,7 +16,7 @@ CARGO ?= cargo
 PG := tests/pg/pg.sh
 WORKER := $(CARGO_TARGET_DIR)/debug/perspective-worker
 
-.PHONY: all build lint fmt test unit integration demo bench images postgres clean-cache
+.PHONY: all build lint fmt test unit integration demo bench bench-scale images postgres clean-cache
 
 all: build
 
@@ -52,6 +54,10 @@ bench: postgres
 	tests/bench/append.sh
 	tests/bench/apply.sh
 	tests/bench/backfill.sh
+
+bench-scale: postgres
+	$(CARGO) build --release -p perspective-worker
+	tests/bench/scale.sh
 
 # Container images (buildah, no Docker engine): perspective-worker and perspective-operator.
 images:
