@@ -395,11 +395,13 @@ case_churn() {
   read -r work_end active_end rows_end < <(q -F' ' -c "
     SELECT pg_total_relation_size('$s.wh_perspective_events'), pg_total_relation_size('$s.wh_active_streams'),
            (SELECT count(*) FROM $s.wh_perspective_events)")
-  local mib='{ printf "%.1f MiB", $1 / 1048576 }'
+  local mib='{ printf "%.1f MiB", $1 / 1048576 }' vacuums
+  vacuums=$(q -F' ' -c "SELECT string_agg(relname || ' ' || vacuum_count || ' by the worker, ' || autovacuum_count || ' by autovacuum', '; ')
+                        FROM pg_stat_user_tables WHERE schemaname = '$s' AND relname IN ('wh_perspective_events', 'wh_active_streams')")
   result "churn: applies/s in the last 10% vs the first 10% ($CHURN_EVENTS events)" "$last10 vs $first = $(pct "$last10" "$first")%" "≥ 90%" "$(verdict "$(pct "$last10" "$first")" 90)"
   result "churn: wh_perspective_events + wh_active_streams, peak in the second half vs the first" \
-    "$(echo "$peak2" | awk "$mib") vs $(echo "$peak1" | awk "$mib")" "bounded (≤ 125%)" "$(verdict "$(awk -v a="$peak1" -v b="$peak2" 'BEGIN { print a * 1.25 - b }')" 0)"
-  result "churn: sizes at the end (heap + indexes)" "wh_perspective_events $(echo "$work_end" | awk "$mib") ($rows_end rows), wh_active_streams $(echo "$active_end" | awk "$mib")" "(reported)" "-"
+    "$(echo "$peak2" | awk "$mib") vs $(echo "$peak1" | awk "$mib")" "bounded (≤ 150%)" "$(verdict "$(awk -v a="$peak1" -v b="$peak2" 'BEGIN { print a * 1.5 - b }')" 0)"
+  result "churn: sizes at the end (heap + indexes)" "wh_perspective_events $(echo "$work_end" | awk "$mib") ($rows_end rows), wh_active_streams $(echo "$active_end" | awk "$mib"); vacuums: $vacuums" "(reported)" "-"
 }
 
 # --- history ----------------------------------------------------------------------------------

@@ -78,6 +78,9 @@ pub struct WorkerMetrics {
     /// `perspective_catchup_progress_ratio{perspective}`: share of a backfill's or rebuild's
     /// events applied, 0–1 (1 when live).
     pub catchup_progress: GaugeVec,
+    /// `perspective_queue_vacuums_total{table}`: vacuums of a queue table run by this worker
+    /// (between autovacuum's visits, see `engine::vacuum`).
+    pub queue_vacuums: IntCounterVec,
 }
 
 impl WorkerMetrics {
@@ -215,6 +218,16 @@ impl WorkerMetrics {
         )
         .expect("valid metric");
         reg(Box::new(catchup_progress.clone()));
+        let queue_vacuums = IntCounterVec::new(
+            Opts::new(
+                "perspective_queue_vacuums_total",
+                "Vacuums of a queue table (wh_perspective_events, wh_active_streams) this worker ran \
+                 because it held as many dead rows as live ones.",
+            ),
+            &["table"],
+        )
+        .expect("valid metric");
+        reg(Box::new(queue_vacuums.clone()));
 
         WorkerMetrics {
             registry,
@@ -236,6 +249,7 @@ impl WorkerMetrics {
             phase,
             catchup_remaining_events,
             catchup_progress,
+            queue_vacuums,
         }
     }
 
@@ -315,6 +329,7 @@ mod tests {
         "perspective_phase",
         "perspective_catchup_remaining_events",
         "perspective_catchup_progress_ratio",
+        "perspective_queue_vacuums_total",
     ];
 
     #[test]
@@ -335,6 +350,9 @@ mod tests {
         m.listener_connected.set(1);
         m.completions_flushed.inc_by(10);
         m.hook_events_dropped.inc();
+        m.queue_vacuums
+            .with_label_values(&["wh_active_streams"])
+            .inc();
         let progress = Progress {
             events_remaining: 400,
             percent: 60.0,

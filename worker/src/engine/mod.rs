@@ -17,6 +17,7 @@
 //!   in `/metrics`;
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
 //!   once per event, orphan reconciliation;
+//! - [`vacuum`]: vacuums the queue tables between autovacuum's visits;
 //! - [`hooks`]: what the engine did, for tests and embedding applications;
 //! - [`runner`]: the [`PerspectiveRunner`] trait and the SQL runner.
 
@@ -29,6 +30,7 @@ pub mod jobs;
 pub mod lifecycle;
 pub mod listener;
 pub mod runner;
+pub mod vacuum;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -203,6 +205,12 @@ impl Engine {
         };
         tasks.push(tokio::spawn(job_runner.run()));
         tasks.push(tokio::spawn(heartbeat.run()));
+        tasks.push(tokio::spawn(
+            vacuum::Vacuum {
+                shared: shared.clone(),
+            }
+            .run(),
+        ));
         let settler = completion::Settler {
             shared: shared.clone(),
             completions: completions.clone(),

@@ -22,6 +22,7 @@
 //! - [`jobs`]: backfill and rebuild jobs: their life, their streams, their progress
 //! - [`removal`]: removing what a perspective that left the config leaves behind
 //! - [`status`]: read-only lag / failure / dead-letter figures
+//! - [`vacuum`]: the queue tables' dead rows, and vacuuming them
 //! - [`append`]: the producer INSERT used by the `append` command
 //! - [`demo`]: reading a perspective's model table for the demo
 
@@ -42,6 +43,7 @@ pub mod names;
 pub mod removal;
 pub mod schema;
 pub mod status;
+pub mod vacuum;
 
 use std::sync::Arc;
 
