@@ -73,7 +73,7 @@ impl LastWork {
     }
 
     /// Whether work was found within [`LIVE_GRACE`].
-    fn recent(&self) -> bool {
+    pub(crate) fn recent(&self) -> bool {
         match self.at.load(Ordering::Relaxed) {
             0 => false,
             at => {

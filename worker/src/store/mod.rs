@@ -21,6 +21,7 @@
 //! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
 //! - [`jobs`]: backfill and rebuild jobs: their life, their streams, their progress
 //! - [`removal`]: removing what a perspective that left the config leaves behind
+//! - [`statistics`]: the tables' sizes against their planner statistics, and ANALYZE
 //! - [`status`]: read-only lag / failure / dead-letter figures
 //! - [`append`]: the producer INSERT used by the `append` command
 //! - [`demo`]: reading a perspective's model table for the demo
@@ -41,6 +42,7 @@ pub mod migrations;
 pub mod names;
 pub mod removal;
 pub mod schema;
+pub mod statistics;
 pub mod status;
 
 use std::sync::Arc;
