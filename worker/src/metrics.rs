@@ -66,8 +66,8 @@ pub struct WorkerMetrics {
     pub listener_connected: IntGauge,
     /// `perspective_completions_flushed_total`: completed work rows deleted by the flush worker.
     pub completions_flushed: IntCounter,
-    /// `perspective_tables_analyzed_total{table}`: ANALYZEs of a schema table that outgrew its
-    /// planner statistics (see `engine::statistics`).
+    /// `perspective_tables_analyzed_total{table}`: ANALYZEs (SKIP_LOCKED) of a schema table that
+    /// outgrew its planner statistics (see `engine::statistics`).
     pub tables_analyzed: IntCounterVec,
     /// `perspective_hook_events_dropped_total`: hook events not delivered because a subscriber
     /// had fallen the channel's capacity behind.
@@ -189,7 +189,8 @@ impl WorkerMetrics {
             Opts::new(
                 "perspective_tables_analyzed_total",
                 "ANALYZEs the worker ran on a table of its schema whose rows outgrew its planner \
-                 statistics (so cached plans made while it was small stop scanning it).",
+                 statistics (so cached plans made while it was small stop scanning it); one that \
+                 found the table locked by another ANALYZE, a VACUUM or DDL skipped it.",
             ),
             &["table"],
         )

@@ -103,7 +103,7 @@ impl StatisticsKeeper {
                         live_rows = t.live_rows,
                         statistics_rows = t.analyzed_rows,
                         elapsed_ms = started.elapsed().as_millis() as u64,
-                        "table outgrew its planner statistics; analyzed it"
+                        "table outgrew its planner statistics; analyzed it (unless another session held it)"
                     );
                 }
                 Verdict::Denied => {
