@@ -19,7 +19,7 @@ use crate::progress::{Phase, Progress};
 
 /// Buckets for durations inside the worker (a claim, a batch): 1 ms … 30 s.
 const DURATION_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
 /// Buckets for append → applied latency: 1 ms … 30 s. Steady state is tens of
@@ -66,6 +66,9 @@ pub struct WorkerMetrics {
     pub listener_connected: IntGauge,
     /// `perspective_completions_flushed_total`: completed work rows deleted by the flush worker.
     pub completions_flushed: IntCounter,
+    /// `perspective_tables_analyzed_total{table}`: ANALYZEs (SKIP_LOCKED) of a schema table that
+    /// outgrew its planner statistics (see `engine::statistics`).
+    pub tables_analyzed: IntCounterVec,
     /// `perspective_hook_events_dropped_total`: hook events not delivered because a subscriber
     /// had fallen the channel's capacity behind.
     pub hook_events_dropped: IntCounter,
@@ -185,6 +188,17 @@ impl WorkerMetrics {
             "perspective_completions_flushed_total",
             "Completed work rows deleted in batches by the completion flush worker.",
         );
+        let tables_analyzed = IntCounterVec::new(
+            Opts::new(
+                "perspective_tables_analyzed_total",
+                "ANALYZEs the worker ran on a table of its schema whose rows outgrew its planner \
+                 statistics (so cached plans made while it was small stop scanning it); one that \
+                 found the table locked by another ANALYZE, a VACUUM or DDL skipped it.",
+            ),
+            &["table"],
+        )
+        .expect("valid metric");
+        reg(Box::new(tables_analyzed.clone()));
         let hook_events_dropped = counter(
             "perspective_hook_events_dropped_total",
             "Hook events not delivered because a subscriber had fallen the channel's capacity behind \
@@ -245,6 +259,7 @@ impl WorkerMetrics {
             notify_wakeups,
             listener_connected,
             completions_flushed,
+            tables_analyzed,
             hook_events_dropped,
             phase,
             catchup_remaining_events,
@@ -325,6 +340,7 @@ mod tests {
         "perspective_notify_wakeups_total",
         "perspective_listener_connected",
         "perspective_completions_flushed_total",
+        "perspective_tables_analyzed_total",
         "perspective_hook_events_dropped_total",
         "perspective_phase",
         "perspective_catchup_remaining_events",
@@ -349,6 +365,7 @@ mod tests {
         m.notify_wakeups.inc();
         m.listener_connected.set(1);
         m.completions_flushed.inc_by(10);
+        m.tables_analyzed.with_label_values(&["orders"]).inc();
         m.hook_events_dropped.inc();
         m.queue_vacuums
             .with_label_values(&["wh_active_streams"])

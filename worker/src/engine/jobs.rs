@@ -73,14 +73,19 @@ impl LastWork {
     }
 
     /// Whether work was found within [`LIVE_GRACE`].
-    fn recent(&self) -> bool {
+    pub(crate) fn recent(&self) -> bool {
+        self.within(LIVE_GRACE)
+    }
+
+    /// Whether work was found within `grace`.
+    pub(crate) fn within(&self, grace: Duration) -> bool {
         match self.at.load(Ordering::Relaxed) {
             0 => false,
             at => {
                 self.start
                     .elapsed()
                     .saturating_sub(Duration::from_millis(at - 1))
-                    < LIVE_GRACE
+                    < grace
             }
         }
     }

@@ -13,11 +13,13 @@
 //! - [`completion`]: the Batched completion flush worker and the settler that retires drained
 //!   streams;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
+//! - [`statistics`]: while busy, ANALYZE of the schema's tables that outgrew their planner
+//!   statistics (so cached plans of tables that grew from empty stop scanning them);
 //! - [`jobs`]: backfill and rebuild chunks, shared with the other instances, and their progress
 //!   in `/metrics`;
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
 //!   once per event, orphan reconciliation;
-//! - [`vacuum`]: vacuums the queue tables between autovacuum's visits;
+//! - [`vacuum`]: while busy, vacuums the queue tables between autovacuum's visits;
 //! - [`hooks`]: what the engine did, for tests and embedding applications;
 //! - [`runner`]: the [`PerspectiveRunner`] trait and the SQL runner.
 
@@ -30,6 +32,7 @@ pub mod jobs;
 pub mod lifecycle;
 pub mod listener;
 pub mod runner;
+pub mod statistics;
 pub mod vacuum;
 
 use std::sync::atomic::AtomicBool;
@@ -208,6 +211,7 @@ impl Engine {
         tasks.push(tokio::spawn(
             vacuum::Vacuum {
                 shared: shared.clone(),
+                last_work: last_work.clone(),
             }
             .run(),
         ));
@@ -229,6 +233,11 @@ impl Engine {
         for _ in 0..config.worker.max_concurrent_drain_consumers.max(1) {
             tasks.push(tokio::spawn(drainer.clone().consume(rx.clone())));
         }
+        let statistics = statistics::StatisticsKeeper {
+            shared: shared.clone(),
+            last_work: last_work.clone(),
+        };
+        tasks.push(tokio::spawn(statistics.run()));
         let claim_loop = claim::ClaimLoop {
             shared: shared.clone(),
             drain_tx,

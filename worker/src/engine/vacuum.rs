@@ -4,7 +4,7 @@
 //! `wh_active_streams` row. Autovacuum visits a database once per `autovacuum_naptime` (a
 //! server-wide setting, 1 min by default), and at tens of thousands of applies per second a
 //! minute of dead rows is hundreds of megabytes: the tables bloat, and so does the time to scan
-//! them. So the engine looks at the statistics every [`CHECK_EVERY`] and vacuums a queue table
+//! them. So while claims find work, the engine looks at the statistics every [`CHECK_EVERY`] and vacuums a queue table
 //! itself once it holds as many dead rows as live ones (and at least [`MIN_DEAD_ROWS`]), which
 //! keeps each table within about twice its live size and each vacuum short. Rows a vacuum could
 //! not remove (an older transaction may still see them) do not count towards the next one, so
@@ -16,11 +16,16 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::jobs::LastWork;
 use super::Shared;
 use crate::store::vacuum::TableRows;
 
 /// How often the statistics are read (one catalog query).
 pub(crate) const CHECK_EVERY: Duration = Duration::from_secs(2);
+
+/// How long after the last claim that found work the checks go on: the last deletions
+/// (completion flushes) come after it.
+pub(crate) const BUSY_GRACE: Duration = Duration::from_secs(10);
 
 /// Dead rows below which a table is left alone: a vacuum costs a scan of the table and its
 /// indexes, worth it only once there is something to reclaim.
@@ -36,6 +41,9 @@ pub(crate) fn vacuum_due(rows: &TableRows, left: i64) -> bool {
 /// The vacuum task.
 pub(crate) struct Vacuum {
     pub shared: Arc<Shared>,
+    /// When a claim last found work: a worker idle for [`BUSY_GRACE`] sends nothing (what is
+    /// left dead then is autovacuum's).
+    pub last_work: Arc<LastWork>,
 }
 
 impl Vacuum {
@@ -48,6 +56,9 @@ impl Vacuum {
             tokio::select! {
                 _ = shared.shutdown.cancelled() => return,
                 _ = tokio::time::sleep(CHECK_EVERY) => {}
+            }
+            if !self.last_work.within(BUSY_GRACE) {
+                continue;
             }
             let tables = match shared.store.queue_table_rows().await {
                 Ok(t) => t,

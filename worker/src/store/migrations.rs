@@ -53,6 +53,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0009_append_only_and_lifecycle_truth.sql",
         template: include_str!("../../../migrations/0009_append_only_and_lifecycle_truth.sql"),
     },
+    Migration {
+        version: 10,
+        name: "0010_claim_at_breadth.sql",
+        template: include_str!("../../../migrations/0010_claim_at_breadth.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.

@@ -21,6 +21,7 @@
 //! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
 //! - [`jobs`]: backfill and rebuild jobs: their life, their streams, their progress
 //! - [`removal`]: removing what a perspective that left the config leaves behind
+//! - [`statistics`]: the tables' sizes against their planner statistics, and ANALYZE
 //! - [`status`]: read-only lag / failure / dead-letter figures
 //! - [`vacuum`]: the queue tables' dead rows, and vacuuming them
 //! - [`append`]: the producer INSERT used by the `append` command
@@ -42,6 +43,7 @@ pub mod migrations;
 pub mod names;
 pub mod removal;
 pub mod schema;
+pub mod statistics;
 pub mod status;
 pub mod vacuum;
 

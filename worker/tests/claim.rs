@@ -1,0 +1,150 @@
+//! `claim_work` against a real PostgreSQL: what it takes (its share of the unowned streams, a
+//! silent owner's streams), in which order, and that with very many active streams it reads
+//! only about what it returns.
+
+mod common;
+
+use common::*;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+/// `n` streams with one pending event each, their `created_at` one millisecond apart in
+/// stream-id order (the order claims must follow).
+async fn streams(conn: &mut PgConnection, schema: &str, n: i64) {
+    sqlx::raw_sql(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type, metadata)
+           SELECT gen_random_uuid(), 'A', '{{}}' FROM generate_series(1, {n});
+         UPDATE {schema}.wh_active_streams a SET created_at = now() - (({n} - o.i) * interval '1 ms')
+           FROM (SELECT stream_id, row_number() OVER (ORDER BY stream_id) AS i
+                 FROM {schema}.wh_active_streams) o
+          WHERE o.stream_id = a.stream_id;
+         ANALYZE {schema}.wh_active_streams;"
+    ))
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+async fn instance(conn: &mut PgConnection, schema: &str, id: Uuid, silent: bool) {
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_service_instances (instance_id, service_name, host_name, process_id, last_heartbeat_at)
+         VALUES ($1, 'test', 'h', 1, now() - CASE WHEN $2 THEN interval '1 hour' ELSE interval '0' END)"
+    ))
+    .bind(id)
+    .bind(silent)
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+async fn claim(conn: &mut PgConnection, schema: &str, id: Uuid, max: i32) -> Vec<Uuid> {
+    sqlx::query_scalar(&format!(
+        "SELECT stream_id FROM {schema}.claim_work($1, $2, 30)"
+    ))
+    .bind(id)
+    .bind(max)
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
+/// The streams `owner` holds (NULL: nobody), oldest first.
+async fn held(conn: &mut PgConnection, schema: &str, owner: Option<Uuid>) -> Vec<Uuid> {
+    sqlx::query_scalar(&format!(
+        "SELECT stream_id FROM {schema}.wh_active_streams
+         WHERE assigned_instance_id IS NOT DISTINCT FROM $1 ORDER BY created_at"
+    ))
+    .bind(owner)
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_claim_at_breadth_reads_about_what_it_returns_oldest_first() {
+    let (schema, _config) = migrated_schema("claim_wide").await;
+    let mut conn = connect().await;
+    streams(&mut conn, &schema, 20_000).await;
+    let me = Uuid::now_v7();
+    instance(&mut conn, &schema, me, false).await;
+    let by_age = held(&mut conn, &schema, None).await;
+    let oldest = by_age[..100].to_vec();
+
+    for round in ["taking", "holding"] {
+        // Rows of wh_active_streams this session read, by any scan, since its last report to
+        // the cumulative statistics (which never happens inside a transaction).
+        let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
+                           FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
+        let table = format!("{schema}.wh_active_streams");
+        sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+        let before: i64 = sqlx::query_scalar(read_so_far)
+            .bind(&table)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        let got = claim(&mut conn, &schema, me, 100).await;
+        let read = sqlx::query_scalar::<_, i64>(read_so_far)
+            .bind(&table)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+            - before;
+        sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
+        assert_eq!(got, oldest, "{round}: the 100 oldest streams, in order");
+        // Take 100, check 100 held for leftovers, offer 100: a few hundred rows, not 20 000.
+        assert!(read < 1000, "{round}: read {read} rows of 20 000");
+    }
+    // Each claim took the next 100 oldest; the held ones with due work come first.
+    assert_eq!(held(&mut conn, &schema, Some(me)).await, by_age[..200]);
+}
+
+#[tokio::test]
+async fn a_claim_takes_its_share_then_a_silent_owners_streams_oldest_first() {
+    let (schema, _config) = migrated_schema("claim_share").await;
+    let mut conn = connect().await;
+    streams(&mut conn, &schema, 40).await;
+    let (first, second) = (Uuid::now_v7(), Uuid::now_v7());
+    instance(&mut conn, &schema, first, false).await;
+    instance(&mut conn, &schema, second, false).await;
+    let share = |parity: i32| {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            sqlx::query_scalar::<_, Uuid>(&format!(
+                "SELECT stream_id FROM {schema}.wh_active_streams
+                 WHERE partition_number % 2 = $1 ORDER BY created_at"
+            ))
+            .bind(parity)
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+        }
+    };
+    let (mine, theirs) = (share(0).await, share(1).await);
+    assert!(!mine.is_empty() && !theirs.is_empty());
+
+    // Two live instances: the first (by id) takes the even partitions, and only those.
+    assert_eq!(claim(&mut conn, &schema, first, 100).await, mine);
+    assert_eq!(claim(&mut conn, &schema, second, 100).await, theirs);
+
+    // The second falls silent: the first takes its streams, the oldest first, p_max at a time.
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_service_instances SET last_heartbeat_at = now() - interval '1 hour'
+         WHERE instance_id = $1"
+    ))
+    .bind(second)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    claim(&mut conn, &schema, first, 3).await;
+    assert_eq!(held(&mut conn, &schema, Some(second)).await, theirs[3..]);
+    let got = claim(&mut conn, &schema, first, 100).await;
+    assert!(held(&mut conn, &schema, Some(second)).await.is_empty());
+    let mut all = mine.clone();
+    all.extend(&theirs);
+    let mut by_age = held(&mut conn, &schema, Some(first)).await;
+    assert_eq!(got, by_age, "every stream, oldest first");
+    by_age.sort();
+    all.sort();
+    assert_eq!(by_age, all);
+}
