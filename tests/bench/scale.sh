@@ -143,19 +143,26 @@ claim_quantile() { # before after q
 }
 
 # The waits run server-side in one session and sleep 10× as long as each check took, so they
-# cost the machine at most a few percent whatever the size of the tables.
+# cost the machine at most a few percent whatever the size of the tables. Every session that
+# waits commits before and after each sleep: one holding a snapshot would stop PostgreSQL from
+# pruning and vacuuming dead row versions for as long as it waits.
 q -c "SET client_min_messages = warning" -c "CREATE SCHEMA IF NOT EXISTS bench" >/dev/null
 q <<'EOF'
 SET client_min_messages = warning;
 -- Epoch seconds at which the schema's cursors reached p_expect applies in total (optionally: the
 -- streams other than p_hot, and p_hot alone), then waited until no work row is left unprocessed.
-CREATE OR REPLACE FUNCTION bench.await_applied(p_schema text, p_expect bigint, p_hot uuid DEFAULT NULL,
-                                               p_hot_expect bigint DEFAULT 0, p_timeout interval DEFAULT '20 min')
-RETURNS TABLE (others_at double precision, hot_at double precision, completed_at double precision)
+-- A procedure that commits after every check and every sleep: a statement that waited in one
+-- snapshot would hold back the xmin horizon, so that no dead row version (a counter updated
+-- many times, a deleted work row) could be pruned or vacuumed while the engine is measured.
+CREATE OR REPLACE PROCEDURE bench.await_applied(p_schema text, p_expect bigint, p_hot uuid DEFAULT NULL,
+    p_hot_expect bigint DEFAULT 0, p_timeout interval DEFAULT '20 min',
+    INOUT others_at double precision DEFAULT NULL, INOUT hot_at double precision DEFAULT NULL,
+    INOUT completed_at double precision DEFAULT NULL)
 LANGUAGE plpgsql AS $$
 DECLARE
   v_deadline timestamptz := clock_timestamp() + p_timeout;
   v_t0 timestamptz;
+  v_took double precision;
   v_sum bigint;
   v_hot bigint;
   v_more boolean;
@@ -171,7 +178,10 @@ BEGIN
     IF clock_timestamp() > v_deadline THEN
       RAISE EXCEPTION 'bench: %: % of % applies after %', p_schema, v_sum + v_hot, p_expect + p_hot_expect, p_timeout;
     END IF;
-    PERFORM pg_sleep(greatest(0.005, 10 * extract(epoch FROM clock_timestamp() - v_t0)));
+    v_took := extract(epoch FROM clock_timestamp() - v_t0);
+    COMMIT;
+    PERFORM pg_sleep(greatest(0.005, 10 * v_took));
+    COMMIT;
   END LOOP;
   LOOP
     v_t0 := clock_timestamp();
@@ -180,10 +190,12 @@ BEGIN
     IF clock_timestamp() > v_deadline THEN
       RAISE EXCEPTION 'bench: %: work rows left unprocessed after %', p_schema, p_timeout;
     END IF;
-    PERFORM pg_sleep(greatest(0.005, 10 * extract(epoch FROM clock_timestamp() - v_t0)));
+    v_took := extract(epoch FROM clock_timestamp() - v_t0);
+    COMMIT;
+    PERFORM pg_sleep(greatest(0.005, 10 * v_took));
+    COMMIT;
   END LOOP;
   completed_at := extract(epoch FROM clock_timestamp());
-  RETURN NEXT;
 END
 $$;
 -- Every counter of the schema's perspectives equals its stream's event count.
@@ -232,7 +244,7 @@ case_breadth() {
     start_worker $s
     claim_buckets "$WPORT" >"$work/claims-$s-0"
     read -r t0 t1 < <(append_block $s b0000000 1 "$streams" "$per")
-    read -r _ _ done < <(q -F' ' -c "SELECT * FROM bench.await_applied('$s', $applies)")
+    read -r _ _ done < <(q -F' ' -c "CALL bench.await_applied('$s', $applies)")
     claim_buckets "$WPORT" >"$work/claims-$s-1"
     rss=$(stop_worker "$WPID")
     check $s 2
@@ -264,7 +276,7 @@ case_fanout() {
       migrate $s "$k"
       start_worker $s
       read -r t0 t1 < <(append_block $s f0000000 1 "$FANOUT_STREAMS" 100)
-      read -r _ _ done < <(q -F' ' -c "SELECT * FROM bench.await_applied('$s', $(( events * k )))")
+      read -r _ _ done < <(q -F' ' -c "CALL bench.await_applied('$s', $(( events * k )))")
       stop_worker "$WPID" >/dev/null
       check $s "$k"
       rate $(( events * k )) "$t1" "$done" >>"$work/fo-rate-$k"; echo >>"$work/fo-rate-$k"
@@ -306,12 +318,12 @@ case_hot() {
                 SELECT '$hot'::uuid, 0, v FROM generate_series(1, $others) v) e
               ORDER BY v, x" \
           -c "SELECT extract(epoch FROM clock_timestamp())" | tr '\n' ' '; echo)
-        read -r oat hat _ < <(q -F' ' -c "SELECT * FROM bench.await_applied('$s', $(( others * 2 )), '$hot', $(( others * 2 )))")
+        read -r oat hat _ < <(q -F' ' -c "CALL bench.await_applied('$s', $(( others * 2 )), '$hot', $(( others * 2 )))")
         rate $(( others * 2 )) "$t1" "$hat" >>"$work/hot-hot"; echo >>"$work/hot-hot"
         rate $(( others * 2 )) "$t1" "$oat" >>"$work/hot-mix"; echo >>"$work/hot-mix"
       else
         read -r t0 t1 < <(append_block $s a0000000 1 "$HOT_OTHERS" 100)
-        read -r oat _ _ < <(q -F' ' -c "SELECT * FROM bench.await_applied('$s', $(( others * 2 )))")
+        read -r oat _ _ < <(q -F' ' -c "CALL bench.await_applied('$s', $(( others * 2 )))")
         rate $(( others * 2 )) "$t1" "$oat" >>"$work/hot-base"; echo >>"$work/hot-base"
       fi
       stop_worker "$WPID" >/dev/null
@@ -342,7 +354,9 @@ case_churn() {
         EXIT WHEN EXISTS (SELECT 1 FROM bench.flags WHERE name = 'done');
         SELECT coalesce(sum(last_version), 0) INTO v_applied FROM $s.wh_perspective_cursors;
         IF v_appended * 2 - v_applied > $CHURN_BACKLOG THEN
+          COMMIT; -- no snapshot held while waiting (it would keep dead rows from being vacuumed)
           PERFORM pg_sleep(0.01);
+          COMMIT;
           CONTINUE;
         END IF;
         INSERT INTO $s.wh_event_store (stream_id, event_type, metadata)
@@ -363,7 +377,7 @@ case_churn() {
         INSERT INTO bench.samples VALUES (extract(epoch FROM clock_timestamp()), v_applied,
           pg_total_relation_size('$s.wh_perspective_events'), pg_total_relation_size('$s.wh_active_streams'));
         COMMIT;
-        IF v_applied < $applies THEN PERFORM pg_sleep(0.5); END IF;
+        IF v_applied < $applies THEN PERFORM pg_sleep(0.5); COMMIT; END IF;
       END LOOP;
       INSERT INTO bench.flags VALUES ('done');
     END \$\$" &
@@ -380,7 +394,7 @@ case_churn() {
   wait "$monitor"; wait "$producer"
   # What the producer appended beyond the measured 5 M drains, then the final sizes.
   local total; total=$(q -c "SELECT sum(version) * 2 FROM $s.wh_streams")
-  q -c "SELECT * FROM bench.await_applied('$s', $total)" >/dev/null
+  q -c "CALL bench.await_applied('$s', $total)" >/dev/null
   check $s 2
   local first last10 work_end active_end peak1 peak2 rows_end
   # Time at which the applies crossed 10%, 90% and 100%, interpolated between samples.
@@ -415,7 +429,7 @@ case_history() {
   for r in $(seq "$ROUNDS"); do
     for s in $empty $full; do
       read -r t0 t1 < <(append_block $s "d000000$r" 1 "$live_streams" 100)
-      read -r _ _ done < <(q -F' ' -c "SELECT * FROM bench.await_applied('$s', (SELECT sum(version) * 2 FROM $s.wh_streams)::bigint)")
+      read -r _ _ done < <(q -F' ' -c "CALL bench.await_applied('$s', $(q -c "SELECT sum(version) * 2 FROM $s.wh_streams"))")
       rate $(( live_streams * 200 )) "$t1" "$done" >>"$work/hist-apply-$s"; echo >>"$work/hist-apply-$s"
     done
     log "history apply (round $r): empty $(tail -1 "$work/hist-apply-$empty"), with history $(tail -1 "$work/hist-apply-$full") applies/s"
