@@ -78,14 +78,16 @@ append_all() { # schema
 
 # The wait must not steal the CPU it is timing (a psql process and a new backend every few
 # milliseconds would): one session polls server-side, first the cursors (a few hundred rows) until
-# all have reached their heads, then the work table until no row is left unprocessed.
+# all have reached their heads, then the work table until no row is left unprocessed. It commits
+# around every sleep: a session waiting in one snapshot would hold back the xmin horizon, so no
+# dead row version (the counters are updated 100 times per stream) could be pruned meanwhile.
 await_drained() { # schema: returns once everything is applied and completed (5 min at most)
   q -c "SET statement_timeout = '300s'" -c "DO \$\$ BEGIN
     WHILE (SELECT coalesce(sum(last_version), 0) FROM $1.wh_perspective_cursors) < $(( 2 * STREAMS * PER_STREAM )) LOOP
-      PERFORM pg_sleep(0.005);
+      COMMIT; PERFORM pg_sleep(0.005); COMMIT; -- no snapshot held while waiting
     END LOOP;
     WHILE EXISTS (SELECT 1 FROM $1.wh_perspective_events WHERE processed_at IS NULL) LOOP
-      PERFORM pg_sleep(0.005);
+      COMMIT; PERFORM pg_sleep(0.005); COMMIT; -- no snapshot held while waiting
     END LOOP;
   END \$\$"
 }

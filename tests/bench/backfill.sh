@@ -96,15 +96,17 @@ await_registered() { # schema
   exit 1
 }
 
-# One session polls server-side (a psql process every few ms would steal the CPU being timed).
+# One session polls server-side (a psql process every few ms would steal the CPU being timed),
+# committing around every sleep (a session waiting in one snapshot would keep PostgreSQL from
+# pruning dead row versions while the engine is timed).
 await_applied() { # schema: every A event applied to c1, no job left, nothing of c1 pending
   q -c "SET statement_timeout = '1800s'" -c "DO \$\$ BEGIN
     WHILE (SELECT coalesce(sum(n), 0) FROM $1.c1) < $EVENTS
           OR EXISTS (SELECT 1 FROM $1.wh_perspective_jobs WHERE state <> 'done') LOOP
-      PERFORM pg_sleep(0.01);
+      COMMIT; PERFORM pg_sleep(0.01); COMMIT; -- no snapshot held while waiting
     END LOOP;
     WHILE EXISTS (SELECT 1 FROM $1.wh_perspective_events WHERE perspective_name = 'c1' AND processed_at IS NULL) LOOP
-      PERFORM pg_sleep(0.01);
+      COMMIT; PERFORM pg_sleep(0.01); COMMIT; -- no snapshot held while waiting
     END LOOP;
   END \$\$"
 }
@@ -135,7 +137,7 @@ latency() { # schema label -> "p50 p99" in ms of the live events appended in tha
 await_live_applied() { # schema: no L work pending
   q -c "SET statement_timeout = '300s'" -c "DO \$\$ BEGIN
     WHILE EXISTS (SELECT 1 FROM $1.wh_perspective_events WHERE perspective_name = 'live' AND processed_at IS NULL) LOOP
-      PERFORM pg_sleep(0.01);
+      COMMIT; PERFORM pg_sleep(0.01); COMMIT; -- no snapshot held while waiting
     END LOOP;
   END \$\$"
 }
