@@ -47,3 +47,55 @@ async fn the_engine_vacuums_its_queue_tables_between_autovacuum_visits() {
     );
     engine.stop().await;
 }
+
+/// Retiring streams (`cleanup_completed_streams`, called by the settler and `claim_work` for
+/// streams that may still have work) reads a few rows of a stream with a deep backlog, not the
+/// whole backlog: one hot stream holding 20 000 events used to cost a read of all of its work
+/// rows on every call.
+#[tokio::test]
+async fn retiring_a_stream_with_a_deep_backlog_does_not_read_the_backlog() {
+    let (schema, _config) = migrated_schema("retire_hot").await;
+    let mut conn = connect().await;
+    let hot = Uuid::now_v7();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+         SELECT $1, 'B' FROM generate_series(1, 20000)"
+    ))
+    .bind(hot)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let work = scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_events WHERE stream_id = '{hot}'"
+    ))
+    .await;
+    assert_eq!(work, 40_000, "B is handled by both perspectives");
+
+    // Rows of the work table this session read, by any scan, inside one transaction.
+    let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
+                       FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
+    let table = format!("{schema}.wh_perspective_events");
+    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+    let before: i64 = sqlx::query_scalar(read_so_far)
+        .bind(&table)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let retired: Vec<Uuid> = sqlx::query_scalar(&format!(
+        "SELECT * FROM {schema}.cleanup_completed_streams($1, ARRAY[$2]::uuid[])"
+    ))
+    .bind(Uuid::now_v7())
+    .bind(hot)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let read = sqlx::query_scalar::<_, i64>(read_so_far)
+        .bind(&table)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        - before;
+    sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
+    assert!(retired.is_empty(), "a stream with work is not retired");
+    assert!(read < 100, "read {read} of the stream's 40 000 work rows");
+}

@@ -58,6 +58,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0010_claim_at_breadth.sql",
         template: include_str!("../../../migrations/0010_claim_at_breadth.sql"),
     },
+    Migration {
+        version: 12,
+        name: "0012_retire_without_reading_the_backlog.sql",
+        template: include_str!("../../../migrations/0012_retire_without_reading_the_backlog.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.
