@@ -313,7 +313,7 @@ pub struct DrainBatcherOptions {
     pub sliding_window_milliseconds: u64,
     /// Longest a batch of drain signals is held open, in ms (default 3000).
     pub max_wait_milliseconds: u64,
-    /// Stream ids that close a batch at once (default 1000). The worker also caps a batch at 10000 / (perspectiveBatchSize × number of perspectives) ids, at least 1, so that one claim+fetch stays near 10000 rows: with the default perspectiveBatchSize of 100 and one perspective the cap is 100, so maxSize only matters below it.
+    /// Stream ids that close a batch at once (default 1000). The worker sizes batches so that one drain call stays near 10000 rows: until a call has reported how many rows its streams had, and whenever they are deep, at 10000 / (perspectiveBatchSize × number of perspectives) ids (50 with the defaults and 2 perspectives); when the last call found fewer rows per stream, proportionally more, up to maxSize (1000 streams of one event each fill one call).
     #[schemars(range(min = 1))]
     pub max_size: u32,
 }

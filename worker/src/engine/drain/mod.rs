@@ -42,6 +42,9 @@ pub(crate) struct Drainer {
     in_flight: Mutex<HashMap<Uuid, bool>>,
     /// Batches being drained right now (the sliding window only waits while one is).
     batches_in_flight: std::sync::atomic::AtomicUsize,
+    /// Rows per stream the last `wh_drain` call took (`f64` bits; [`NO_DEPTH`]: none yet),
+    /// which sizes the next batches (see [`batch_limit`]).
+    observed_depth: std::sync::atomic::AtomicU64,
     /// Applied rows, out to the completion flush worker (Batched).
     completions: CompletionQueue,
     /// Streams still busy after the drain loop, back to the drain channel.
@@ -66,6 +69,7 @@ impl Drainer {
             gates: fetch::PairGates::default(),
             in_flight: Mutex::default(),
             batches_in_flight: Default::default(),
+            observed_depth: std::sync::atomic::AtomicU64::new(NO_DEPTH),
             completions,
             drain_tx,
             settle_tx,
@@ -86,10 +90,56 @@ impl Drainer {
     }
 }
 
+/// No `wh_drain` call has reported its depth yet.
+const NO_DEPTH: u64 = u64::MAX;
+
+impl Drainer {
+    /// Record the rows per stream a `wh_drain` call took (calls that took nothing say nothing).
+    pub(super) fn observe_depth(&self, rows: i64, streams: usize) {
+        if rows > 0 && streams > 0 {
+            let depth = rows as f64 / streams as f64;
+            self.observed_depth
+                .store(depth.to_bits(), Ordering::Relaxed);
+        }
+    }
+
+    fn observed_depth(&self) -> Option<f64> {
+        match self.observed_depth.load(Ordering::Relaxed) {
+            NO_DEPTH => None,
+            bits => Some(f64::from_bits(bits)),
+        }
+    }
+}
+
+/// Stream ids one batch may hold. Until a call has reported its depth, the full-depth limit
+/// (`WorkerOptions::drain_batch_limit`: every stream assumed to yield `perspectiveBatchSize`
+/// rows per perspective). After, as many streams as keep a call near [`ROWS_PER_FETCH`] rows
+/// at the depth the last call found, up to `drainBatcher.maxSize`: shallow streams (one event
+/// each, 2 rows) fill a call with 1000 streams instead of 50. A call that meets deeper streams
+/// than expected stops at its row budget and hands the rest back ("more"), and its depth sizes
+/// the next batches down again.
+pub(crate) fn batch_limit(
+    full_depth_limit: usize,
+    max_size: usize,
+    observed: Option<f64>,
+) -> usize {
+    let floor = full_depth_limit.max(1);
+    match observed {
+        Some(rows) if rows > 0.0 => {
+            ((ROWS_PER_FETCH as f64 / rows) as usize).clamp(floor, max_size.max(floor))
+        }
+        _ => floor,
+    }
+}
+
 /// Wait for the first stream id, then gather more with the sliding window (see [`gather`]).
 async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     let config = &ctx.shared.config;
-    let max_size = config.worker.drain_batch_limit(config.perspectives.len());
+    let max_size = batch_limit(
+        config.worker.drain_batch_limit(config.perspectives.len()),
+        config.worker.drain_batcher.max_size as usize,
+        ctx.observed_depth(),
+    );
     let mut rx = rx.lock().await;
     let first = tokio::select! {
         _ = ctx.shared.shutdown.cancelled() => return None,
@@ -286,6 +336,34 @@ mod tests {
                 }
             }
         });
+    }
+
+    #[test]
+    fn batches_grow_to_max_size_when_streams_are_shallow_and_shrink_when_deep() {
+        // Defaults with 2 perspectives: full depth 200 rows per stream → 50 streams.
+        assert_eq!(
+            batch_limit(50, 1000, None),
+            50,
+            "before any call: full depth"
+        );
+        assert_eq!(
+            batch_limit(50, 1000, Some(2.0)),
+            1000,
+            "one event per stream"
+        );
+        assert_eq!(batch_limit(50, 1000, Some(40.0)), 250);
+        assert_eq!(batch_limit(50, 1000, Some(200.0)), 50, "full depth again");
+        assert_eq!(
+            batch_limit(50, 1000, Some(5000.0)),
+            50,
+            "never below full depth"
+        );
+        assert_eq!(
+            batch_limit(50, 100, Some(1.0)),
+            100,
+            "never above drainBatcher.maxSize"
+        );
+        assert_eq!(batch_limit(0, 0, Some(1.0)), 1);
     }
 
     #[tokio::test]

@@ -119,6 +119,10 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         }
     }
     let min_batch = ctx.shared.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
+    ctx.observe_depth(
+        rows_per_stream.values().sum::<i64>(),
+        rows_per_stream.values().filter(|r| **r > 0).count(),
+    );
     lifecycle::fire(&ctx.shared, &completed).await;
     tracing::debug!(
         streams = streams.len(),
