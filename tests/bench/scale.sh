@@ -211,7 +211,8 @@ BEGIN
   RETURN v_bad;
 END
 $$;
-CREATE TABLE IF NOT EXISTS bench.samples (t double precision, applied bigint, work_bytes bigint, active_bytes bigint);
+CREATE TABLE IF NOT EXISTS bench.samples (t double precision, applied bigint, work_bytes bigint, active_bytes bigint,
+  appended bigint, updated_bytes bigint, store_bytes bigint);
 CREATE TABLE IF NOT EXISTS bench.flags (name text PRIMARY KEY);
 EOF
 
@@ -375,7 +376,11 @@ case_churn() {
       WHILE v_applied < $applies LOOP
         SELECT coalesce(sum(last_version), 0) INTO v_applied FROM $s.wh_perspective_cursors;
         INSERT INTO bench.samples VALUES (extract(epoch FROM clock_timestamp()), v_applied,
-          pg_total_relation_size('$s.wh_perspective_events'), pg_total_relation_size('$s.wh_active_streams'));
+          pg_total_relation_size('$s.wh_perspective_events'), pg_total_relation_size('$s.wh_active_streams'),
+          (SELECT coalesce(sum(version), 0) * 2 FROM $s.wh_streams),
+          pg_total_relation_size('$s.wh_streams') + pg_total_relation_size('$s.wh_perspective_cursors')
+            + pg_total_relation_size('$s.c1') + pg_total_relation_size('$s.c2'),
+          pg_total_relation_size('$s.wh_event_store'));
         COMMIT;
         IF v_applied < $applies THEN PERFORM pg_sleep(0.5); COMMIT; END IF;
       END LOOP;
@@ -409,12 +414,26 @@ case_churn() {
   read -r work_end active_end rows_end < <(q -F' ' -c "
     SELECT pg_total_relation_size('$s.wh_perspective_events'), pg_total_relation_size('$s.wh_active_streams'),
            (SELECT count(*) FROM $s.wh_perspective_events)")
+  # Whether the engine or the producer set the pace (applies pending: the producer keeps up to
+  # CHURN_BACKLOG), and what grew: the tables updated in place (stream heads, cursors, the
+  # counters) and the event store.
+  local pending1 pending2 upd1 upd2 store1 store2
+  read -r pending1 pending2 upd1 upd2 store1 store2 < <(q -F' ' -c "
+    SELECT round(avg(appended - applied) FILTER (WHERE applied <= $applies / 10)),
+           round(avg(appended - applied) FILTER (WHERE applied >= $applies / 10 * 9)),
+           max(updated_bytes) FILTER (WHERE applied <= $applies / 10),
+           max(updated_bytes) FILTER (WHERE applied >= $applies / 10 * 9),
+           max(store_bytes) FILTER (WHERE applied <= $applies / 10),
+           max(store_bytes) FILTER (WHERE applied >= $applies / 10 * 9) FROM bench.samples")
   local mib='{ printf "%.1f MiB", $1 / 1048576 }' vacuums
   vacuums=$(q -F' ' -c "SELECT string_agg(relname || ' ' || vacuum_count || ' by the worker, ' || autovacuum_count || ' by autovacuum', '; ')
                         FROM pg_stat_user_tables WHERE schemaname = '$s' AND relname IN ('wh_perspective_events', 'wh_active_streams')")
   result "churn: applies/s in the last 10% vs the first 10% ($CHURN_EVENTS events)" "$last10 vs $first = $(pct "$last10" "$first")%" "≥ 90%" "$(verdict "$(pct "$last10" "$first")" 90)"
   result "churn: wh_perspective_events + wh_active_streams, peak in the second half vs the first" \
     "$(echo "$peak2" | awk "$mib") vs $(echo "$peak1" | awk "$mib")" "bounded (≤ 150%)" "$(verdict "$(awk -v a="$peak1" -v b="$peak2" 'BEGIN { print a * 1.5 - b }')" 0)"
+  result "churn: applies pending (mean), first vs last 10%" "$pending1 vs $pending2 (the producer keeps ≤ $CHURN_BACKLOG)" "(reported)" "-"
+  result "churn: stream heads + cursors + the 2 counter tables; the event store; first vs last 10%" \
+    "$(echo "$upd1" | awk "$mib") vs $(echo "$upd2" | awk "$mib"); $(echo "$store1" | awk "$mib") vs $(echo "$store2" | awk "$mib")" "(reported)" "-"
   result "churn: sizes at the end (heap + indexes)" "wh_perspective_events $(echo "$work_end" | awk "$mib") ($rows_end rows), wh_active_streams $(echo "$active_end" | awk "$mib"); vacuums: $vacuums" "(reported)" "-"
 }
 

@@ -367,7 +367,7 @@ pub struct ClaimWorkerOptions {
     /// Cap of the interval while LISTEN/NOTIFY is healthy, which doubles with each consecutive empty poll, in ms; never below the base interval nor above a third of abandonStaleInstanceThresholdSeconds (default 10000). While NOTIFY is down every poll waits pollingIntervalMilliseconds.
     #[schemars(range(min = 1))]
     pub polling_max_interval_milliseconds: u64,
-    /// Streams one claim poll offers to the drain consumers at most (default 1000).
+    /// Unowned streams one claim poll takes, and streams it hands to the drain consumers beyond those already queued or being drained, at most (default 1000).
     #[schemars(range(min = 1))]
     pub max_streams_per_batch: u32,
     /// Keep polling on a timer while NOTIFY is healthy, in case a notification is lost (default true).

@@ -98,6 +98,39 @@ async fn a_claim_at_breadth_reads_about_what_it_returns_oldest_first() {
     assert_eq!(held(&mut conn, &schema, Some(me)).await, by_age[..200]);
 }
 
+/// A worker passes how many streams it has queued or is draining (`p_offered`): those are the
+/// oldest it holds, so the claim returns that many more held streams to get past them, while
+/// it still takes (and writes) only `p_max_streams` unowned ones.
+#[tokio::test]
+async fn a_claim_reads_past_the_streams_its_caller_has_offered() {
+    let (schema, _config) = migrated_schema("claim_offered").await;
+    let mut conn = connect().await;
+    streams(&mut conn, &schema, 1_000).await;
+    let me = Uuid::now_v7();
+    instance(&mut conn, &schema, me, false).await;
+    let by_age = held(&mut conn, &schema, None).await;
+
+    let first = claim(&mut conn, &schema, me, 100).await;
+    assert_eq!(first, by_age[..100], "the three-argument call: p_offered 0");
+    let second: Vec<Uuid> = sqlx::query_scalar(&format!(
+        "SELECT stream_id FROM {schema}.claim_work($1, 100, 30, 100)"
+    ))
+    .bind(me)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        second,
+        by_age[..200],
+        "the 100 offered ones, then the 100 it just took"
+    );
+    assert_eq!(
+        held(&mut conn, &schema, Some(me)).await,
+        by_age[..200],
+        "took 100, not 200"
+    );
+}
+
 #[tokio::test]
 async fn a_claim_takes_its_share_then_a_silent_owners_streams_oldest_first() {
     let (schema, _config) = migrated_schema("claim_share").await;

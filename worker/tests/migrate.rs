@@ -532,7 +532,8 @@ async fn unused_columns_indexes_and_functions_are_dropped() {
     .fetch_all(&mut conn)
     .await
     .unwrap();
-    assert_eq!(claim_args, ["uuid, integer, double precision"]);
+    // 0013: one claim_work, with the count of streams the caller has offered already.
+    assert_eq!(claim_args, ["uuid, integer, double precision, integer"]);
 }
 
 /// Acceptance 4 of the perspective lifecycle: a perspective removed from the config with work

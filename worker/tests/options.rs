@@ -268,7 +268,7 @@ async fn max_streams_per_batch_bounds_the_streams_one_claim_offers() {
     assert_exactly_once(&schema, 5).await;
     let offered: Vec<usize> = std::iter::from_fn(|| hooks.try_recv().ok())
         .filter_map(|e| match e {
-            HookEvent::ClaimPolled { streams } => Some(streams),
+            HookEvent::ClaimPolled { queued, .. } => Some(queued),
             _ => None,
         })
         .collect();
@@ -300,7 +300,7 @@ claimWorker:
     let (mut worked, mut empty_polls) = (false, 0);
     loop {
         match next_hook(&mut hooks, "the engine to go idle").await {
-            HookEvent::ClaimPolled { streams: 0 } => empty_polls += 1,
+            HookEvent::ClaimPolled { streams: 0, .. } => empty_polls += 1,
             HookEvent::ClaimPolled { .. } => {
                 worked = true;
                 empty_polls = 0;

@@ -80,7 +80,7 @@ async fn stop_when_applied(
         match events.recv().await {
             Ok(HookEvent::WorkProcessingIdle)
             | Ok(HookEvent::CompletionsFlushed { .. })
-            | Ok(HookEvent::ClaimPolled { streams: 0 }) => {
+            | Ok(HookEvent::ClaimPolled { streams: 0, .. }) => {
                 if let Ok(st) = read_status(&mut conn, &schema, &names, STALE_AFTER_SECONDS).await {
                     if st.perspectives.iter().all(|p| p.pending_events == 0) {
                         shutdown.cancel();

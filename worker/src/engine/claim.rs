@@ -4,9 +4,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
 use uuid::Uuid;
 
+use super::drain_queue::{DrainQueue, Offer, Offered};
 use super::Shared;
 use crate::config::ClaimWorkerOptions;
 use crate::http::Readiness;
@@ -16,7 +16,7 @@ use crate::store::claim::ClaimArgs;
 pub(crate) struct ClaimLoop {
     pub shared: Arc<Shared>,
     /// Streams to drain, out.
-    pub drain_tx: mpsc::Sender<Uuid>,
+    pub queue: Arc<DrainQueue>,
     /// Whether the LISTEN connection is up (set by the listener).
     pub listener_healthy: Arc<AtomicBool>,
     pub readiness: Readiness,
@@ -55,31 +55,27 @@ pub(crate) fn next_interval(
     ))
 }
 
-/// Whether more work is waiting than this claim handed out (it returned a full batch, or the
-/// drain channel could not take all of it): then claim again as soon as the drain has taken what
-/// it has, rather than after the safety-net interval (no doorbell rings for streams that were
-/// already pinned).
-pub(crate) fn claim_again_when_drained(claimed: usize, sent: usize, max_streams: usize) -> bool {
-    claimed > 0 && (claimed >= max_streams || sent < claimed)
+/// Whether more work is waiting than this claim handed out: it queued `maxStreamsPerBatch`
+/// streams that were not queued or being drained already (the claim takes at most that many
+/// unowned streams, so there may be more), or the drain channel could not take all of them.
+/// Then claim again as soon as the drain has room, rather than after the safety-net interval
+/// (no doorbell rings for streams that were already pinned). Streams it returned that were
+/// already offered do not count: they are the oldest held, returned on every claim.
+pub(crate) fn claim_again_when_room(queued: usize, max_streams: usize, channel_full: bool) -> bool {
+    channel_full || (queued > 0 && queued >= max_streams.max(1))
 }
 
 impl ClaimLoop {
-    /// Returns once the drain consumers have taken every stream id from the channel.
-    async fn drained(&self) {
-        while self.drain_tx.capacity() < self.drain_tx.max_capacity() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
-
-    /// One `claim_work` call.
-    async fn claim(&self) -> Result<Vec<Uuid>, sqlx::Error> {
+    /// One `claim_work` call, `offered` streams being queued or drained already.
+    async fn claim(&self, max_streams: usize, offered: usize) -> Result<Vec<Uuid>, sqlx::Error> {
         let shared = &self.shared;
         let started = Instant::now();
         let streams = shared
             .store
             .claim_work(ClaimArgs {
                 instance_id: shared.instance_id,
-                max_streams: shared.config.claim_worker.max_streams_per_batch as i32,
+                max_streams: max_streams.max(1).min(i32::MAX as usize) as i32,
+                offered: offered.min(i32::MAX as usize) as i32,
                 stale_seconds: shared
                     .config
                     .worker
@@ -96,12 +92,14 @@ impl ClaimLoop {
     pub(crate) async fn run(self) {
         let shared = &self.shared;
         let idle_threshold = shared.config.worker.idle_threshold_polls as u64;
+        let max_streams = shared.config.claim_worker.max_streams_per_batch as usize;
         let mut ready = false;
         loop {
             if shared.shutdown.is_cancelled() {
                 return;
             }
-            let streams = match self.claim().await {
+            let offered = self.queue.len();
+            let streams = match self.claim(max_streams, offered).await {
                 Ok(s) => {
                     if !ready {
                         ready = true;
@@ -122,15 +120,24 @@ impl ClaimLoop {
             if n == 0 {
                 shared.metrics.empty_batches.inc();
             }
-            let mut sent = 0;
+            let (mut queued, mut channel_full) = (0, false);
             for stream in streams {
-                // A full channel is fine: held streams are offered again on the next poll.
-                if self.drain_tx.try_send(stream).is_err() {
+                // At most maxStreamsPerBatch new ones (one that left the drain since the claim
+                // counted the offered ones comes back as new). The rest, like a full channel's
+                // leftovers, are offered again by the next claim.
+                if queued >= max_streams {
                     break;
                 }
-                sent += 1;
+                match self.queue.offer(stream, Offer::Poll) {
+                    Offered::Queued => queued += 1,
+                    Offered::Present => {}
+                    Offered::Full => {
+                        channel_full = true;
+                        break;
+                    }
+                }
             }
-            shared.hooks.record_poll(n, idle_threshold);
+            shared.hooks.record_poll(n, queued, idle_threshold);
             let wait = next_interval(
                 &shared.config.claim_worker,
                 shared
@@ -140,15 +147,11 @@ impl ClaimLoop {
                 self.listener_healthy.load(Ordering::Relaxed),
                 shared.hooks.consecutive_empty_polls(),
             );
-            let backlog = claim_again_when_drained(
-                n,
-                sent,
-                shared.config.claim_worker.max_streams_per_batch as usize,
-            );
+            let backlog = claim_again_when_room(queued, max_streams, channel_full);
             tokio::select! {
                 _ = shared.shutdown.cancelled() => return,
                 _ = shared.hooks.wake_requested() => {}
-                _ = self.drained(), if backlog => {}
+                _ = self.queue.room_below(max_streams.max(1)), if backlog => {}
                 _ = async {
                     match wait {
                         Some(d) => tokio::time::sleep(d).await,
@@ -180,17 +183,17 @@ mod tests {
     }
 
     #[test]
-    fn a_full_claim_or_a_full_channel_claims_again_once_drained() {
-        assert!(claim_again_when_drained(1000, 1000, 1000), "a full batch");
+    fn a_full_claim_or_a_full_channel_claims_again_once_there_is_room() {
+        assert!(claim_again_when_room(1000, 1000, false), "a full batch");
         assert!(
-            claim_again_when_drained(300, 120, 1000),
+            claim_again_when_room(120, 1000, true),
             "the channel took only part"
         );
         assert!(
-            !claim_again_when_drained(300, 300, 1000),
+            !claim_again_when_room(300, 1000, false),
             "everything was handed out"
         );
-        assert!(!claim_again_when_drained(0, 0, 1000), "nothing to do");
+        assert!(!claim_again_when_room(0, 1000, false), "nothing to do");
     }
 
     #[test]

@@ -80,7 +80,7 @@ pub(crate) struct Settler {
     pub shared: Arc<Shared>,
     pub completions: CompletionQueue,
     /// Streams that could not be retired go back to the drain, out.
-    pub drain_tx: mpsc::Sender<Uuid>,
+    pub queue: Arc<super::drain_queue::DrainQueue>,
 }
 
 /// Coalescing of completions: wait this long after the first one, or until this many.
@@ -209,12 +209,14 @@ impl Settler {
                 }
                 let delay = Duration::from_millis(10u64 << (*n - 1).min(7));
                 tracing::debug!(stream = %s, attempt = *n, delay_ms = delay.as_millis() as u64, "stream not retired; draining it again");
-                let tx = self.drain_tx.clone();
+                let queue = self.queue.clone();
                 let shutdown = ctx.shutdown.clone();
                 tokio::spawn(async move {
                     tokio::select! {
                         _ = shutdown.cancelled() => {}
-                        _ = tokio::time::sleep(delay) => { let _ = tx.try_send(s); }
+                        _ = tokio::time::sleep(delay) => {
+                            queue.offer(s, super::drain_queue::Offer::Signal);
+                        }
                     }
                 });
             }

@@ -43,8 +43,9 @@ pub enum HookEvent {
     },
     /// Batched completions were flushed (work rows deleted or stamped).
     CompletionsFlushed { count: usize },
-    /// A claim poll finished; `streams` is how many streams it offered.
-    ClaimPolled { streams: usize },
+    /// A claim poll finished: it found `streams` streams with due work and handed `queued` of
+    /// them to the drain (the others were queued or being drained already).
+    ClaimPolled { streams: usize, queued: usize },
     /// Lifecycle (with `notifyApplied`): `perspective` applied this event (committed). Fired
     /// once per event and perspective, by the worker that applied it, before the event's
     /// `PostAllPerspectives`.
@@ -173,9 +174,10 @@ impl Hooks {
         self.inner.wake.notified().await
     }
 
-    /// Record a claim poll's result, emitting started/idle transitions.
-    pub(crate) fn record_poll(&self, streams: usize, idle_threshold: u64) {
-        if streams == 0 {
+    /// Record a claim poll's result, emitting started/idle transitions: it `found` streams with
+    /// due work (none: an empty poll) and handed `offered` of them to the drain.
+    pub(crate) fn record_poll(&self, found: usize, offered: usize, idle_threshold: u64) {
+        if found == 0 {
             let n = self
                 .inner
                 .consecutive_empty_polls
@@ -192,7 +194,10 @@ impl Hooks {
                 let _ = self.emit(HookEvent::WorkProcessingStarted);
             }
         }
-        let _ = self.emit(HookEvent::ClaimPolled { streams });
+        let _ = self.emit(HookEvent::ClaimPolled {
+            streams: found,
+            queued: offered,
+        });
     }
 }
 
@@ -204,13 +209,14 @@ mod tests {
     fn started_and_idle_transitions_fire_once() {
         let hooks = Hooks::new();
         let mut rx = hooks.subscribe();
-        hooks.record_poll(3, 2);
-        hooks.record_poll(1, 2);
-        hooks.record_poll(0, 2);
+        hooks.record_poll(3, 3, 2);
+        // Found only streams being drained already: not empty.
+        hooks.record_poll(1, 0, 2);
+        hooks.record_poll(0, 0, 2);
         assert!(!hooks.is_idle());
-        hooks.record_poll(0, 2);
+        hooks.record_poll(0, 0, 2);
         assert!(hooks.is_idle());
-        hooks.record_poll(0, 2);
+        hooks.record_poll(0, 0, 2);
         assert_eq!(hooks.consecutive_empty_polls(), 3);
         let events: Vec<HookEvent> = std::iter::from_fn(|| rx.try_recv().ok())
             .filter(|e| !matches!(e, HookEvent::ClaimPolled { .. }))
@@ -228,11 +234,17 @@ mod tests {
     fn a_full_channel_drops_new_events_counted_and_keeps_the_unread_ones() {
         let hooks = Hooks::with_capacity(2);
         assert!(
-            hooks.emit(HookEvent::ClaimPolled { streams: 0 }),
+            hooks.emit(HookEvent::ClaimPolled {
+                streams: 0,
+                queued: 0
+            }),
             "no subscriber"
         );
         let mut rx = hooks.subscribe();
-        let polled = |streams| HookEvent::ClaimPolled { streams };
+        let polled = |streams| HookEvent::ClaimPolled {
+            streams,
+            queued: streams,
+        };
         assert!(hooks.emit(polled(1)));
         assert!(hooks.emit(polled(2)));
         assert!(!hooks.emit(polled(3)), "full: dropped");

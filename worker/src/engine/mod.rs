@@ -6,6 +6,8 @@
 //! - [`claim`]: polls `claim_work` (tight while NOTIFY is down, relaxed while it is healthy),
 //!   woken at once by the doorbell or [`Hooks::request_immediate_poll`]; feeds stream ids into
 //!   the bounded drain channel; marks the engine ready after its first claim;
+//! - [`drain_queue`]: the streams queued for or being drained, each at most once (a claim
+//!   offers only the others, and claims again once the drain has room);
 //! - [`listener`]: the LISTEN connection (doorbell → claim wake-up; health; reconnects);
 //! - [`drain`]: `maxConcurrentDrainConsumers` consumers: sliding-window batches of stream ids,
 //!   drained by `wh_drain` in the database or, for a custom [`PerspectiveRunner`], fetched and
@@ -26,6 +28,7 @@
 pub mod claim;
 pub mod completion;
 pub mod drain;
+pub mod drain_queue;
 pub mod heartbeat;
 pub mod hooks;
 pub mod jobs;
@@ -215,10 +218,11 @@ impl Engine {
             }
             .run(),
         ));
+        let queue = Arc::new(drain_queue::DrainQueue::new(drain_tx));
         let settler = completion::Settler {
             shared: shared.clone(),
             completions: completions.clone(),
-            drain_tx: drain_tx.clone(),
+            queue: queue.clone(),
         };
         tasks.push(tokio::spawn(settler.run(settle_rx)));
         let drainer = Arc::new(drain::Drainer::new(
@@ -226,7 +230,7 @@ impl Engine {
             runner,
             cache.clone(),
             completions.clone(),
-            drain_tx.clone(),
+            queue.clone(),
             settle_tx.clone(),
         ));
         let rx: drain::SharedReceiver = Arc::new(tokio::sync::Mutex::new(drain_rx));
@@ -240,7 +244,7 @@ impl Engine {
         tasks.push(tokio::spawn(statistics.run()));
         let claim_loop = claim::ClaimLoop {
             shared: shared.clone(),
-            drain_tx,
+            queue,
             listener_healthy,
             readiness: readiness.clone(),
             last_work,

@@ -4,26 +4,30 @@ use uuid::Uuid;
 
 use super::Store;
 
-const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3)";
+const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3, $4)";
 
 /// The arguments of one claim.
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimArgs {
     pub instance_id: Uuid,
-    /// Streams offered at most.
+    /// Unowned streams taken at most, and streams returned at most beyond `offered`.
     pub max_streams: i32,
+    /// Streams the caller has queued or is draining already: the claim returns (at most) that
+    /// many more, since those are among the oldest it holds.
+    pub offered: i32,
     /// Heartbeat age after which an instance no longer counts as live.
     pub stale_seconds: f64,
 }
 
 impl Store {
     /// Streams this instance should drain now: the ones it owns with due work, plus unowned ones
-    /// of its partition share (see `claim_work` in migrations/0002).
+    /// of its partition share (see `claim_work` in migrations/0002, 0010 and 0013).
     pub async fn claim_work(&self, args: ClaimArgs) -> Result<Vec<Uuid>, sqlx::Error> {
         sqlx::query_scalar(&self.sql(CLAIM_WORK))
             .bind(args.instance_id)
             .bind(args.max_streams)
             .bind(args.stale_seconds)
+            .bind(args.offered)
             .fetch_all(self.pool())
             .await
     }

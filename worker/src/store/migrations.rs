@@ -63,6 +63,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0012_retire_without_reading_the_backlog.sql",
         template: include_str!("../../../migrations/0012_retire_without_reading_the_backlog.sql"),
     },
+    Migration {
+        version: 13,
+        name: "0013_claim_past_offered.sql",
+        template: include_str!("../../../migrations/0013_claim_past_offered.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.

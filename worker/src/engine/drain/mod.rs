@@ -8,7 +8,7 @@ mod fetch;
 mod report;
 mod server;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,6 +18,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::completion::CompletionQueue;
+use super::drain_queue::{DrainQueue, Offer};
 use super::hooks::HookEvent;
 use super::runner::PerspectiveRunner;
 use super::Shared;
@@ -38,8 +39,8 @@ pub(crate) struct Drainer {
     cache: Arc<Mutex<ProcessedEventCache>>,
     /// The in-process mutex of each (stream, perspective) being applied (custom runners).
     gates: fetch::PairGates,
-    /// Streams being drained, and whether they were signalled again meanwhile.
-    in_flight: Mutex<HashMap<Uuid, bool>>,
+    /// The streams queued for or being drained (and whether signalled again meanwhile).
+    queue: Arc<DrainQueue>,
     /// Batches being drained right now (the sliding window only waits while one is).
     batches_in_flight: std::sync::atomic::AtomicUsize,
     /// Rows per stream the last `wh_drain` call took (`f64` bits; [`NO_DEPTH`]: none yet),
@@ -47,8 +48,6 @@ pub(crate) struct Drainer {
     observed_depth: std::sync::atomic::AtomicU64,
     /// Applied rows, out to the completion flush worker (Batched).
     completions: CompletionQueue,
-    /// Streams still busy after the drain loop, back to the drain channel.
-    drain_tx: mpsc::Sender<Uuid>,
     /// Streams that may be drained, out to the settler.
     settle_tx: mpsc::UnboundedSender<Uuid>,
 }
@@ -59,7 +58,7 @@ impl Drainer {
         runner: Arc<dyn PerspectiveRunner>,
         cache: Arc<Mutex<ProcessedEventCache>>,
         completions: CompletionQueue,
-        drain_tx: mpsc::Sender<Uuid>,
+        queue: Arc<DrainQueue>,
         settle_tx: mpsc::UnboundedSender<Uuid>,
     ) -> Self {
         Drainer {
@@ -67,11 +66,10 @@ impl Drainer {
             runner,
             cache,
             gates: fetch::PairGates::default(),
-            in_flight: Mutex::default(),
+            queue,
             batches_in_flight: Default::default(),
             observed_depth: std::sync::atomic::AtomicU64::new(NO_DEPTH),
             completions,
-            drain_tx,
             settle_tx,
         }
     }
@@ -132,11 +130,30 @@ pub(crate) fn batch_limit(
     }
 }
 
+/// The streams one batch takes of a backlog of `queued`: its share among the `consumers`
+/// (so a claim's streams are drained side by side, not by the first consumer alone), within
+/// the batch limit and never below the full-depth limit `floor`. A lone id (`queued` 1) is no
+/// backlog: ids that trickle in after it may join up to the limit.
+pub(crate) fn share_of_backlog(
+    limit: usize,
+    floor: usize,
+    queued: usize,
+    consumers: usize,
+) -> usize {
+    if queued <= 1 {
+        return limit.max(1);
+    }
+    queued
+        .div_ceil(consumers.max(1))
+        .clamp(floor.min(limit).max(1), limit.max(1))
+}
+
 /// Wait for the first stream id, then gather more with the sliding window (see [`gather`]).
 async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     let config = &ctx.shared.config;
-    let max_size = batch_limit(
-        config.worker.drain_batch_limit(config.perspectives.len()),
+    let floor = config.worker.drain_batch_limit(config.perspectives.len());
+    let limit = batch_limit(
+        floor,
         config.worker.drain_batcher.max_size as usize,
         ctx.observed_depth(),
     );
@@ -145,6 +162,12 @@ async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
         _ = ctx.shared.shutdown.cancelled() => return None,
         id = rx.recv() => id?,
     };
+    let max_size = share_of_backlog(
+        limit,
+        floor,
+        rx.len() + 1,
+        config.worker.max_concurrent_drain_consumers as usize,
+    );
     let busy = || ctx.batches_in_flight.load(Ordering::Relaxed) > 0;
     let opts = &config.worker.drain_batcher;
     Some(gather(&mut rx, first, opts, max_size, busy).await)
@@ -199,43 +222,31 @@ async fn gather(
     batch
 }
 
-/// Streams this pod is draining right now; a signal for one of them asks the running drain to
-/// look once more instead of starting a second one. The guard removes the entry on drop, so it
-/// can never be left set by a failed drain.
+/// The streams of a batch being drained: the guard ends their drain on drop, so a failed drain
+/// can never leave them marked as being drained.
 struct InFlight<'a> {
     ctx: &'a Drainer,
     streams: Vec<Uuid>,
 }
+impl InFlight<'_> {
+    /// End the drain of the batch's streams; returns the ones signalled again since the last
+    /// look (they need another pass).
+    fn finish(&mut self) -> Vec<Uuid> {
+        self.ctx.queue.finish(&std::mem::take(&mut self.streams))
+    }
+}
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        let mut map = self.ctx.in_flight.lock().unwrap();
-        for s in &self.streams {
-            map.remove(s);
-        }
+        self.finish();
     }
 }
 /// Claim, fetch and apply `streams`, re-fetching busy streams up to `drainLoopMaxIterations`.
 async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
-    let mine: Vec<Uuid> = {
-        let mut map = ctx.in_flight.lock().unwrap();
-        streams
-            .into_iter()
-            .filter(|s| match map.get_mut(s) {
-                Some(rerun) => {
-                    *rerun = true;
-                    false
-                }
-                None => {
-                    map.insert(*s, false);
-                    true
-                }
-            })
-            .collect()
-    };
+    let mine = ctx.queue.start(streams);
     if mine.is_empty() {
         return;
     }
-    let _guard = InFlight {
+    let mut guard = InFlight {
         ctx,
         streams: mine.clone(),
     };
@@ -251,19 +262,8 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
         let Round { applied, busy } = drain_once(ctx, &current).await;
         applied_total += applied;
         // A stream signalled again while we drained it gets another pass.
-        let reruns: Vec<Uuid> = {
-            let mut map = ctx.in_flight.lock().unwrap();
-            mine.iter()
-                .filter(|s| {
-                    map.get_mut(s)
-                        .map(|r| std::mem::replace(r, false))
-                        .unwrap_or(false)
-                })
-                .copied()
-                .collect()
-        };
         let mut next: Vec<Uuid> = busy;
-        for s in reruns {
+        for s in ctx.queue.take_reruns(&mine) {
             if !next.contains(&s) {
                 next.push(s);
             }
@@ -279,10 +279,16 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
         }
         current = next;
     }
-    // Streams still busy after the last iteration go back to the channel for another consumer.
+    // Streams still busy after the last iteration, or signalled after the last look, go back
+    // to the channel for another consumer.
+    for s in guard.finish() {
+        if !current.contains(&s) {
+            current.push(s);
+        }
+    }
     for s in current {
         tracing::debug!(stream = %s, iterations, "stream still busy; back to the drain channel");
-        let _ = ctx.drain_tx.try_send(s);
+        ctx.queue.offer(s, Offer::Signal);
     }
     ctx.batches_in_flight
         .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
@@ -364,6 +370,38 @@ mod tests {
             "never above drainBatcher.maxSize"
         );
         assert_eq!(batch_limit(0, 0, Some(1.0)), 1);
+    }
+
+    #[test]
+    fn a_backlog_is_shared_among_the_consumers() {
+        assert_eq!(share_of_backlog(1000, 50, 1000, 4), 250);
+        assert_eq!(
+            share_of_backlog(1000, 50, 4000, 4),
+            1000,
+            "never above the limit"
+        );
+        assert_eq!(
+            share_of_backlog(1000, 50, 100, 4),
+            50,
+            "never below full depth"
+        );
+        assert_eq!(
+            share_of_backlog(50, 50, 1000, 4),
+            50,
+            "deep streams: full depth"
+        );
+        assert_eq!(
+            share_of_backlog(1000, 50, 1, 4),
+            1000,
+            "a lone id: no backlog"
+        );
+        assert_eq!(share_of_backlog(1000, 50, 2, 1), 50);
+        assert_eq!(
+            share_of_backlog(30, 50, 1000, 4),
+            30,
+            "the limit wins over the floor"
+        );
+        assert_eq!(share_of_backlog(0, 0, 0, 0), 1);
     }
 
     #[tokio::test]
