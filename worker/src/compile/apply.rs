@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use minijinja::{context, Value};
 
-use super::{apply_function_name, render};
+use super::{apply_function_name, batch_function_name, render};
 use crate::config::{Ordering, PerspectiveConfig};
 use crate::sql_params::{Param, ParsedStatement};
 use crate::store::failure::retry_delay_sql;
@@ -41,6 +41,28 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
             function => apply_function_name(&perspective.name),
             tag => dollar_tag(&body),
             body,
+        },
+    )
+}
+
+/// `CREATE OR REPLACE FUNCTION` of `perspective`'s batch function (`batch_function.sql`: the
+/// events of many shallow pairs in one loop, for `wh_drain`'s set-based path), preceded by the
+/// drop of overloads of an older shape. The perspective must be valid.
+pub fn create_batch_function(schema: &str, perspective: &PerspectiveConfig) -> String {
+    // The only text in it not spelled by this binary is the handlers'.
+    let handler_sql: Vec<String> = perspective
+        .compiled_handlers()
+        .iter()
+        .flat_map(|(_, statements)| statements.iter().map(statement))
+        .collect();
+    render(
+        "batch_function.sql",
+        context! {
+            schema,
+            function => batch_function_name(&perspective.name),
+            tag => dollar_tag(&handler_sql.join("\n")),
+            uses => uses(perspective),
+            handlers => handlers(perspective),
         },
     )
 }
@@ -308,6 +330,48 @@ mod tests {
         assert!(sql.contains(
             "scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + CASE WHEN p_count_failure THEN 1 ELSE 0 END) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"
         ), "{sql}");
+    }
+
+    /// batch_function.sql: many pairs' events in one loop, each bound to its own stream, with
+    /// the identity set per event, the handler-timeout budget, and a cancelled handler reported
+    /// by its index rather than raised.
+    #[test]
+    fn the_batch_function_applies_many_streams_in_one_loop() {
+        let sql = create_batch_function("s", &commit_ordered());
+        assert!(sql.starts_with("DO $wh_drop$"), "{sql}");
+        assert!(sql.contains("p.proname = 'wh_batch_p'"));
+        assert!(sql.contains(
+            "oidvectortypes(p.proargtypes) <> 'uuid[], uuid[], bigint[], timestamp with time zone'"
+        ));
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION s.wh_batch_p("));
+        assert!(sql.contains("SET search_path TO s, public"));
+        assert!(sql.contains("JOIN s.wh_event_store e ON e.stream_id = x.stream_id AND e.stream_version = x.stream_version;"));
+        assert!(
+            sql.contains("array_agg(e.event_data ORDER BY x.i)"),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("      _wh_stream_id := a_streams[v_i];\n"),
+            "{sql}"
+        );
+        assert!(sql.contains("IF a_types[v_i] = 'A' THEN"));
+        assert!(sql.contains("INSERT INTO seen VALUES (_wh_stream_id, _wh_data);"));
+        assert!(
+            sql.contains("v_set_user := set_config('perspective.user_id', a_users[v_i], true);")
+        );
+        assert!(sql.contains("IF v_i > 1 AND clock_timestamp() >= p_stop_at THEN"));
+        assert!(sql.contains(
+            "EXCEPTION WHEN query_canceled THEN\n    RETURN QUERY SELECT 0, v_running, SQLERRM;"
+        ));
+        assert!(
+            !sql.contains("DELETE FROM seen"),
+            "no reset: shallow pairs never rewind"
+        );
+        assert!(sql.trim_end().ends_with("$wh_apply$"), "{sql}");
+        let p = perspective("    handlers:\n      A: SELECT '$wh_apply$'\n");
+        let sql = create_batch_function("s", &p);
+        assert!(sql.contains("AS $wh_apply1$\n"), "{sql}");
+        assert!(sql.trim_end().ends_with("$wh_apply1$"), "{sql}");
     }
 
     /// apply_function.sql: the argument list the drop block keeps matches the CREATE statement.

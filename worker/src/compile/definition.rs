@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v18";
+const FORMAT_VERSION: &str = "apply-v19";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -69,7 +69,7 @@ pub fn handlers_hash(perspective: &PerspectiveConfig) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compile::{create_apply_function, create_drain_function};
+    use crate::compile::{create_apply_function, create_batch_function, create_drain_function};
     use crate::config::Config;
 
     fn shop() -> Config {
@@ -136,13 +136,14 @@ mod tests {
         let mut h = Sha256::new();
         for p in &config.perspectives {
             h.update(create_apply_function("shop", p));
+            h.update(create_batch_function("shop", p));
         }
         h.update(create_drain_function("shop", &config.perspectives));
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v18",
-                "136405fc1d10660ed31b6b7a3e853c7b40d0eaec7778e91e5d46965a6345945c"
+                "apply-v19",
+                "a5fd49819f659753c809059fd730a5dba2084b369fb61da81fe6756773d3e1d7"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -2,23 +2,42 @@
 
 use minijinja::{context, Value};
 
-use super::{apply_function_name, render};
-use crate::config::PerspectiveConfig;
+use super::{apply_function_name, batch_function_name, quote_literal, render};
+use crate::config::{Ordering, PerspectiveConfig};
 use crate::store::failure::retry_delay_sql;
 use crate::store::names::cursor_status;
 
 /// `CREATE OR REPLACE FUNCTION <schema>.wh_drain(...)`, dispatching to the apply function of
 /// each of `perspectives` (see `drain.sql`), preceded by the drop of an older shape.
 pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -> String {
+    let names = |keep: &dyn Fn(&PerspectiveConfig) -> bool| {
+        let literals: Vec<String> = perspectives
+            .iter()
+            .filter(|p| keep(p))
+            .map(|p| quote_literal(&p.name))
+            .collect();
+        format!("ARRAY[{}]::text[]", literals.join(", "))
+    };
+    let event_id_perspectives = names(&|p| p.ordering == Ordering::EventId);
+    let compiled_perspectives = names(&|_| true);
     let perspectives: Vec<Value> = perspectives
         .iter()
-        .map(|p| context! { name => &p.name, function => apply_function_name(&p.name) })
+        .map(|p| {
+            context! {
+                name => &p.name,
+                function => apply_function_name(&p.name),
+                batch => batch_function_name(&p.name),
+            }
+        })
         .collect();
     render(
         "drain.sql",
         context! {
             schema,
             perspectives,
+            event_id_perspectives,
+            compiled_perspectives,
+            cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
             // The head row's failure count after this failure: its attempts plus this one.
             retry_delay => retry_delay_sql("p_retry_base_ms", "p_retry_max_ms", "w.attempts + 1"),
@@ -63,5 +82,45 @@ mod tests {
         assert!(sql.contains("attempts = w.attempts + 1,\n               scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + 1) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"), "{sql}");
         // Retired rows are those at or below the cursor read with them, after the apply.
         assert!(sql.contains("AND NOT (w.event_work_id = ANY (o.o_done_work_ids))"));
+        // Shallow pairs: one batch call per perspective, which then no longer has its pairs
+        // applied one by one unless the set-based attempt failed.
+        for (i, p) in config.perspectives.iter().enumerate() {
+            let keyword = if i == 0 { "IF" } else { "ELSIF" };
+            assert!(
+                sql.contains(&format!(
+                    "{keyword} g_names[v_j] = '{}' THEN\n          SELECT * INTO b FROM shop.{}(",
+                    p.name,
+                    batch_function_name(&p.name)
+                )),
+                "{sql}"
+            );
+        }
+        assert!(sql.contains("WHERE v_fallback\n    ORDER BY 1, 2"), "{sql}");
+        assert!(sql.contains("RAISE EXCEPTION '%', v_cancel_err USING ERRCODE = 'WH408';"));
+    }
+
+    /// Only perspectives ordered by event id have their windows checked for a rewind.
+    #[test]
+    fn rewind_checks_only_for_event_id_ordering() {
+        let yaml = "schema: s
+perspectives:
+  - name: a
+    handlers:
+      A: SELECT 1
+  - name: b
+    ordering: eventId
+    reset: SELECT 1
+    handlers:
+      A: SELECT 1
+";
+        let config = Config::from_yaml_str(yaml, "t").unwrap();
+        let sql = create_drain_function("s", &config.perspectives);
+        assert!(
+            sql.contains("AND (p.perspective_name <> ALL (ARRAY['b']::text[])"),
+            "{sql}"
+        );
+        assert!(sql.contains("AND p.perspective_name = ANY (ARRAY['a', 'b']::text[])"));
+        let commit_only = create_drain_function("s", &config.perspectives[..1]);
+        assert!(commit_only.contains("AND (p.perspective_name <> ALL (ARRAY[]::text[])"));
     }
 }

@@ -10,8 +10,17 @@
     a serialization failure) undoes that pair only, and is recorded on it like a failing
     handler (the pair's head row: error, attempts, backoff; the cursor Failed), so the other
     pairs of the call commit and the failing one is retried with backoff, then dead-lettered.
-    Slots: schema, perspectives (name, function), cursor_failed, retry_delay (the backoff after
-    a failure of the head row, see store::failure::retry_delay_sql). #}
+    Shallow pairs (few pending rows, none failed or leased, no rewind) are applied set-based
+    first, all of them in one subtransaction: one statement each for the window, the cursor
+    locks, the cursor moves and the completion, and one loop over all their events per
+    perspective (its batch function, batch_function.sql). That removes the per-pair statements,
+    which dominate when streams are shallow. If anything in it fails, it is undone and its pairs
+    take the per-pair path below, which isolates the failure (a handler cancelled by the
+    statement timeout is recorded on its row directly: its timer is spent).
+    Slots: schema, perspectives (name, function, batch), event_id_perspectives (names of the
+    perspectives ordered by event id, whose windows are checked for a rewind), cursor_completed,
+    cursor_failed, retry_delay (the backoff after a failure of the head row, see
+    store::failure::retry_delay_sql). #}
 {#- Whether the pair has due work past `version` (one index probe). #}
 {% macro due_after(version) -%}
 EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
@@ -64,6 +73,49 @@ DECLARE
   -- worker.handlerTimeoutMilliseconds: no event starts after this; the worker cancels the call
   -- (statement_timeout) at twice the timeout, so each event has at least the timeout to run.
   v_stop_at  timestamptz := statement_timestamp() + make_interval(secs => p_handler_timeout_ms / 1000.0);
+  -- A pair with at most this many pending rows (retired ones included) may be shallow.
+  v_shallow_rows integer := least(16, p_per_pair);
+  -- The shallow pairs, by (perspective, stream): stream, perspective, cursor as read (NULL: no
+  -- cursor; its last event, status, error and processed_at), where its window starts in the f_ arrays and how many rows it has,
+  -- how many this call applied, and whether due work is left.
+  s_streams  uuid[];
+  s_names    text[];
+  s_last     bigint[];
+  s_event    uuid[];
+  s_status   smallint[];
+  s_error    text[];
+  s_at       timestamptz[];
+  s_from     integer[];
+  s_n        integer[];
+  s_applied  integer[];
+  s_more     boolean[];
+  -- Their windows, one element per row, pair after pair.
+  f_ids      bigint[];
+  f_events   uuid[];
+  f_streams  uuid[];
+  f_versions bigint[];
+  f_created  timestamptz[];
+  -- Per perspective with shallow pairs: its rows in the f_ arrays (from, to), and the end of
+  -- what its batch function applied.
+  g_names    text[];
+  g_from     integer[];
+  g_to       integer[];
+  g_end      integer[] := '{}';
+  -- Work rows at or below the cursor: of the shallow pairs, and of pairs with nothing else.
+  v_retired  bigint[];
+  v_retired_only bigint[];
+  -- The other pairs, for the per-pair path: stream, perspective, cursor.
+  x_streams  uuid[];
+  x_names    text[];
+  x_last     bigint[];
+  v_fallback boolean := false;
+  v_shallow_ok boolean := false;
+  b          record;
+  v_j        integer;
+  v_k        integer;
+  v_cancel_i integer;
+  v_cancel_err text;
+  v_partial  boolean := false;
 BEGIN
   SELECT array_agg(a.stream_id) INTO v_owned
   FROM {{ schema }}.wh_active_streams a
@@ -71,14 +123,241 @@ BEGIN
   IF v_owned IS NULL THEN
     RETURN;
   END IF;
-  FOR r IN
-    SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
+  -- Every pair's pending rows, up to v_shallow_rows + 1 of them, with its cursor (one
+  -- snapshot, as the per-pair window): which pairs are shallow, which have only rows to retire,
+  -- and which take the per-pair path.
+  WITH pair AS (
+    SELECT x.stream_id, sub.perspective_name, c.last_version, c.last_event_id, c.status, c.error, c.processed_at
     FROM unnest(v_owned) AS x(stream_id)
-    CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s) sub
+    CROSS JOIN (SELECT s.perspective_name,
+                       EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
+                               WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
+                FROM {{ schema }}.wh_perspective_subscriptions s GROUP BY s.perspective_name) sub
     LEFT JOIN {{ schema }}.wh_perspective_cursors c
            ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
-    -- A backfill holds the perspective back on a stream until the stream's history is queued.
-    WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
+    -- A backfill holds the perspective back on a stream until the stream's history is queued
+    -- (asked only while the perspective has a backfill job).
+    WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
+  ), pairs AS MATERIALIZED (
+    SELECT p.*, w.*,
+           w.n_all <= v_shallow_rows AND w.n_above > 0 AND w.plain
+             -- (a perspective without a compiled function is skipped by the per-pair path)
+             AND p.perspective_name = ANY ({{ compiled_perspectives }})
+             -- Lifecycle is reported pair by pair; a max of 0 attempts dead-letters any row.
+             AND NOT p_notify_applied AND (p_max_attempts IS NULL OR p_max_attempts > 0) AS shallow_ok
+    FROM pair p
+    CROSS JOIN LATERAL (
+      -- (The aggregates read the rows in version order, as the subquery sorted them.)
+      SELECT count(*)::integer AS n_all, (count(*) FILTER (WHERE v.above))::integer AS n_above,
+             coalesce(bool_and(v.plain) FILTER (WHERE v.above), false) AS plain,
+             array_agg(v.event_work_id) FILTER (WHERE v.above) AS ids,
+             array_agg(v.event_id) FILTER (WHERE v.above) AS events,
+             array_agg(v.stream_version) FILTER (WHERE v.above) AS versions,
+             array_agg(v.created_at) FILTER (WHERE v.above) AS created,
+             array_agg(v.event_work_id) FILTER (WHERE NOT v.above) AS retire
+      FROM (
+        SELECT q.event_work_id, q.event_id, q.stream_version, q.created_at,
+               q.stream_version > coalesce(p.last_version, 0) AS above,
+               -- No failure pending, not scheduled, not leased (else the per-pair path decides).
+               (q.attempts = 0 AND q.scheduled_for IS NULL AND q.instance_id IS NULL
+                -- ordering eventId: no event older (by id) than the one before it (rewind_detect.sql).
+                AND (p.perspective_name <> ALL ({{ event_id_perspectives }})
+                     OR coalesce(q.event_id > CASE WHEN q.prev_version > coalesce(p.last_version, 0) THEN q.prev_event
+                                                   ELSE p.last_event_id END, true))) AS plain
+        FROM (
+          SELECT w0.*, lag(w0.stream_version) OVER (ORDER BY w0.stream_version) AS prev_version,
+                 lag(w0.event_id) OVER (ORDER BY w0.stream_version) AS prev_event
+          FROM (SELECT w1.event_work_id, w1.event_id, w1.stream_version, w1.created_at, w1.attempts,
+                       w1.scheduled_for, w1.instance_id
+                FROM {{ schema }}.wh_perspective_events w1
+                WHERE w1.stream_id = p.stream_id AND w1.perspective_name = p.perspective_name
+                  AND w1.processed_at IS NULL
+                ORDER BY w1.stream_version
+                LIMIT v_shallow_rows + 1) w0) q) v) w
+    WHERE w.n_all > 0
+  ), sized AS MATERIALIZED (
+    -- Shallow pairs within the call's row budget, in pair order.
+    SELECT y.*, y.shallow_ok AND sum(y.n_above) FILTER (WHERE y.shallow_ok)
+                                   OVER (ORDER BY y.stream_id, y.perspective_name) <= v_budget AS shallow,
+           y.n_above = 0 AND y.n_all <= v_shallow_rows AS retire_only
+    FROM pairs y
+  ), shallow AS MATERIALIZED (
+    SELECT h.*, sum(h.n_above) OVER (ORDER BY h.perspective_name, h.stream_id) - h.n_above + 1 AS f_from
+    FROM sized h WHERE h.shallow
+  )
+  -- (Each aggregate below reads a subquery sorted once, rather than sorting by itself.)
+  SELECT t1.*, t2.*, t3.*, t4.*, t5.*
+  FROM (SELECT array_agg(h.stream_id), array_agg(h.perspective_name), array_agg(h.last_version),
+               array_agg(h.last_event_id), array_agg(h.status), array_agg(h.error), array_agg(h.processed_at),
+               array_agg(h.f_from), array_agg(h.n_above)
+        FROM (SELECT * FROM shallow ORDER BY perspective_name, stream_id) h) t1,
+       (SELECT array_agg(g.perspective_name), array_agg(g.f_from), array_agg(g.f_to)
+        FROM (SELECT h.perspective_name, min(h.f_from) AS f_from, max(h.f_from + h.n_above - 1) AS f_to
+              FROM shallow h GROUP BY h.perspective_name ORDER BY h.perspective_name) g) t2,
+       -- The windows' rows, pair after pair (each unnested in the order of the sorted pairs).
+       (SELECT array_agg(u.id), array_agg(u.event), array_agg(h.stream_id), array_agg(u.version), array_agg(u.created)
+        FROM (SELECT * FROM shallow ORDER BY perspective_name, stream_id) h
+        CROSS JOIN LATERAL unnest(h.ids, h.events, h.versions, h.created) AS u(id, event, version, created)) t3,
+       -- Rows to retire: those of shallow pairs, and of pairs with nothing else pending.
+       (SELECT array_agg(u.id) FILTER (WHERE y.shallow), array_agg(u.id) FILTER (WHERE y.retire_only)
+        FROM sized y CROSS JOIN LATERAL unnest(y.retire) AS u(id)
+        WHERE y.retire IS NOT NULL AND (y.shallow OR y.retire_only)) t4,
+       (SELECT array_agg(y.stream_id), array_agg(y.perspective_name), array_agg(coalesce(y.last_version, 0))
+        FROM (SELECT * FROM sized y WHERE NOT y.shallow AND NOT y.retire_only
+              ORDER BY y.stream_id, y.perspective_name) y) t5
+    INTO s_streams, s_names, s_last, s_event, s_status, s_error, s_at, s_from, s_n, g_names, g_from, g_to,
+         f_ids, f_events, f_streams, f_versions, f_created, v_retired, v_retired_only, x_streams, x_names, x_last;
+
+  IF v_retired_only IS NOT NULL THEN
+    -- As the per-pair path retires an empty window's pair: no cursor lock needed.
+    BEGIN
+      PERFORM {{ schema }}.complete_perspective_events(v_retired_only, p_debug);
+    EXCEPTION WHEN OTHERS THEN
+      NULL; -- (left to the next call, or to the per-pair path then)
+    END;
+  END IF;
+  IF s_streams IS NOT NULL THEN
+    BEGIN
+      -- The cursors move to the end of their windows first: the writes take their row locks
+      -- before anything is applied (existing cursors in (stream, perspective) order, as the
+      -- per-pair path locks them, then the new ones), and nothing else in this transaction
+      -- reads them. Each must still be where its window was read from; what is not applied
+      -- below is put back.
+      UPDATE {{ schema }}.wh_perspective_cursors c
+         SET last_version = f_versions[x.f + x.n - 1], last_event_id = f_events[x.f + x.n - 1],
+             status = {{ cursor_completed }}, error = NULL, processed_at = now()
+        FROM (SELECT * FROM unnest(s_streams, s_names, s_last, s_event, s_from, s_n) AS y(s, p, l, e, f, n)
+              WHERE y.l IS NOT NULL ORDER BY y.s, y.p) x
+       WHERE c.stream_id = x.s AND c.perspective_name = x.p
+         AND c.last_version = x.l AND c.last_event_id IS NOT DISTINCT FROM x.e;
+      GET DIAGNOSTICS v_k = ROW_COUNT;
+      INSERT INTO {{ schema }}.wh_perspective_cursors AS c
+          (stream_id, perspective_name, last_version, last_event_id, status, processed_at)
+      SELECT x.s, x.p, f_versions[x.f + x.n - 1], f_events[x.f + x.n - 1], {{ cursor_completed }}, now()
+      FROM unnest(s_streams, s_names, s_last, s_from, s_n) AS x(s, p, l, f, n)
+      -- (No ON CONFLICT: a cursor created since is a unique violation, which undoes this.)
+      WHERE x.l IS NULL ORDER BY 1, 2;
+      GET DIAGNOSTICS v_j = ROW_COUNT;
+      -- A rebuild that committed since replaced the cursor or the rows (see the apply function's
+      -- p_contiguous): the per-pair path reads them again.
+      IF v_k + v_j <> cardinality(s_streams)
+         OR (SELECT count(*) FROM {{ schema }}.wh_perspective_events w
+             WHERE w.event_work_id = ANY (f_ids) AND w.processed_at IS NULL) <> cardinality(f_ids) THEN
+        RAISE EXCEPTION 'shallow pairs moved under wh_drain' USING ERRCODE = 'WH409';
+      END IF;
+      FOR v_j IN 1..cardinality(g_names) LOOP
+        -- Past the handler-timeout budget, no perspective starts (its pairs are not reached).
+        IF clock_timestamp() >= v_stop_at THEN
+          g_end := g_end || (g_from[v_j] - 1);
+          CONTINUE;
+        END IF;
+  {% for p in perspectives %}
+        {{ "IF" if loop.first else "ELSIF" }} g_names[v_j] = {{ p.name|literal }} THEN
+          SELECT * INTO b FROM {{ schema }}.{{ p.batch }}(f_streams[g_from[v_j]:g_to[v_j]],
+                                f_events[g_from[v_j]:g_to[v_j]], f_versions[g_from[v_j]:g_to[v_j]], v_stop_at);
+  {% endfor %}
+        END IF;
+        IF b.o_cancelled IS NOT NULL THEN
+          v_cancel_i := g_from[v_j] + b.o_cancelled - 1;
+          v_cancel_err := b.o_error;
+          RAISE EXCEPTION '%', v_cancel_err USING ERRCODE = 'WH408';
+        END IF;
+        g_end := g_end || (g_from[v_j] + b.o_applied - 1);
+        v_partial := v_partial OR g_end[v_j] < g_to[v_j];
+      END LOOP;
+      IF NOT v_partial THEN
+        s_applied := s_n;
+        IF p_instant THEN
+          PERFORM {{ schema }}.complete_perspective_events(f_ids, p_debug);
+        END IF;
+      ELSE
+        -- Past the handler-timeout budget: rows applied per pair are its window up to the end
+        -- of what its perspective applied; the cursors of the others go back.
+        SELECT array_agg(greatest(0, least(x.n, g.e - x.f + 1)) ORDER BY x.k) INTO s_applied
+        FROM unnest(s_names, s_from, s_n) WITH ORDINALITY AS x(p, f, n, k)
+        JOIN unnest(g_names, g_end) AS g(p, e) ON g.p = x.p;
+        UPDATE {{ schema }}.wh_perspective_cursors c
+           SET last_version = coalesce(f_versions[x.f + x.a - 1], x.l), last_event_id = coalesce(f_events[x.f + x.a - 1], x.e),
+               status = CASE WHEN x.a > 0 THEN c.status ELSE x.st END,
+               error = CASE WHEN x.a > 0 THEN c.error ELSE x.er END,
+               processed_at = CASE WHEN x.a > 0 THEN c.processed_at ELSE x.at END
+          FROM unnest(s_streams, s_names, s_last, s_event, s_status, s_error, s_at, s_from, s_n, s_applied)
+               AS x(s, p, l, e, st, er, at, f, n, a)
+         WHERE x.a < x.n AND (x.a > 0 OR x.l IS NOT NULL) AND c.stream_id = x.s AND c.perspective_name = x.p;
+        DELETE FROM {{ schema }}.wh_perspective_cursors c
+         USING unnest(s_streams, s_names, s_last, s_applied) AS x(s, p, l, a)
+         WHERE x.a = 0 AND x.l IS NULL AND c.stream_id = x.s AND c.perspective_name = x.p;
+        IF p_instant THEN
+          PERFORM {{ schema }}.complete_perspective_events(ARRAY(
+            SELECT f_ids[i] FROM unnest(s_from, s_applied) AS x(f, a), generate_series(x.f, x.f + x.a - 1) AS i), p_debug);
+        END IF;
+      END IF;
+      IF v_retired IS NOT NULL THEN
+        PERFORM {{ schema }}.complete_perspective_events(v_retired, p_debug);
+      END IF;
+      -- A new statement, so a new snapshot: also sees rows appended while this call ran.
+      SELECT array_agg(x.a < x.n OR EXISTS (
+               SELECT 1 FROM {{ schema }}.wh_perspective_events w
+               WHERE w.stream_id = x.s AND w.perspective_name = x.p
+                 AND w.stream_version > f_versions[x.f + x.n - 1] AND w.processed_at IS NULL
+                 AND (w.scheduled_for IS NULL OR w.scheduled_for <= now())) ORDER BY x.k)
+        INTO s_more
+      FROM unnest(s_streams, s_names, s_from, s_n, s_applied) WITH ORDINALITY AS x(s, p, f, n, a, k);
+      v_shallow_ok := true;
+    EXCEPTION WHEN OTHERS OR query_canceled THEN
+      IF v_cancel_i IS NULL THEN
+        -- Undone: the per-pair path applies these pairs, and isolates what failed.
+        v_fallback := true;
+      END IF;
+    END;
+  END IF;
+  IF v_shallow_ok THEN
+    v_budget := v_budget - cardinality(f_ids);
+    RETURN QUERY
+      SELECT x.s, x.p::text, CASE WHEN x.a > 0 THEN x.n ELSE 0 END, x.a,
+             CASE WHEN x.a > 0 THEN f_versions[x.f + x.a - 1] ELSE coalesce(x.l, 0) END, NULL::bigint, NULL::text,
+             f_ids[x.f:x.f + x.a - 1], '{}'::bigint[],
+             CASE WHEN x.a > 0 THEN f_versions[x.f:x.f + x.n - 1] ELSE '{}' END,
+             CASE WHEN x.a > 0 THEN f_created[x.f:x.f + x.n - 1] ELSE '{}' END,
+             false, '{}'::uuid[], x.m, '{}'::uuid[]
+      FROM unnest(s_streams, s_names, s_last, s_from, s_n, s_applied, s_more) AS x(s, p, l, f, n, a, m);
+  ELSIF v_cancel_i IS NOT NULL THEN
+    -- A handler was cancelled by the statement timeout: everything above is undone and the
+    -- call's timer is spent, so no pair is applied again in this call. The cancelled event's
+    -- row carries the failure (retried with backoff, then dead-lettered); the other pairs are
+    -- not reached.
+    SELECT x.k INTO v_k FROM unnest(s_from, s_n) WITH ORDINALITY AS x(f, n, k)
+    WHERE v_cancel_i BETWEEN x.f AND x.f + x.n - 1;
+    v_failed := NULL;
+    BEGIN
+      UPDATE {{ schema }}.wh_perspective_events w
+         SET error = v_cancel_err, instance_id = NULL, lease_expiry = NULL, attempts = w.attempts + 1,
+             scheduled_for = clock_timestamp() + {{ retry_delay }}
+       WHERE w.event_work_id = f_ids[v_cancel_i]
+      RETURNING w.event_work_id INTO v_failed;
+      INSERT INTO {{ schema }}.wh_perspective_cursors AS c (stream_id, perspective_name, status, error, processed_at)
+      VALUES (s_streams[v_k], s_names[v_k], {{ cursor_failed }}, v_cancel_err, now())
+      ON CONFLICT (stream_id, perspective_name) DO UPDATE
+        SET status = {{ cursor_failed }}, error = excluded.error, processed_at = now();
+    EXCEPTION WHEN OTHERS OR query_canceled THEN
+      v_cancel_err := v_cancel_err || ' (recording the failure failed too: ' || SQLERRM || ')';
+      v_failed := NULL;
+    END;
+    RETURN QUERY
+      SELECT x.s, x.p::text, CASE WHEN x.k = v_k THEN x.n ELSE 0 END, 0, coalesce(x.l, 0),
+             CASE WHEN x.k = v_k THEN v_failed END, CASE WHEN x.k = v_k THEN v_cancel_err END,
+             '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[],
+             x.k <> v_k, '{}'::uuid[]
+      FROM unnest(s_streams, s_names, s_last, s_n) WITH ORDINALITY AS x(s, p, l, n, k);
+  END IF;
+
+  FOR r IN
+    SELECT x.stream_id, x.perspective_name, x.last_version
+    FROM unnest(x_streams, x_names, x_last) AS x(stream_id, perspective_name, last_version)
+    UNION ALL
+    SELECT x.stream_id, x.perspective_name, coalesce(x.last_version, 0)
+    FROM unnest(s_streams, s_names, s_last) AS x(stream_id, perspective_name, last_version)
+    WHERE v_fallback
     ORDER BY 1, 2
   LOOP
     IF v_budget <= 0 OR clock_timestamp() >= v_stop_at THEN

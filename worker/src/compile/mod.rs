@@ -51,7 +51,7 @@ use minijinja::syntax::SyntaxConfig;
 use minijinja::{AutoEscape, Environment, UndefinedBehavior, Value};
 use sha2::{Digest, Sha256};
 
-pub use apply::{create_apply_function, runs_as_perform};
+pub use apply::{create_apply_function, create_batch_function, runs_as_perform};
 pub use definition::{definition_hash, handlers_hash};
 pub use drain::create_drain_function;
 
@@ -66,8 +66,20 @@ pub fn apply_function_name(perspective: &str) -> String {
     }
 }
 
+/// Name of the batch function of `perspective` (see `batch_function.sql`; the same rule as
+/// [`apply_function_name`]).
+pub fn batch_function_name(perspective: &str) -> String {
+    let name = format!("wh_batch_{perspective}");
+    if name.len() <= 63 {
+        name
+    } else {
+        let hash = hex::encode(&Sha256::digest(perspective.as_bytes())[..4]);
+        format!("wh_batch_{}_{hash}", &perspective[..44])
+    }
+}
+
 /// The template pieces, by the name they are included by.
-const TEMPLATES: [(&str, &str); 11] = [
+const TEMPLATES: [(&str, &str); 12] = [
     ("apply_function.sql", include_str!("apply_function.sql")),
     ("apply_body.sql", include_str!("apply_body.sql")),
     ("event_arrays.sql", include_str!("event_arrays.sql")),
@@ -80,6 +92,7 @@ const TEMPLATES: [(&str, &str); 11] = [
         "instant_completion.sql",
         include_str!("instant_completion.sql"),
     ),
+    ("batch_function.sql", include_str!("batch_function.sql")),
     ("drain.sql", include_str!("drain.sql")),
     (
         "drop_older_overloads.sql",

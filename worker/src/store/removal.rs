@@ -1,5 +1,5 @@
 //! Removing a perspective that left the config: its pending work, its cursors, its job, its
-//! compiled function and its record go; its model tables are the user's and stay. Streams left with
+//! compiled functions and its record go; its model tables are the user's and stay. Streams left with
 //! nothing pending are unpinned.
 
 use sqlx::postgres::PgConnection;
@@ -54,7 +54,7 @@ pub async fn removed_perspectives(
         .await
 }
 
-/// Delete `perspective`'s work rows, cursors, job, record and compiled apply function.
+/// Delete `perspective`'s work rows, cursors, job, record and compiled apply and batch functions.
 pub async fn remove_perspective(
     tx: &mut PgConnection,
     schema: &str,
@@ -76,8 +76,9 @@ pub async fn remove_perspective(
         .fetch_optional(&mut *tx)
         .await?
         .map(|r| r.get(0));
-    if let Some(function) = function {
-        // A generated identifier (see compile::apply_function_name), so no quoting.
+    // Generated identifiers (see compile::apply_function_name), so no quoting.
+    let batch = crate::compile::batch_function_name(perspective);
+    for function in function.into_iter().chain([batch]) {
         sqlx::query(&format!("DROP FUNCTION IF EXISTS {schema}.{function}"))
             .execute(&mut *tx)
             .await?;
