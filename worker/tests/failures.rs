@@ -59,11 +59,12 @@ claimWorker:
     ));
     migrate_config(&config).await;
     // Completing p2's cursor fails, the way a serialization failure or deadlock would; the
-    // failure record (status Failed) passes.
+    // failure record (status Failed) passes. (A first apply of shallow pairs creates the cursor
+    // completed: INSERT as well as UPDATE.)
     let trigger = psql(&format!(
         "CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001'; END $$;
-         CREATE TRIGGER refuse BEFORE UPDATE ON {schema}.wh_perspective_cursors FOR EACH ROW
+         CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON {schema}.wh_perspective_cursors FOR EACH ROW
          WHEN (NEW.perspective_name = 'p2' AND NEW.status = 2) EXECUTE FUNCTION {schema}.refuse();"
     ));
     assert!(trigger.status.success(), "{trigger:?}");

@@ -18,6 +18,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             .collect();
         format!("ARRAY[{}]::text[]", literals.join(", "))
     };
+    let event_id_ordering = perspectives.iter().any(|p| p.ordering == Ordering::EventId);
     let event_id_perspectives = names(&|p| p.ordering == Ordering::EventId);
     let compiled_perspectives = names(&|_| true);
     let perspectives: Vec<Value> = perspectives
@@ -36,6 +37,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             schema,
             perspectives,
             event_id_perspectives,
+            event_id_ordering,
             compiled_perspectives,
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
@@ -120,7 +122,12 @@ perspectives:
             "{sql}"
         );
         assert!(sql.contains("AND p.perspective_name = ANY (ARRAY['a', 'b']::text[])"));
+        assert!(sql.contains("lag(w0.event_id) OVER (ORDER BY w0.stream_version) AS prev_event"));
         let commit_only = create_drain_function("s", &config.perspectives[..1]);
         assert!(commit_only.contains("AND (p.perspective_name <> ALL (ARRAY[]::text[])"));
+        assert!(
+            commit_only.contains("NULL::uuid AS prev_event"),
+            "{commit_only}"
+        );
     }
 }

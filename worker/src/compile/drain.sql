@@ -18,7 +18,8 @@
     take the per-pair path below, which isolates the failure (a handler cancelled by the
     statement timeout is recorded on its row directly: its timer is spent).
     Slots: schema, perspectives (name, function, batch), event_id_perspectives (names of the
-    perspectives ordered by event id, whose windows are checked for a rewind), cursor_completed,
+    perspectives ordered by event id, whose windows are checked for a rewind) and
+    event_id_ordering (whether there are any), compiled_perspectives (all names), cursor_completed,
     cursor_failed, retry_delay (the backoff after a failure of the head row, see
     store::failure::retry_delay_sql). #}
 {#- Whether the pair has due work past `version` (one index probe). #}
@@ -165,8 +166,12 @@ BEGIN
                      OR coalesce(q.event_id > CASE WHEN q.prev_version > coalesce(p.last_version, 0) THEN q.prev_event
                                                    ELSE p.last_event_id END, true))) AS plain
         FROM (
+{% if event_id_ordering %}
           SELECT w0.*, lag(w0.stream_version) OVER (ORDER BY w0.stream_version) AS prev_version,
                  lag(w0.event_id) OVER (ORDER BY w0.stream_version) AS prev_event
+{% else %}
+          SELECT w0.*, NULL::bigint AS prev_version, NULL::uuid AS prev_event
+{% endif %}
           FROM (SELECT w1.event_work_id, w1.event_id, w1.stream_version, w1.created_at, w1.attempts,
                        w1.scheduled_for, w1.instance_id
                 FROM {{ schema }}.wh_perspective_events w1
@@ -277,7 +282,8 @@ BEGIN
         FROM unnest(s_names, s_from, s_n) WITH ORDINALITY AS x(p, f, n, k)
         JOIN unnest(g_names, g_end) AS g(p, e) ON g.p = x.p;
         UPDATE {{ schema }}.wh_perspective_cursors c
-           SET last_version = coalesce(f_versions[x.f + x.a - 1], x.l), last_event_id = coalesce(f_events[x.f + x.a - 1], x.e),
+           SET last_version = CASE WHEN x.a > 0 THEN f_versions[x.f + x.a - 1] ELSE x.l END,
+               last_event_id = CASE WHEN x.a > 0 THEN f_events[x.f + x.a - 1] ELSE x.e END,
                status = CASE WHEN x.a > 0 THEN c.status ELSE x.st END,
                error = CASE WHEN x.a > 0 THEN c.error ELSE x.er END,
                processed_at = CASE WHEN x.a > 0 THEN c.processed_at ELSE x.at END
