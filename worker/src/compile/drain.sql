@@ -311,10 +311,9 @@ BEGIN
       FROM unnest(s_streams, s_names, s_from, s_n, s_applied) WITH ORDINALITY AS x(s, p, f, n, a, k);
       v_shallow_ok := true;
     EXCEPTION WHEN OTHERS OR query_canceled THEN
-      IF v_cancel_i IS NULL THEN
-        -- Undone: the per-pair path applies these pairs, and isolates what failed.
-        v_fallback := true;
-      END IF;
+      -- Undone: the per-pair path applies these pairs, and isolates what failed (but for a
+      -- cancelled handler, below).
+      v_fallback := true;
     END;
   END IF;
   IF v_shallow_ok THEN
@@ -328,10 +327,10 @@ BEGIN
              false, '{}'::uuid[], x.m, '{}'::uuid[]
       FROM unnest(s_streams, s_names, s_last, s_from, s_n, s_applied, s_more) AS x(s, p, l, f, n, a, m);
   ELSIF v_cancel_i IS NOT NULL THEN
-    -- A handler was cancelled by the statement timeout: everything above is undone and the
-    -- call's timer is spent, so no pair is applied again in this call. The cancelled event's
-    -- row carries the failure (retried with backoff, then dead-lettered); the other pairs are
-    -- not reached.
+    -- A handler was cancelled (the statement timeout, or shutdown): everything above is undone,
+    -- and the cancelled event must not run again in this call (the call's timer is spent). Its
+    -- row carries the failure (retried with backoff, then dead-lettered); the other pairs take
+    -- the per-pair path, which leaves them for the next call past the handler-timeout budget.
     SELECT x.k INTO v_k FROM unnest(s_from, s_n) WITH ORDINALITY AS x(f, n, k)
     WHERE v_cancel_i BETWEEN x.f AND x.f + x.n - 1;
     v_failed := NULL;
@@ -350,11 +349,9 @@ BEGIN
       v_failed := NULL;
     END;
     RETURN QUERY
-      SELECT x.s, x.p::text, CASE WHEN x.k = v_k THEN x.n ELSE 0 END, 0, coalesce(x.l, 0),
-             CASE WHEN x.k = v_k THEN v_failed END, CASE WHEN x.k = v_k THEN v_cancel_err END,
+      SELECT s_streams[v_k], s_names[v_k], s_n[v_k], 0, coalesce(s_last[v_k], 0), v_failed, v_cancel_err,
              '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[],
-             x.k <> v_k, '{}'::uuid[]
-      FROM unnest(s_streams, s_names, s_last, s_n) WITH ORDINALITY AS x(s, p, l, n, k);
+             false, '{}'::uuid[];
   END IF;
 
   FOR r IN
@@ -362,8 +359,8 @@ BEGIN
     FROM unnest(x_streams, x_names, x_last) AS x(stream_id, perspective_name, last_version)
     UNION ALL
     SELECT x.stream_id, x.perspective_name, coalesce(x.last_version, 0)
-    FROM unnest(s_streams, s_names, s_last) AS x(stream_id, perspective_name, last_version)
-    WHERE v_fallback
+    FROM unnest(s_streams, s_names, s_last) WITH ORDINALITY AS x(stream_id, perspective_name, last_version, k)
+    WHERE v_fallback AND (v_cancel_i IS NULL OR x.k <> v_k)
     ORDER BY 1, 2
   LOOP
     IF v_budget <= 0 OR clock_timestamp() >= v_stop_at THEN
