@@ -131,3 +131,52 @@ async fn a_wide_backlog_is_claimed_a_batch_at_a_time_not_re_offered_while_in_fli
         "{claims} claims for 4 000 streams (4 full claims, a few refills and polls expected)"
     );
 }
+
+/// `wh_drain` pays a dozen statements per (stream, perspective) on the per-pair path, which is
+/// what a wide backlog of shallow streams costs. Once a call has found the streams shallow, the
+/// worker asks for the set-based path: one subtransaction and one loop per perspective for all
+/// the shallow pairs of a call. Rows a subtransaction writes carry its transaction id, so the
+/// model rows of pairs applied one by one have one `xmin` each, and set-based ones share it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shallow_streams_are_applied_set_based_once_a_call_has_found_them_shallow() {
+    let schema = unique_schema("shallow_set");
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+
+    let streams: Vec<Uuid> = (0..2000).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 1, 1, 2000).await;
+    wait_drained(&schema, Duration::from_secs(120)).await;
+    assert_exactly_once(&schema, streams.len()).await;
+    engine.stop().await;
+    for p in ["p1", "p2"] {
+        let writers = scalar(&format!(
+            "SELECT count(DISTINCT xmin::text) FROM {schema}.seen_{p}"
+        ))
+        .await;
+        // The first calls (4 consumers, 50 streams each at most) know no depth yet.
+        assert!(
+            writers <= 400,
+            "{p}: {writers} subtransactions wrote the 2 000 streams' rows"
+        );
+    }
+}
+
+/// The worker's sessions run without JIT compilation: its statements are short, but some are
+/// costed high enough that JIT compiled them on every call, for longer than they ran. Options
+/// the URL sets are kept.
+#[tokio::test]
+async fn the_worker_connects_with_jit_off_and_keeps_the_urls_options() {
+    let url = database_url();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let with_option = format!("{url}{sep}options=-c%20work_mem%3D7MB");
+    let mut conn = perspective_worker::db::connect(&with_option, "jit-test")
+        .await
+        .unwrap();
+    let (jit, work_mem): (String, String) =
+        sqlx::query_as("SELECT current_setting('jit'), current_setting('work_mem')")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!((jit.as_str(), work_mem.as_str()), ("off", "7MB"));
+}

@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v19";
+const FORMAT_VERSION: &str = "apply-v20";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -142,8 +142,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v19",
-                "0207ae964b7b989971511a270afafd32c7a947b770464522a4379fac13dfffbb"
+                "apply-v20",
+                "d4807367830c6d64c7d95ee297034bd2c0ede10dbf1f6c609a56c688098a9f5c"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

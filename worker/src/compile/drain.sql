@@ -14,9 +14,12 @@
     first, all of them in one subtransaction: one statement each for the window, the cursor
     locks, the cursor moves and the completion, and one loop over all their events per
     perspective (its batch function, batch_function.sql). That removes the per-pair statements,
-    which dominate when streams are shallow. If anything in it fails, it is undone and its pairs
-    take the per-pair path below, which isolates the failure (a handler cancelled by the
-    statement timeout is recorded on its row directly: its timer is spent).
+    which dominate when streams are shallow. The caller asks for it (p_shallow_rows > 0) only
+    when its last calls found shallow streams: the probe of every pair that picks the shallow
+    ones is wasted on deep pairs, which otherwise run exactly the per-pair path. If anything in
+    it fails, it is undone and its pairs take the per-pair path below, which isolates the
+    failure (a handler cancelled by the statement timeout is recorded on its row directly: its
+    timer is spent).
     Slots: schema, perspectives (name, function, batch), event_id_perspectives (names of the
     perspectives ordered by event id, whose windows are checked for a rewind) and
     event_id_ordering (whether there are any), compiled_perspectives (all names), cursor_completed,
@@ -45,13 +48,13 @@ EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
       PERFORM {{ schema }}.complete_perspective_events(v_retire, p_debug);
     END IF;
 {%- endmacro %}
-{% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer" %}
+{% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer" %}
 {% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]" %}
 {% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
 CREATE OR REPLACE FUNCTION {{ schema }}.wh_drain(
     p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
     p_instant boolean, p_debug boolean, p_retry_base_ms double precision, p_retry_max_ms double precision,
-    p_notify_applied boolean, p_max_attempts integer, p_handler_timeout_ms integer)
+    p_notify_applied boolean, p_max_attempts integer, p_handler_timeout_ms integer, p_shallow_rows integer)
 RETURNS TABLE ({{ result }})
 LANGUAGE plpgsql AS $wh_drain$
 DECLARE
@@ -74,8 +77,9 @@ DECLARE
   -- worker.handlerTimeoutMilliseconds: no event starts after this; the worker cancels the call
   -- (statement_timeout) at twice the timeout, so each event has at least the timeout to run.
   v_stop_at  timestamptz := statement_timestamp() + make_interval(secs => p_handler_timeout_ms / 1000.0);
-  -- A pair with at most this many pending rows (retired ones included) may be shallow.
-  v_shallow_rows integer := least(16, p_per_pair);
+  -- A pair with at most this many pending rows (retired ones included) may be shallow; 0: the
+  -- caller expects deep streams, and every pair takes the per-pair path without a probe.
+  v_shallow_rows integer := least(coalesce(p_shallow_rows, 0), p_per_pair);
   -- The shallow pairs, by (perspective, stream): stream, perspective, cursor as read (NULL: no
   -- cursor; its last event, status, error and processed_at), where its window starts in the f_ arrays and how many rows it has,
   -- how many this call applied, and whether due work is left.
@@ -124,94 +128,109 @@ BEGIN
   IF v_owned IS NULL THEN
     RETURN;
   END IF;
-  -- Every pair's pending rows, up to v_shallow_rows + 1 of them, with its cursor (one
-  -- snapshot, as the per-pair window): which pairs are shallow, which have only rows to retire,
-  -- and which take the per-pair path.
-  WITH pair AS (
-    SELECT x.stream_id, sub.perspective_name, c.last_version, c.last_event_id, c.status, c.error, c.processed_at
-    FROM unnest(v_owned) AS x(stream_id)
-    CROSS JOIN (SELECT s.perspective_name,
-                       EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
-                               WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
-                FROM {{ schema }}.wh_perspective_subscriptions s GROUP BY s.perspective_name) sub
-    LEFT JOIN {{ schema }}.wh_perspective_cursors c
-           ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
-    -- A backfill holds the perspective back on a stream until the stream's history is queued
-    -- (asked only while the perspective has a backfill job).
-    WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
-  ), pairs AS MATERIALIZED (
-    SELECT p.*, w.*,
-           w.n_all <= v_shallow_rows AND w.n_above > 0 AND w.plain
-             -- (a perspective without a compiled function is skipped by the per-pair path)
-             AND p.perspective_name = ANY ({{ compiled_perspectives }})
-             -- Lifecycle is reported pair by pair; a max of 0 attempts dead-letters any row.
-             AND NOT p_notify_applied AND (p_max_attempts IS NULL OR p_max_attempts > 0) AS shallow_ok
-    FROM pair p
-    CROSS JOIN LATERAL (
-      -- (The aggregates read the rows in version order, as the subquery sorted them.)
-      SELECT count(*)::integer AS n_all, (count(*) FILTER (WHERE v.above))::integer AS n_above,
-             coalesce(bool_and(v.plain) FILTER (WHERE v.above), false) AS plain,
-             array_agg(v.event_work_id) FILTER (WHERE v.above) AS ids,
-             array_agg(v.event_id) FILTER (WHERE v.above) AS events,
-             array_agg(v.stream_version) FILTER (WHERE v.above) AS versions,
-             array_agg(v.created_at) FILTER (WHERE v.above) AS created,
-             array_agg(v.event_work_id) FILTER (WHERE NOT v.above) AS retire
-      FROM (
-        SELECT q.event_work_id, q.event_id, q.stream_version, q.created_at,
-               q.stream_version > coalesce(p.last_version, 0) AS above,
-               -- No failure pending, not scheduled, not leased (else the per-pair path decides).
-               (q.attempts = 0 AND q.scheduled_for IS NULL AND q.instance_id IS NULL
-                -- ordering eventId: no event older (by id) than the one before it (rewind_detect.sql).
-                AND (p.perspective_name <> ALL ({{ event_id_perspectives }})
-                     OR coalesce(q.event_id > CASE WHEN q.prev_version > coalesce(p.last_version, 0) THEN q.prev_event
-                                                   ELSE p.last_event_id END, true))) AS plain
+  IF v_shallow_rows = 0 THEN
+    -- Deep streams expected: every pair takes the per-pair path.
+    SELECT array_agg(y.stream_id), array_agg(y.perspective_name), array_agg(y.last_version)
+      INTO x_streams, x_names, x_last
+    FROM (
+      SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
+      FROM unnest(v_owned) AS x(stream_id)
+      CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s) sub
+      LEFT JOIN {{ schema }}.wh_perspective_cursors c
+             ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
+      -- A backfill holds the perspective back on a stream until the stream's history is queued.
+      WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
+      ORDER BY 1, 2) y;
+  ELSE
+    -- Every pair's pending rows, up to v_shallow_rows + 1 of them, with its cursor (one
+    -- snapshot, as the per-pair window): which pairs are shallow, which have only rows to retire,
+    -- and which take the per-pair path.
+    WITH pair AS (
+      SELECT x.stream_id, sub.perspective_name, c.last_version, c.last_event_id, c.status, c.error, c.processed_at
+      FROM unnest(v_owned) AS x(stream_id)
+      CROSS JOIN (SELECT s.perspective_name,
+                         EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
+                                 WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
+                  FROM {{ schema }}.wh_perspective_subscriptions s GROUP BY s.perspective_name) sub
+      LEFT JOIN {{ schema }}.wh_perspective_cursors c
+             ON c.stream_id = x.stream_id AND c.perspective_name = sub.perspective_name
+      -- A backfill holds the perspective back on a stream until the stream's history is queued
+      -- (asked only while the perspective has a backfill job).
+      WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
+    ), pairs AS MATERIALIZED (
+      SELECT p.*, w.*,
+             w.n_all <= v_shallow_rows AND w.n_above > 0 AND w.plain
+               -- (a perspective without a compiled function is skipped by the per-pair path)
+               AND p.perspective_name = ANY ({{ compiled_perspectives }})
+               -- Lifecycle is reported pair by pair; a max of 0 attempts dead-letters any row.
+               AND NOT p_notify_applied AND (p_max_attempts IS NULL OR p_max_attempts > 0) AS shallow_ok
+      FROM pair p
+      CROSS JOIN LATERAL (
+        -- (The aggregates read the rows in version order, as the subquery sorted them.)
+        SELECT count(*)::integer AS n_all, (count(*) FILTER (WHERE v.above))::integer AS n_above,
+               coalesce(bool_and(v.plain) FILTER (WHERE v.above), false) AS plain,
+               array_agg(v.event_work_id) FILTER (WHERE v.above) AS ids,
+               array_agg(v.event_id) FILTER (WHERE v.above) AS events,
+               array_agg(v.stream_version) FILTER (WHERE v.above) AS versions,
+               array_agg(v.created_at) FILTER (WHERE v.above) AS created,
+               array_agg(v.event_work_id) FILTER (WHERE NOT v.above) AS retire
         FROM (
-{% if event_id_ordering %}
-          SELECT w0.*, lag(w0.stream_version) OVER (ORDER BY w0.stream_version) AS prev_version,
-                 lag(w0.event_id) OVER (ORDER BY w0.stream_version) AS prev_event
-{% else %}
-          SELECT w0.*, NULL::bigint AS prev_version, NULL::uuid AS prev_event
-{% endif %}
-          FROM (SELECT w1.event_work_id, w1.event_id, w1.stream_version, w1.created_at, w1.attempts,
-                       w1.scheduled_for, w1.instance_id
-                FROM {{ schema }}.wh_perspective_events w1
-                WHERE w1.stream_id = p.stream_id AND w1.perspective_name = p.perspective_name
-                  AND w1.processed_at IS NULL
-                ORDER BY w1.stream_version
-                LIMIT v_shallow_rows + 1) w0) q) v) w
-    WHERE w.n_all > 0
-  ), sized AS MATERIALIZED (
-    -- Shallow pairs within the call's row budget, in pair order.
-    SELECT y.*, y.shallow_ok AND sum(y.n_above) FILTER (WHERE y.shallow_ok)
-                                   OVER (ORDER BY y.stream_id, y.perspective_name) <= v_budget AS shallow,
-           y.n_above = 0 AND y.n_all <= v_shallow_rows AS retire_only
-    FROM pairs y
-  ), shallow AS MATERIALIZED (
-    SELECT h.*, sum(h.n_above) OVER (ORDER BY h.perspective_name, h.stream_id) - h.n_above + 1 AS f_from
-    FROM sized h WHERE h.shallow
-  )
-  -- (Each aggregate below reads a subquery sorted once, rather than sorting by itself.)
-  SELECT t1.*, t2.*, t3.*, t4.*, t5.*
-  FROM (SELECT array_agg(h.stream_id), array_agg(h.perspective_name), array_agg(h.last_version),
-               array_agg(h.last_event_id), array_agg(h.status), array_agg(h.error), array_agg(h.processed_at),
-               array_agg(h.f_from), array_agg(h.n_above)
-        FROM (SELECT * FROM shallow ORDER BY perspective_name, stream_id) h) t1,
-       (SELECT array_agg(g.perspective_name), array_agg(g.f_from), array_agg(g.f_to)
-        FROM (SELECT h.perspective_name, min(h.f_from) AS f_from, max(h.f_from + h.n_above - 1) AS f_to
-              FROM shallow h GROUP BY h.perspective_name ORDER BY h.perspective_name) g) t2,
-       -- The windows' rows, pair after pair (each unnested in the order of the sorted pairs).
-       (SELECT array_agg(u.id), array_agg(u.event), array_agg(h.stream_id), array_agg(u.version), array_agg(u.created)
-        FROM (SELECT * FROM shallow ORDER BY perspective_name, stream_id) h
-        CROSS JOIN LATERAL unnest(h.ids, h.events, h.versions, h.created) AS u(id, event, version, created)) t3,
-       -- Rows to retire: those of shallow pairs, and of pairs with nothing else pending.
-       (SELECT array_agg(u.id) FILTER (WHERE y.shallow), array_agg(u.id) FILTER (WHERE y.retire_only)
-        FROM sized y CROSS JOIN LATERAL unnest(y.retire) AS u(id)
-        WHERE y.retire IS NOT NULL AND (y.shallow OR y.retire_only)) t4,
-       (SELECT array_agg(y.stream_id), array_agg(y.perspective_name), array_agg(coalesce(y.last_version, 0))
-        FROM (SELECT * FROM sized y WHERE NOT y.shallow AND NOT y.retire_only
-              ORDER BY y.stream_id, y.perspective_name) y) t5
-    INTO s_streams, s_names, s_last, s_event, s_status, s_error, s_at, s_from, s_n, g_names, g_from, g_to,
-         f_ids, f_events, f_streams, f_versions, f_created, v_retired, v_retired_only, x_streams, x_names, x_last;
+          SELECT q.event_work_id, q.event_id, q.stream_version, q.created_at,
+                 q.stream_version > coalesce(p.last_version, 0) AS above,
+                 -- No failure pending, not scheduled, not leased (else the per-pair path decides).
+                 (q.attempts = 0 AND q.scheduled_for IS NULL AND q.instance_id IS NULL
+                  -- ordering eventId: no event older (by id) than the one before it (rewind_detect.sql).
+                  AND (p.perspective_name <> ALL ({{ event_id_perspectives }})
+                       OR coalesce(q.event_id > CASE WHEN q.prev_version > coalesce(p.last_version, 0) THEN q.prev_event
+                                                     ELSE p.last_event_id END, true))) AS plain
+          FROM (
+  {% if event_id_ordering %}
+            SELECT w0.*, lag(w0.stream_version) OVER (ORDER BY w0.stream_version) AS prev_version,
+                   lag(w0.event_id) OVER (ORDER BY w0.stream_version) AS prev_event
+  {% else %}
+            SELECT w0.*, NULL::bigint AS prev_version, NULL::uuid AS prev_event
+  {% endif %}
+            FROM (SELECT w1.event_work_id, w1.event_id, w1.stream_version, w1.created_at, w1.attempts,
+                         w1.scheduled_for, w1.instance_id
+                  FROM {{ schema }}.wh_perspective_events w1
+                  WHERE w1.stream_id = p.stream_id AND w1.perspective_name = p.perspective_name
+                    AND w1.processed_at IS NULL
+                  ORDER BY w1.stream_version
+                  LIMIT v_shallow_rows + 1) w0) q) v) w
+      WHERE w.n_all > 0
+    ), sized AS MATERIALIZED (
+      -- Shallow pairs within the call's row budget, in pair order.
+      SELECT y.*, y.shallow_ok AND sum(y.n_above) FILTER (WHERE y.shallow_ok)
+                                     OVER (ORDER BY y.stream_id, y.perspective_name) <= v_budget AS shallow,
+             y.n_above = 0 AND y.n_all <= v_shallow_rows AS retire_only
+      FROM pairs y
+    ), shallow AS MATERIALIZED (
+      SELECT h.*, sum(h.n_above) OVER (ORDER BY h.perspective_name, h.stream_id) - h.n_above + 1 AS f_from
+      FROM sized h WHERE h.shallow
+    )
+    -- (Each aggregate below reads a subquery sorted once, rather than sorting by itself.)
+    SELECT t1.*, t2.*, t3.*, t4.*, t5.*
+    FROM (SELECT array_agg(h.stream_id), array_agg(h.perspective_name), array_agg(h.last_version),
+                 array_agg(h.last_event_id), array_agg(h.status), array_agg(h.error), array_agg(h.processed_at),
+                 array_agg(h.f_from), array_agg(h.n_above)
+          FROM (SELECT * FROM shallow ORDER BY perspective_name, stream_id) h) t1,
+         (SELECT array_agg(g.perspective_name), array_agg(g.f_from), array_agg(g.f_to)
+          FROM (SELECT h.perspective_name, min(h.f_from) AS f_from, max(h.f_from + h.n_above - 1) AS f_to
+                FROM shallow h GROUP BY h.perspective_name ORDER BY h.perspective_name) g) t2,
+         -- The windows' rows, pair after pair (each unnested in the order of the sorted pairs).
+         (SELECT array_agg(u.id), array_agg(u.event), array_agg(h.stream_id), array_agg(u.version), array_agg(u.created)
+          FROM (SELECT * FROM shallow ORDER BY perspective_name, stream_id) h
+          CROSS JOIN LATERAL unnest(h.ids, h.events, h.versions, h.created) AS u(id, event, version, created)) t3,
+         -- Rows to retire: those of shallow pairs, and of pairs with nothing else pending.
+         (SELECT array_agg(u.id) FILTER (WHERE y.shallow), array_agg(u.id) FILTER (WHERE y.retire_only)
+          FROM sized y CROSS JOIN LATERAL unnest(y.retire) AS u(id)
+          WHERE y.retire IS NOT NULL AND (y.shallow OR y.retire_only)) t4,
+         (SELECT array_agg(y.stream_id), array_agg(y.perspective_name), array_agg(coalesce(y.last_version, 0))
+          FROM (SELECT * FROM sized y WHERE NOT y.shallow AND NOT y.retire_only
+                ORDER BY y.stream_id, y.perspective_name) y) t5
+      INTO s_streams, s_names, s_last, s_event, s_status, s_error, s_at, s_from, s_n, g_names, g_from, g_to,
+           f_ids, f_events, f_streams, f_versions, f_created, v_retired, v_retired_only, x_streams, x_names, x_last;
+  END IF;
 
   IF v_retired_only IS NOT NULL THEN
     -- As the per-pair path retires an empty window's pair: no cursor lock needed.

@@ -59,6 +59,11 @@ impl CompletionQueue {
         }
     }
 
+    /// How many streams have applied rows waiting for the flush worker.
+    pub(crate) fn streams_awaiting_flush(&self) -> usize {
+        self.unflushed.lock().unwrap().len()
+    }
+
     /// Whether applied rows of `stream` are still waiting for the flush worker.
     pub(crate) fn awaiting_flush(&self, stream: &Uuid) -> bool {
         self.unflushed.lock().unwrap().contains_key(stream)
@@ -145,9 +150,12 @@ impl FlushWorker {
                     ctx.metrics.completions_flushed.inc_by(batch.len() as u64);
                     ctx.hooks
                         .emit(HookEvent::CompletionsFlushed { count: batch.len() });
+                    // A stream whose rows went out in several flushes settles after the last.
                     let streams: HashSet<Uuid> = batch.iter().map(|(_, s)| *s).collect();
                     for s in streams {
-                        let _ = self.settle_tx.send(s);
+                        if !self.completions.awaiting_flush(&s) {
+                            let _ = self.settle_tx.send(s);
+                        }
                     }
                 }
                 Err(e) => {
@@ -164,7 +172,9 @@ impl Settler {
     /// Streams that may be drained → `cleanup_completed_streams`. A stream that could not be
     /// retired (a producer was mid-append, or completions are not flushed yet, or it has work
     /// waiting for a retry) is handed back to the drain channel after a growing delay, a few times;
-    /// after that the claim loop's own polls look after it.
+    /// after that the claim loop's own polls look after it. A stream this instance no longer
+    /// holds (retired already, e.g. by a claim, or taken over) is settled: draining it again
+    /// would find nothing it owns.
     pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<Uuid>) {
         let ctx = &self.shared;
         const RETRIES: u32 = 8;
@@ -180,11 +190,8 @@ impl Settler {
                 streams.insert(s);
             }
             let list: Vec<Uuid> = streams.iter().copied().collect();
-            let removed = ctx
-                .store
-                .cleanup_completed_streams(ctx.instance_id, &list)
-                .await;
-            let removed: HashSet<Uuid> = match removed {
+            let settled = ctx.store.settle_streams(ctx.instance_id, &list).await;
+            let settled: HashSet<Uuid> = match settled {
                 Ok(r) => r.into_iter().collect(),
                 Err(e) => {
                     tracing::warn!(error = %crate::db::describe_error(&e, None), "cleanup_completed_streams failed");
@@ -192,7 +199,7 @@ impl Settler {
                 }
             };
             for s in list {
-                if removed.contains(&s) {
+                if settled.contains(&s) {
                     retries.remove(&s);
                     continue;
                 }

@@ -37,6 +37,9 @@ pub struct DrainArgs {
     /// `worker.handlerTimeoutMilliseconds`: the call starts no event after this long, and is
     /// cancelled (statement timeout) after twice this long (None: no limit).
     pub handler_timeout_ms: Option<u64>,
+    /// Pairs with at most this many pending rows are applied set-based, all together; 0: none
+    /// (deep streams expected, so no pair is probed for it).
+    pub shallow_rows: i32,
 }
 
 /// The text of one `wh_drain` call, preceded by its statement timeout. Sent as one simple
@@ -56,7 +59,7 @@ pub(crate) fn drain_sql(schema: &str, streams: &[Uuid], args: &DrainArgs) -> Str
     let or_null = |v: Option<String>, ty: &str| v.unwrap_or_else(|| format!("NULL::{ty}"));
     sql.push_str(&format!(
         "SELECT * FROM {schema}.{marker}, '{{{streams}}}'::uuid[], {per_pair}, {max_rows}, {instant}, {debug}, \
-         {base}::float8, {max}::float8, {notify}, {attempts}, {timeout})",
+         {base}::float8, {max}::float8, {notify}, {attempts}, {timeout}, {shallow})",
         marker = drain_marker(args.instance_id),
         streams = streams.join(","),
         per_pair = args.per_pair,
@@ -68,6 +71,7 @@ pub(crate) fn drain_sql(schema: &str, streams: &[Uuid], args: &DrainArgs) -> Str
         notify = args.notify_applied,
         attempts = or_null(args.max_attempts.map(|m| m.to_string()), "integer"),
         timeout = or_null(args.handler_timeout_ms.map(|t| t.to_string()), "integer"),
+        shallow = args.shallow_rows,
     ));
     sql
 }
@@ -191,6 +195,7 @@ mod tests {
             notify_applied: false,
             max_attempts,
             handler_timeout_ms,
+            shallow_rows: 16,
         }
     }
 
@@ -202,7 +207,7 @@ mod tests {
             sql,
             format!(
                 "SET LOCAL statement_timeout = 60000; SELECT * FROM shop.wh_drain('{nil}'::uuid, \
-                 '{{{s},{s}}}'::uuid[], 100, 1000, false, true, 1000::float8, 0.5::float8, false, 10, 30000)",
+                 '{{{s},{s}}}'::uuid[], 100, 1000, false, true, 1000::float8, 0.5::float8, false, 10, 30000, 16)",
                 nil = Uuid::nil()
             )
         );
@@ -213,7 +218,7 @@ mod tests {
             "{unbounded}"
         );
         assert!(
-            unbounded.ends_with(", false, NULL::integer, NULL::integer)"),
+            unbounded.ends_with(", false, NULL::integer, NULL::integer, 16)"),
             "{unbounded}"
         );
     }

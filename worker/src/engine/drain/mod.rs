@@ -130,6 +130,22 @@ pub(crate) fn batch_limit(
     }
 }
 
+/// Pairs with at most this many pending rows may take `wh_drain`'s set-based path.
+pub(crate) const SHALLOW_PAIR_ROWS: i32 = 16;
+
+/// The `shallow_rows` of the next `wh_drain` call: the set-based path only while the last call
+/// found shallow pairs (on average at most half of [`SHALLOW_PAIR_ROWS`] rows per stream and
+/// perspective). That path first reads up to `SHALLOW_PAIR_ROWS + 1` rows of every pair, which
+/// is wasted on deep ones; until a call has reported its depth, streams are assumed deep.
+pub(crate) fn shallow_rows(observed: Option<f64>, perspectives: usize) -> i32 {
+    match observed {
+        Some(rows) if rows / perspectives.max(1) as f64 <= f64::from(SHALLOW_PAIR_ROWS) / 2.0 => {
+            SHALLOW_PAIR_ROWS
+        }
+        _ => 0,
+    }
+}
+
 /// The streams one batch takes of a backlog of `queued`: its share among the `consumers`
 /// (so a claim's streams are drained side by side, not by the first consumer alone), within
 /// the batch limit and never below the full-depth limit `floor`. A lone id (`queued` 1) is no
@@ -370,6 +386,26 @@ mod tests {
             "never above drainBatcher.maxSize"
         );
         assert_eq!(batch_limit(0, 0, Some(1.0)), 1);
+    }
+
+    #[test]
+    fn the_set_based_path_is_asked_for_only_after_shallow_calls() {
+        assert_eq!(shallow_rows(None, 2), 0, "before any call: deep assumed");
+        assert_eq!(
+            shallow_rows(Some(2.0), 2),
+            SHALLOW_PAIR_ROWS,
+            "one event per pair"
+        );
+        assert_eq!(shallow_rows(Some(16.0), 2), SHALLOW_PAIR_ROWS, "8 per pair");
+        assert_eq!(shallow_rows(Some(18.0), 2), 0, "9 per pair");
+        assert_eq!(shallow_rows(Some(200.0), 2), 0, "full depth");
+        assert_eq!(shallow_rows(Some(8.0), 1), SHALLOW_PAIR_ROWS);
+        assert_eq!(shallow_rows(Some(8.0), 0), SHALLOW_PAIR_ROWS);
+        assert_eq!(
+            shallow_rows(Some(60.0), 30),
+            SHALLOW_PAIR_ROWS,
+            "2 per pair, 30 perspectives"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use super::report::{
     pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed, report_rewound,
     seconds_since,
 };
-use super::{Drainer, Round, ROWS_PER_FETCH};
+use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
 use crate::engine::lifecycle;
 use crate::store::drain::DrainArgs;
@@ -32,6 +32,7 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         notify_applied: w.notify_applied,
         max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
         handler_timeout_ms: w.handler_timeout_milliseconds,
+        shallow_rows: shallow_rows(ctx.observed_depth(), ctx.shared.config.perspectives.len()),
     };
     let outcomes = ctx.shared.store.drain(streams, args).await;
     let outcomes = match outcomes {
