@@ -241,7 +241,7 @@ timed_ms() { # statement -> ms it took, in a transaction rolled back afterwards
   printf '%s\n' "BEGIN;" "SELECT clock_timestamp() AS t0 \\gset" "$1;" \
     "SELECT round(extract(epoch FROM clock_timestamp() - :'t0') * 1000);" "ROLLBACK;" | q | tail -1
 }
-engine_sql="SELECT count(*) FROM $s.wh_drain('$instance', ARRAY(SELECT stream_id FROM $s.wh_active_streams), 100, $APPLIES, true, false, 1000, 300000, false, NULL, 30000)"
+engine_sql="SELECT count(*) FROM $s.wh_drain('$instance', ARRAY(SELECT stream_id FROM $s.wh_active_streams), 100, $APPLIES, true, false, 1000, 300000, false, NULL, 30000, 0)"
 ceiling_sql="SELECT sum($s.bench_apply_next()) FROM generate_series(1, $(( STREAMS * 2 * ((PER_STREAM + 99) / 100) )))"
 for r in $(seq "$ROUNDS"); do
   timed_ms "$ceiling_sql" >>"$work/cost_ceiling"
