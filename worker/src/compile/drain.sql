@@ -142,6 +142,11 @@ BEGIN
       WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
       ORDER BY 1, 2) y;
   ELSE
+    -- This probe is costed for hundreds of perspectives (a cross join of the streams with the
+    -- subscriptions), past jit_above_cost: JIT compiled it on every call, 200 ms each, longer
+    -- than the whole set-based apply. Off for the rest of the call (its transaction); the
+    -- per-pair path of deep calls keeps the server's setting (JIT helps its long windows).
+    PERFORM set_config('jit', 'off', true);
     -- Every pair's pending rows, up to v_shallow_rows + 1 of them, with its cursor (one
     -- snapshot, as the per-pair window): which pairs are shallow, which have only rows to retire,
     -- and which take the per-pair path.

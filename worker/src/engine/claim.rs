@@ -17,9 +17,6 @@ pub(crate) struct ClaimLoop {
     pub shared: Arc<Shared>,
     /// Streams to drain, out.
     pub queue: Arc<DrainQueue>,
-    /// Streams drained whose applied rows are not deleted yet (Batched): a claim returns them
-    /// (their rows look pending) but there is nothing to apply; their flush settles them.
-    pub completions: super::completion::CompletionQueue,
     /// Whether the LISTEN connection is up (set by the listener).
     pub listener_healthy: Arc<AtomicBool>,
     pub readiness: Readiness,
@@ -101,7 +98,7 @@ impl ClaimLoop {
             if shared.shutdown.is_cancelled() {
                 return;
             }
-            let offered = self.queue.len() + self.completions.streams_awaiting_flush();
+            let offered = self.queue.len();
             let streams = match self.claim(max_streams, offered).await {
                 Ok(s) => {
                     if !ready {
@@ -130,11 +127,6 @@ impl ClaimLoop {
                 // leftovers, are offered again by the next claim.
                 if queued >= max_streams {
                     break;
-                }
-                if self.completions.awaiting_flush(&stream) {
-                    // Applied; its flush hands it to the settler, which drains it again if
-                    // more work came meanwhile.
-                    continue;
                 }
                 match self.queue.offer(stream, Offer::Poll) {
                     Offered::Queued => queued += 1,

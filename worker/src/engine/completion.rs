@@ -59,11 +59,6 @@ impl CompletionQueue {
         }
     }
 
-    /// How many streams have applied rows waiting for the flush worker.
-    pub(crate) fn streams_awaiting_flush(&self) -> usize {
-        self.unflushed.lock().unwrap().len()
-    }
-
     /// Whether applied rows of `stream` are still waiting for the flush worker.
     pub(crate) fn awaiting_flush(&self, stream: &Uuid) -> bool {
         self.unflushed.lock().unwrap().contains_key(stream)

@@ -245,7 +245,6 @@ impl Engine {
         let claim_loop = claim::ClaimLoop {
             shared: shared.clone(),
             queue,
-            completions: completions.clone(),
             listener_healthy,
             readiness: readiness.clone(),
             last_work,
