@@ -486,12 +486,33 @@ spec:
         // --- the operator, installed by Helm, runs as 2 pods of its image ---------------------
         let t = Instant::now();
         let deploy = w.install_operator(2);
-        let operator_pods = pods
-            .list(&ListParams::default().labels("app.kubernetes.io/name=perspective-operator"))
-            .await
-            .unwrap()
-            .items;
-        assert_eq!(operator_pods.len(), 2);
+        // `rollout status` saw both available; the pods are read afterwards, so wait for what
+        // they say too (one seen unready there once, on a loaded machine) and show why not.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let operator_pods = loop {
+            let listed = pods
+                .list(&ListParams::default().labels("app.kubernetes.io/name=perspective-operator"))
+                .await
+                .unwrap()
+                .items;
+            if listed.len() == 2 && listed.iter().all(is_ready) {
+                break listed;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "operator pods Ready (their probes passed) within 60 s: {:?}",
+                listed
+                    .iter()
+                    .map(|p| (
+                        p.name_any(),
+                        p.status
+                            .as_ref()
+                            .map(|s| (&s.conditions, &s.container_statuses))
+                    ))
+                    .collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
         for p in &operator_pods {
             assert!(
                 is_ready(p),
