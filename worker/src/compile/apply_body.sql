@@ -8,16 +8,7 @@
     after this failure, see store::failure::retry_delay_sql). #}
 #variable_conflict use_column
 DECLARE
-  _wh_stream_id      uuid := p_stream_id;
-  _wh_event_id       uuid;
-  _wh_stream_version bigint;
-  _wh_event_type     text;
-  _wh_data           jsonb;
-  _wh_metadata       jsonb;
-  _wh_scope          jsonb;
-  _wh_created_at     timestamptz;
-  _wh_user_id        text;
-  _wh_tenant_id      text;
+{% with stream_init = " := p_stream_id" %}{% include "handler_variables.sql" %}{% endwith %}
   -- Local copies: PL/pgSQL keeps local arrays expanded, so a[i] is O(1).
   a_work_ids  bigint[]      := p_work_ids;
   a_event_ids uuid[]        := p_event_ids;

@@ -20,16 +20,7 @@ SET search_path TO {{ schema }}, public
 AS {{ tag }}
 #variable_conflict use_column
 DECLARE
-  _wh_stream_id      uuid;
-  _wh_event_id       uuid;
-  _wh_stream_version bigint;
-  _wh_event_type     text;
-  _wh_data           jsonb;
-  _wh_metadata       jsonb;
-  _wh_scope          jsonb;
-  _wh_created_at     timestamptz;
-  _wh_user_id        text;
-  _wh_tenant_id      text;
+{% with stream_init = "" %}{% include "handler_variables.sql" %}{% endwith %}
   -- Local copies: PL/pgSQL keeps local arrays expanded, so a[i] is O(1).
   a_streams   uuid[]   := p_stream_ids;
   a_event_ids uuid[]   := p_event_ids;

@@ -57,32 +57,35 @@ pub use drain::create_drain_function;
 
 /// Name of the apply function of `perspective` (always a valid identifier of at most 63 bytes).
 pub fn apply_function_name(perspective: &str) -> String {
-    let name = format!("wh_apply_{perspective}");
-    if name.len() <= 63 {
-        name
-    } else {
-        let hash = hex::encode(&Sha256::digest(perspective.as_bytes())[..4]);
-        format!("wh_apply_{}_{hash}", &perspective[..44])
-    }
+    generated_name("wh_apply_", perspective)
 }
 
 /// Name of the batch function of `perspective` (see `batch_function.sql`; the same rule as
 /// [`apply_function_name`]).
 pub fn batch_function_name(perspective: &str) -> String {
-    let name = format!("wh_batch_{perspective}");
+    generated_name("wh_batch_", perspective)
+}
+
+/// `prefix` + `perspective`, or, past PostgreSQL's 63 bytes, its first 44 bytes and a hash.
+fn generated_name(prefix: &str, perspective: &str) -> String {
+    let name = format!("{prefix}{perspective}");
     if name.len() <= 63 {
         name
     } else {
         let hash = hex::encode(&Sha256::digest(perspective.as_bytes())[..4]);
-        format!("wh_batch_{}_{hash}", &perspective[..44])
+        format!("{prefix}{}_{hash}", &perspective[..44])
     }
 }
 
 /// The template pieces, by the name they are included by.
-const TEMPLATES: [(&str, &str); 12] = [
+const TEMPLATES: [(&str, &str); 13] = [
     ("apply_function.sql", include_str!("apply_function.sql")),
     ("apply_body.sql", include_str!("apply_body.sql")),
     ("event_arrays.sql", include_str!("event_arrays.sql")),
+    (
+        "handler_variables.sql",
+        include_str!("handler_variables.sql"),
+    ),
     ("rewind_detect.sql", include_str!("rewind_detect.sql")),
     ("rewind_reset.sql", include_str!("rewind_reset.sql")),
     ("apply_event.sql", include_str!("apply_event.sql")),

@@ -37,9 +37,10 @@ impl Store {
             .fetch_all(self.pool())
             .await?;
         if settled.len() < streams.len() {
+            let retired: std::collections::HashSet<&Uuid> = settled.iter().collect();
             let rest: Vec<Uuid> = streams
                 .iter()
-                .filter(|s| !settled.contains(s))
+                .filter(|s| !retired.contains(s))
                 .copied()
                 .collect();
             let not_held: Vec<Uuid> = sqlx::query_scalar(&self.sql(NOT_HELD))
