@@ -6,7 +6,8 @@
 #
 #   breadth  WIDE streams × 1 event vs WIDE/DEEP_PER streams × DEEP_PER events (same total), one
 #            worker each, started fresh: applies/s, claim_work p50/p99 (the worker's histogram,
-#            claims made during the drain only), worker peak RSS.
+#            claims made during the drain only), worker peak RSS; and a hand-written ceiling of
+#            each shape (see ceiling_breadth), to tell the engine's cost from the tables'.
 #   fan-out  2, 10 and 30 counter perspectives on one event type, FANOUT_STREAMS × 100 events:
 #            append cost per event (one bulk INSERT, timed) and total applies/s.
 #   hot      HOT_OTHERS streams × 100 events, alone and beside one stream holding as many events
@@ -47,6 +48,7 @@ CHURN_BACKLOG=${CHURN_BACKLOG:-100000}
 ROUNDS=${ROUNDS:-3}
 APPENDERS=${APPENDERS:-4}
 APPEND_SECONDS=${APPEND_SECONDS:-5}
+CEIL_APPLIES=${CEIL_APPLIES:-1000}
 CASES=${CASES:-breadth fanout hot churn history}
 RECORD=${RECORD:-1}
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
@@ -234,6 +236,55 @@ append_block() { # schema prefix first streams per
 rate() { awk -v n="$1" -v a="$2" -v b="$3" 'BEGIN { printf "%.0f", n / (b - a) }'; }
 
 # --- breadth ----------------------------------------------------------------------------------
+# The hand-written ceiling of one shape, on a schema whose events are appended and no worker runs:
+# 4 pgbench connections each call a PL/pgSQL function that locks the oldest active streams worth
+# CEIL_APPLIES applies, applies their events in stream order with the counters' upsert, writes
+# their cursors, deletes their work rows and retires them — claim, apply, completion and
+# retirement in one transaction per call. That is the work per stream and per event any engine
+# on these tables has to do, without the engine: no assignment kept between transactions, no
+# locks against producers, no failure handling. Prints applies/s.
+ceiling_breadth() { # schema streams per
+  local s=$1 k=$(( CEIL_APPLIES / ($3 * 2) )) calls t0 t1
+  [ "$k" -ge 1 ] || k=1
+  calls=$(( ($2 + k - 1) / k ))
+  q <<EOF
+CREATE FUNCTION $s.bench_drain_next(p_streams integer) RETURNS integer LANGUAGE plpgsql AS \$f\$
+DECLARE v_streams uuid[]; r record; v_n integer := 0;
+BEGIN
+  v_streams := ARRAY(SELECT a.stream_id FROM $s.wh_active_streams a WHERE a.assigned_instance_id IS NULL
+                     ORDER BY a.created_at LIMIT p_streams FOR UPDATE SKIP LOCKED);
+  IF cardinality(v_streams) = 0 THEN RETURN 0; END IF;
+  FOR r IN SELECT w.perspective_name, w.stream_id, w.stream_version FROM $s.wh_perspective_events w
+           WHERE w.stream_id = ANY (v_streams) ORDER BY w.perspective_name, w.stream_id, w.stream_version LOOP
+    IF r.perspective_name = 'c1' THEN
+      INSERT INTO $s.c1 AS c VALUES (r.stream_id, 1, r.stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last;
+    ELSE
+      INSERT INTO $s.c2 AS c VALUES (r.stream_id, 1, r.stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last;
+    END IF;
+    v_n := v_n + 1;
+  END LOOP;
+  INSERT INTO $s.wh_perspective_cursors AS c (stream_id, perspective_name, last_version, status)
+  SELECT w.stream_id, w.perspective_name, max(w.stream_version), 2 FROM $s.wh_perspective_events w
+  WHERE w.stream_id = ANY (v_streams) GROUP BY 1, 2
+  ON CONFLICT (stream_id, perspective_name) DO UPDATE SET last_version = excluded.last_version, status = 2;
+  DELETE FROM $s.wh_perspective_events w WHERE w.stream_id = ANY (v_streams);
+  DELETE FROM $s.wh_active_streams a WHERE a.stream_id = ANY (v_streams);
+  RETURN v_n;
+END
+\$f\$;
+EOF
+  echo "SELECT $s.bench_drain_next($k);" >"$work/ceiling.sql"
+  t0=$(q -c "SELECT extract(epoch FROM clock_timestamp())")
+  # Calls that find nothing left return at once; a few spare ones per connection absorb the
+  # streams skipped while locked by another connection near the end.
+  pgbench "$DATABASE_URL" -n -f "$work/ceiling.sql" -c 4 -j 2 -t $(( calls / 4 + 4 )) >"$work/pgbench.log" 2>&1 ||
+    { cat "$work/pgbench.log" >&2; exit 1; }
+  t1=$(q -c "SELECT extract(epoch FROM clock_timestamp())")
+  [ "$(q -c "SELECT (SELECT count(*) FROM $s.wh_perspective_events) + (SELECT count(*) FROM $s.wh_active_streams)")" = 0 ] ||
+    { echo "bench-scale: the breadth ceiling left work behind on $s" >&2; exit 1; }
+  rate $(( $2 * $3 * 2 )) "$t0" "$t1"
+}
+
 case_breadth() {
   local deep_streams=$(( WIDE / DEEP_PER )) applies=$(( WIDE * 2 ))
   log "breadth: $WIDE streams × 1 event vs $deep_streams streams × $DEEP_PER events, 2 perspectives ($applies applies each)"
@@ -256,11 +307,22 @@ case_breadth() {
     log "breadth $shape: $rate_ applies/s, $n claims, claim_work p50 $p50 ms p99 $p99 ms, RSS $(( rss / 1024 )) MiB"
     printf '%s %s %s %s\n' "$p50" "$p99" "$n" "$rss" >"$work/breadth-$shape-claims"
     q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE"
+    s=br_ceil_$shape
+    migrate $s 2
+    append_block $s b0000000 1 "$streams" "$per" >/dev/null
+    rate_=$(ceiling_breadth $s "$streams" "$per")
+    check $s 2
+    echo "$rate_" >"$work/breadth-ceil-$shape"
+    log "breadth $shape, hand-written ceiling: $rate_ applies/s"
+    q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE"
   done
-  local deep wide
+  local deep wide cdeep cwide
   deep=$(cat "$work/breadth-deep"); wide=$(cat "$work/breadth-wide")
+  cdeep=$(cat "$work/breadth-ceil-deep"); cwide=$(cat "$work/breadth-ceil-wide")
   read -r p50 p99 n rss <"$work/breadth-wide-claims"
   result "breadth: applies/s, $WIDE streams × 1 vs $deep_streams × $DEEP_PER" "$wide vs $deep = $(pct "$wide" "$deep")%" "≥ 50%" "$(verdict "$(pct "$wide" "$deep")" 50)"
+  result "breadth: hand-written ceiling ($CEIL_APPLIES applies per call, 4 connections), applies/s, wide vs deep" "$cwide vs $cdeep = $(pct "$cwide" "$cdeep")%" "(reported)" "-"
+  result "breadth: engine vs the ceiling, wide; deep" "$(pct "$wide" "$cwide")%; $(pct "$deep" "$cdeep")%" "(reported)" "-"
   result "breadth: claim_work p50 / p99, $WIDE streams × 1 ($n claims)" "$p50 / $p99 ms" "p99 ≤ 20 ms" "$(verdict 20 "$p99")"
   read -r p50 p99 n _ <"$work/breadth-deep-claims"
   result "breadth: claim_work p50 / p99, $deep_streams streams × $DEEP_PER ($n claims)" "$p50 / $p99 ms" "p99 ≤ 20 ms" "$(verdict 20 "$p99")"

@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v20";
+const FORMAT_VERSION: &str = "apply-v21";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -142,8 +142,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v20",
-                "e7ef544758029c55f3da0472063750c4e5643e0aea0a25584cace63dfd0b7b23"
+                "apply-v21",
+                "4b8f89a842c189a685ef9dd0b7a235c574aff06fcbb780dde85b64790bf6b95f"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -68,6 +68,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0013_claim_past_offered.sql",
         template: include_str!("../../../migrations/0013_claim_past_offered.sql"),
     },
+    Migration {
+        version: 14,
+        name: "0014_cursor_lookup_per_pair.sql",
+        template: include_str!("../../../migrations/0014_cursor_lookup_per_pair.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.
