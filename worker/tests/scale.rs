@@ -203,13 +203,14 @@ perspectives:
     assert!(off >= 1600, "{off} applied set-based");
 }
 
-/// A drain call reads the cursors of the pairs it was given, one primary-key probe each, not the
-/// whole cursor table (one row per stream and perspective ever applied). Joined plainly, the
-/// planner (which cannot see how few streams a call lists) hashed the entire table on every
-/// call: at 100 000 streams that was 240 ms of a 250 ms call, and the wide case ran 3× slower
-/// than with the probe. Checked for both paths of `wh_drain` and for the custom runners' fetch.
+/// A drain call reads the cursors and active rows of the streams it was given, one primary-key
+/// probe each, not the whole cursor table (one row per stream and perspective ever applied) nor
+/// every stream its instance holds. Joined plainly, the planner (which cannot see how few
+/// streams a call lists) hashed the entire cursor table on every call: at 100 000 streams that
+/// was 240 ms of a 250 ms call, and the wide case ran 3× slower than with the probe. Checked for
+/// both paths of `wh_drain` and for the custom runners' fetch.
 #[tokio::test]
-async fn a_drain_call_reads_its_pairs_cursors_not_the_whole_cursor_table() {
+async fn a_drain_call_reads_its_streams_rows_not_whole_tables() {
     let (schema, _config) = migrated_schema("cursor_probe").await;
     let mut conn = connect().await;
     // 20 000 streams applied before, by both perspectives.
@@ -239,6 +240,19 @@ async fn a_drain_call_reads_its_pairs_cursors_not_the_whole_cursor_table() {
     .execute(&mut conn)
     .await
     .unwrap();
+    // And 20 000 other streams, claimed since the statistics last saw them all unowned (as when
+    // autovacuum analyzed a fresh backlog before the claims took it).
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_active_streams (stream_id, partition_number)
+         SELECT gen_random_uuid(), 0 FROM generate_series(1, 20000)"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query(&format!("ANALYZE {schema}.wh_active_streams"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
     sqlx::query(&format!(
         "UPDATE {schema}.wh_active_streams SET assigned_instance_id = $1"
     ))
@@ -247,11 +261,14 @@ async fn a_drain_call_reads_its_pairs_cursors_not_the_whole_cursor_table() {
     .await
     .unwrap();
 
-    // Cursor rows this session read, by any scan, inside one transaction (rolled back, so every
-    // call sees the same pending work).
+    // Rows of a table this session read, by any scan, inside one transaction (rolled back, so
+    // every call sees the same pending work).
     let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
                        FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
-    let table = format!("{schema}.wh_perspective_cursors");
+    let tables = [
+        format!("{schema}.wh_perspective_cursors"),
+        format!("{schema}.wh_active_streams"),
+    ];
     let calls = [
         (
             "wh_drain, per-pair path",
@@ -268,28 +285,143 @@ async fn a_drain_call_reads_its_pairs_cursors_not_the_whole_cursor_table() {
     ];
     for (name, call) in calls {
         sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-        let before: i64 = sqlx::query_scalar(read_so_far)
-            .bind(&table)
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
+        let mut before = Vec::new();
+        for table in &tables {
+            let n: i64 = sqlx::query_scalar(read_so_far)
+                .bind(table)
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+            before.push(n);
+        }
         let rows: i64 = sqlx::query_scalar(&call)
             .bind(instance)
             .bind(&streams)
             .fetch_one(&mut conn)
             .await
             .unwrap();
+        for (table, before) in tables.iter().zip(before) {
+            let read = sqlx::query_scalar::<_, i64>(read_so_far)
+                .bind(table)
+                .fetch_one(&mut conn)
+                .await
+                .unwrap()
+                - before;
+            assert!(
+                read < 100,
+                "{name} read {read} rows of {table} for 3 streams (40 000 cursors, 20 003 streams held)"
+            );
+        }
+        sqlx::raw_sql("ROLLBACK").execute(&mut conn).await.unwrap();
+        assert_eq!(rows, 6, "{name}: one row per (stream, perspective)");
+    }
+}
+
+/// Retiring a few thousand streams at once (the settler's batches), or completing a few thousand
+/// work rows, probes their rows by key. Past a thousand or so ids the planner preferred
+/// sequential scans of the whole stream-head and work tables, 25–160 ms per call at 100 000
+/// streams (migration 0014).
+#[tokio::test]
+async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
+    let (schema, _config) = migrated_schema("retire_many").await;
+    let mut conn = connect().await;
+    // 20 000 streams with one event each (B: 2 work rows); the first 2 500 are applied and their
+    // work rows deleted, as the completion flush leaves them for the settler.
+    let streams: Vec<Uuid> = (0..20_000).map(|_| Uuid::now_v7()).collect();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+         SELECT s, 'B', '{{\"total\": 1}}' FROM unnest($1::uuid[]) s"
+    ))
+    .bind(&streams)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let done = &streams[..2_500];
+    sqlx::query(&format!(
+        "DELETE FROM {schema}.wh_perspective_events WHERE stream_id = ANY ($1)"
+    ))
+    .bind(done)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "ANALYZE {schema}.wh_streams, {schema}.wh_perspective_events"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+
+    let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
+                       FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
+    let tables = [
+        format!("{schema}.wh_streams"),
+        format!("{schema}.wh_perspective_events"),
+    ];
+    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+    let mut before = Vec::new();
+    for table in &tables {
+        let n: i64 = sqlx::query_scalar(read_so_far)
+            .bind(table)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        before.push(n);
+    }
+    let retired: Vec<Uuid> = sqlx::query_scalar(&format!(
+        "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)"
+    ))
+    .bind(Uuid::now_v7())
+    .bind(done)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    for (table, before) in tables.iter().zip(before) {
         let read = sqlx::query_scalar::<_, i64>(read_so_far)
-            .bind(&table)
+            .bind(table)
             .fetch_one(&mut conn)
             .await
             .unwrap()
             - before;
-        sqlx::raw_sql("ROLLBACK").execute(&mut conn).await.unwrap();
-        assert_eq!(rows, 6, "{name}: one row per (stream, perspective)");
         assert!(
-            read < 100,
-            "{name} read {read} cursor rows for 6 pairs (the table holds 40 000)"
+            read <= 2 * 2_500,
+            "retiring 2 500 streams read {read} rows of {table} (20 000 streams, 35 000 work rows)"
         );
     }
+    sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
+    assert_eq!(retired.len(), 2_500, "every applied stream is retired");
+
+    // Completing thousands of work rows at once (an Instant drain call's, or a flush's) deletes
+    // them by key too.
+    let ids: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY random() LIMIT 6000"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let table = format!("{schema}.wh_perspective_events");
+    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+    let before: i64 = sqlx::query_scalar(read_so_far)
+        .bind(&table)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    let completed: i32 = sqlx::query_scalar(&format!(
+        "SELECT {schema}.complete_perspective_events($1, false)"
+    ))
+    .bind(&ids)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let read = sqlx::query_scalar::<_, i64>(read_so_far)
+        .bind(&table)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        - before;
+    sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
+    assert_eq!(completed, 6000);
+    assert!(
+        read <= 2 * 6000,
+        "completing 6 000 work rows read {read} of the table's 35 000"
+    );
 }

@@ -132,9 +132,13 @@ DECLARE
   v_cancel_err text;
   v_partial  boolean := false;
 BEGIN
-  SELECT array_agg(a.stream_id) INTO v_owned
-  FROM {{ schema }}.wh_active_streams a
-  WHERE a.stream_id = ANY (p_stream_ids) AND a.assigned_instance_id = p_instance_id;
+  -- The listed streams this instance holds: one primary-key probe per stream. (Given both
+  -- conditions, the planner would pick the owner index and filter every stream this instance
+  -- holds, the more the wider the backlog.)
+  SELECT array_agg(DISTINCT x.stream_id) INTO v_owned
+  FROM unnest(p_stream_ids) AS x(stream_id)
+  WHERE (SELECT a.assigned_instance_id FROM {{ schema }}.wh_active_streams a
+         WHERE a.stream_id = x.stream_id) = p_instance_id;
   IF v_owned IS NULL THEN
     RETURN;
   END IF;

@@ -8,9 +8,10 @@ const COMPLETE_PERSPECTIVE_EVENTS: &str = "SELECT {schema}.complete_perspective_
 const CLEANUP_COMPLETED_STREAMS: &str = "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)";
 /// Those of `$2` the instance `$1` does not hold: retired already (by an earlier call, or by
 /// `claim_work`), or another instance's.
+/// One primary-key probe per stream, not a scan of every stream `$1` holds.
 const NOT_HELD: &str = "SELECT x.stream_id FROM unnest($2::uuid[]) AS x(stream_id)
-    WHERE NOT EXISTS (SELECT 1 FROM {schema}.wh_active_streams a
-                      WHERE a.stream_id = x.stream_id AND a.assigned_instance_id = $1)";
+    WHERE (SELECT a.assigned_instance_id FROM {schema}.wh_active_streams a
+           WHERE a.stream_id = x.stream_id) IS DISTINCT FROM $1";
 
 impl Store {
     /// Delete applied work rows (stamp them instead in debug mode). Returns how many.
