@@ -181,3 +181,52 @@ async fn a_claim_takes_its_share_then_a_silent_owners_streams_oldest_first() {
     all.sort();
     assert_eq!(by_age, all);
 }
+
+/// A claim that takes a full batch of new streams does not look for held streams with nothing
+/// pending: during a backlog the oldest held streams are the ones being drained, and the look
+/// cost a work-table probe for each, a third of the claim (migration 0015). A claim that takes
+/// less (the backlog is absorbed) looks, and retires them.
+#[tokio::test]
+async fn only_a_claim_short_of_a_full_batch_retires_idle_held_streams() {
+    let (schema, _config) = migrated_schema("claim_idle").await;
+    let mut conn = connect().await;
+    streams(&mut conn, &schema, 1000).await;
+    let me = Uuid::now_v7();
+    instance(&mut conn, &schema, me, false).await;
+    // One claim in ten that takes a full batch looks anyway (a random draw): seeded so that the
+    // full claims below are not among them.
+    sqlx::query("SELECT setseed(0.5)")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(claim(&mut conn, &schema, me, 500).await.len(), 500);
+    // Their work is applied and completed (the settler has not retired them yet).
+    sqlx::query(&format!(
+        "DELETE FROM {schema}.wh_perspective_events w USING {schema}.wh_active_streams a
+         WHERE a.stream_id = w.stream_id AND a.assigned_instance_id = $1"
+    ))
+    .bind(me)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let returned = claim(&mut conn, &schema, me, 500).await;
+    assert_eq!(returned.len(), 500, "the 500 new streams, with work");
+    assert_eq!(
+        held(&mut conn, &schema, Some(me)).await.len(),
+        1000,
+        "a full claim leaves the 500 idle streams held"
+    );
+    let returned = claim(&mut conn, &schema, me, 500).await;
+    assert_eq!(returned.len(), 500);
+    let still = held(&mut conn, &schema, Some(me)).await;
+    assert_eq!(
+        still.len(),
+        500,
+        "a claim that took nothing retired the idle ones"
+    );
+    let mut a = still.clone();
+    a.sort();
+    let mut b = returned.clone();
+    b.sort();
+    assert_eq!(a, b, "what is still held is what has work");
+}

@@ -73,6 +73,13 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0014_cursor_lookup_per_pair.sql",
         template: include_str!("../../../migrations/0014_cursor_lookup_per_pair.sql"),
     },
+    Migration {
+        version: 15,
+        name: "0015_claim_skips_the_idle_look_while_taking_a_backlog.sql",
+        template: include_str!(
+            "../../../migrations/0015_claim_skips_the_idle_look_while_taking_a_backlog.sql"
+        ),
+    },
 ];
 
 /// The placeholder replaced by the schema name.
