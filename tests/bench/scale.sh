@@ -324,8 +324,8 @@ case_breadth() {
   local deep wide cdeep cwide
   deep=$(median <"$work/breadth-deep"); wide=$(median <"$work/breadth-wide")
   cdeep=$(median <"$work/breadth-ceil-deep"); cwide=$(median <"$work/breadth-ceil-wide")
-  result "breadth: applies/s, $WIDE streams × 1 vs $deep_streams × $DEEP_PER (medians of $ROUNDS rounds)" "$wide vs $deep = $(pct "$wide" "$deep")% (rounds: $(paste -d/ "$work/breadth-wide" "$work/breadth-deep" | awk -F/ '{ printf "%s%.0f%%", NR > 1 ? ", " : "", $1 * 100 / $2 }'))" "≥ 50%" "$(verdict "$(pct "$wide" "$deep")" 50)"
-  result "breadth: hand-written ceiling ($CEIL_APPLIES applies per call, 4 connections), applies/s, wide vs deep" "$cwide vs $cdeep = $(pct "$cwide" "$cdeep")% (rounds: $(paste -d/ "$work/breadth-ceil-wide" "$work/breadth-ceil-deep" | awk -F/ '{ printf "%s%.0f%%", NR > 1 ? ", " : "", $1 * 100 / $2 }'))" "(reported)" "-"
+  result "breadth: applies/s, $WIDE streams × 1 vs $deep_streams × $DEEP_PER (medians of $ROUNDS rounds)" "$wide vs $deep = $(pct "$wide" "$deep")% (rounds: $(paste -d/ "$work/breadth-wide" "$work/breadth-deep" | awk -F/ '{ printf "%s%.0f%%", (NR > 1 ? ", " : ""), $1 * 100 / $2 }'))" "≥ 50%" "$(verdict "$(pct "$wide" "$deep")" 50)"
+  result "breadth: hand-written ceiling ($CEIL_APPLIES applies per call, 4 connections), applies/s, wide vs deep" "$cwide vs $cdeep = $(pct "$cwide" "$cdeep")% (rounds: $(paste -d/ "$work/breadth-ceil-wide" "$work/breadth-ceil-deep" | awk -F/ '{ printf "%s%.0f%%", (NR > 1 ? ", " : ""), $1 * 100 / $2 }'))" "(reported)" "-"
   result "breadth: engine vs the ceiling, wide; deep" "$(pct "$wide" "$cwide")%; $(pct "$deep" "$cdeep")%" "(reported)" "-"
   for shape in wide deep; do
     # Summed per-bucket counts against an all-zero "before".

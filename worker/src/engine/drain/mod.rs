@@ -84,6 +84,7 @@ impl Drainer {
             let span = tracing::info_span!("drain_batch", instance_id = %self.shared.instance_id,
                                            streams = batch.len());
             process_streams(&self, batch).instrument(span).await;
+            self.batches_in_flight.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -146,21 +147,19 @@ pub(crate) fn shallow_rows(observed: Option<f64>, perspectives: usize) -> i32 {
     }
 }
 
-/// The streams one batch takes of a backlog of `queued`: its share among the `consumers`
-/// (so a claim's streams are drained side by side, not by the first consumer alone), within
-/// the batch limit and never below the full-depth limit `floor`. A lone id (`queued` 1) is no
-/// backlog: ids that trickle in after it may join up to the limit.
-pub(crate) fn share_of_backlog(
-    limit: usize,
-    floor: usize,
-    queued: usize,
-    consumers: usize,
-) -> usize {
+/// The streams one batch takes of a backlog of `queued`: its share among the `idle` consumers
+/// (itself included, so a claim's streams are drained side by side, not by the first consumer
+/// alone), within the batch limit and never below the full-depth limit `floor`. Shared among the
+/// idle ones, not among all: a claim's 1 000 streams reaching 4 idle consumers make 4 batches of
+/// 250, where a share of the whole pool left after each batch made 250, 188, 141, 106, 79, …
+/// — many small calls, each paying a call's fixed cost. A lone id (`queued` 1) is no backlog:
+/// ids that trickle in after it may join up to the limit.
+pub(crate) fn share_of_backlog(limit: usize, floor: usize, queued: usize, idle: usize) -> usize {
     if queued <= 1 {
         return limit.max(1);
     }
     queued
-        .div_ceil(consumers.max(1))
+        .div_ceil(idle.max(1))
         .clamp(floor.min(limit).max(1), limit.max(1))
 }
 
@@ -178,15 +177,20 @@ async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
         _ = ctx.shared.shutdown.cancelled() => return None,
         id = rx.recv() => id?,
     };
+    let in_flight = ctx.batches_in_flight.load(Ordering::Relaxed);
     let max_size = share_of_backlog(
         limit,
         floor,
         rx.len() + 1,
-        config.worker.max_concurrent_drain_consumers as usize,
+        (config.worker.max_concurrent_drain_consumers as usize).saturating_sub(in_flight),
     );
     let busy = || ctx.batches_in_flight.load(Ordering::Relaxed) > 0;
     let opts = &config.worker.drain_batcher;
-    Some(gather(&mut rx, first, opts, max_size, busy).await)
+    let batch = gather(&mut rx, first, opts, max_size, busy).await;
+    // In flight from here, before the next consumer takes the channel and counts the idle ones
+    // (`Drainer::consume` ends it).
+    ctx.batches_in_flight.fetch_add(1, Ordering::Relaxed);
+    Some(batch)
 }
 
 /// A batch starting with `first`, of at most `max_size` distinct ids. The sliding window only
@@ -266,8 +270,6 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
         ctx,
         streams: mine.clone(),
     };
-    ctx.batches_in_flight
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let started = Instant::now();
     let mut applied_total = 0u64;
     let mut current = mine.clone();
@@ -306,8 +308,6 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
         tracing::debug!(stream = %s, iterations, "stream still busy; back to the drain channel");
         ctx.queue.offer(s, Offer::Signal);
     }
-    ctx.batches_in_flight
-        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     ctx.shared.metrics.batches.inc();
     ctx.shared
         .metrics
@@ -411,6 +411,16 @@ mod tests {
     #[test]
     fn a_backlog_is_shared_among_the_consumers() {
         assert_eq!(share_of_backlog(1000, 50, 1000, 4), 250);
+        assert_eq!(
+            share_of_backlog(1000, 50, 750, 3),
+            250,
+            "the next idle consumer takes as much"
+        );
+        assert_eq!(
+            share_of_backlog(1000, 50, 315, 1),
+            315,
+            "the only idle consumer takes the rest"
+        );
         assert_eq!(
             share_of_backlog(1000, 50, 4000, 4),
             1000,
