@@ -8,6 +8,19 @@ use std::time::Duration;
 use common::*;
 use uuid::Uuid;
 
+/// Rows of `table` this session has read, by any scan, in its current transaction (the
+/// statistics see them only inside it: call it in one transaction, before and after).
+async fn rows_read_so_far(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
+         FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
 /// Autovacuum visits a database once a minute; under churn that is hundreds of megabytes of
 /// dead work rows. The engine vacuums its queue tables itself once they hold as many dead rows
 /// as live ones (and at least 20 000).
@@ -77,15 +90,9 @@ async fn retiring_a_stream_with_a_deep_backlog_does_not_read_the_backlog() {
     assert_eq!(work, 40_000, "B is handled by both perspectives");
 
     // Rows of the work table this session read, by any scan, inside one transaction.
-    let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
-                       FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
     let table = format!("{schema}.wh_perspective_events");
     sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-    let before: i64 = sqlx::query_scalar(read_so_far)
-        .bind(&table)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap();
+    let before: i64 = rows_read_so_far(&mut conn, &table).await;
     let retired: Vec<Uuid> = sqlx::query_scalar(&format!(
         "SELECT * FROM {schema}.cleanup_completed_streams($1, ARRAY[$2]::uuid[])"
     ))
@@ -94,12 +101,7 @@ async fn retiring_a_stream_with_a_deep_backlog_does_not_read_the_backlog() {
     .fetch_all(&mut conn)
     .await
     .unwrap();
-    let read = sqlx::query_scalar::<_, i64>(read_so_far)
-        .bind(&table)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap()
-        - before;
+    let read = rows_read_so_far(&mut conn, &table).await - before;
     sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
     assert!(retired.is_empty(), "a stream with work is not retired");
     assert!(read < 100, "read {read} of the stream's 40 000 work rows");
@@ -263,8 +265,6 @@ async fn a_drain_call_reads_its_streams_rows_not_whole_tables() {
 
     // Rows of a table this session read, by any scan, inside one transaction (rolled back, so
     // every call sees the same pending work).
-    let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
-                       FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
     let tables = [
         format!("{schema}.wh_perspective_cursors"),
         format!("{schema}.wh_active_streams"),
@@ -287,11 +287,7 @@ async fn a_drain_call_reads_its_streams_rows_not_whole_tables() {
         sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
         let mut before = Vec::new();
         for table in &tables {
-            let n: i64 = sqlx::query_scalar(read_so_far)
-                .bind(table)
-                .fetch_one(&mut conn)
-                .await
-                .unwrap();
+            let n: i64 = rows_read_so_far(&mut conn, table).await;
             before.push(n);
         }
         let rows: i64 = sqlx::query_scalar(&call)
@@ -301,12 +297,7 @@ async fn a_drain_call_reads_its_streams_rows_not_whole_tables() {
             .await
             .unwrap();
         for (table, before) in tables.iter().zip(before) {
-            let read = sqlx::query_scalar::<_, i64>(read_so_far)
-                .bind(table)
-                .fetch_one(&mut conn)
-                .await
-                .unwrap()
-                - before;
+            let read = rows_read_so_far(&mut conn, table).await - before;
             assert!(
                 read < 100,
                 "{name} read {read} rows of {table} for 3 streams (40 000 cursors, 20 003 streams held)"
@@ -351,8 +342,6 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     .await
     .unwrap();
 
-    let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
-                       FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
     let tables = [
         format!("{schema}.wh_streams"),
         format!("{schema}.wh_perspective_events"),
@@ -360,11 +349,7 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
     let mut before = Vec::new();
     for table in &tables {
-        let n: i64 = sqlx::query_scalar(read_so_far)
-            .bind(table)
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
+        let n: i64 = rows_read_so_far(&mut conn, table).await;
         before.push(n);
     }
     let retired: Vec<Uuid> = sqlx::query_scalar(&format!(
@@ -376,12 +361,7 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     .await
     .unwrap();
     for (table, before) in tables.iter().zip(before) {
-        let read = sqlx::query_scalar::<_, i64>(read_so_far)
-            .bind(table)
-            .fetch_one(&mut conn)
-            .await
-            .unwrap()
-            - before;
+        let read = rows_read_so_far(&mut conn, table).await - before;
         assert!(
             read <= 2 * 2_500,
             "retiring 2 500 streams read {read} rows of {table} (20 000 streams, 35 000 work rows)"
@@ -400,11 +380,7 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     .unwrap();
     let table = format!("{schema}.wh_perspective_events");
     sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-    let before: i64 = sqlx::query_scalar(read_so_far)
-        .bind(&table)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap();
+    let before: i64 = rows_read_so_far(&mut conn, &table).await;
     let completed: i32 = sqlx::query_scalar(&format!(
         "SELECT {schema}.complete_perspective_events($1, false)"
     ))
@@ -412,12 +388,7 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     .fetch_one(&mut conn)
     .await
     .unwrap();
-    let read = sqlx::query_scalar::<_, i64>(read_so_far)
-        .bind(&table)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap()
-        - before;
+    let read = rows_read_so_far(&mut conn, &table).await - before;
     sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
     assert_eq!(completed, 6000);
     assert!(
