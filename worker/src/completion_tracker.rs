@@ -258,6 +258,19 @@ impl<T: Clone> CompletionTracker<T> {
         reset
     }
 
+    /// Returns every Sent item to Pending at once, whatever its backoff (a last flush before
+    /// stopping does not wait out a retry delay). Retry counts are kept. Returns how many.
+    pub fn resend_all(&mut self) -> usize {
+        let mut reset = 0;
+        for tracked in &mut self.items {
+            if matches!(tracked.state, CompletionState::Sent { .. }) {
+                tracked.state = CompletionState::Pending;
+                reset += 1;
+            }
+        }
+        reset
+    }
+
     /// Number of Pending items.
     pub fn pending_count(&self) -> usize {
         self.count_in(|state| state == CompletionState::Pending)
@@ -450,6 +463,21 @@ mod tests {
         assert_eq!(states(&t), (1, 1, 0));
         let left: Vec<_> = t.iter().map(|tracked| tracked.item().clone()).collect();
         assert_eq!(left, vec![Completion("b"), Completion("c")]);
+    }
+
+    #[test]
+    fn resend_all_returns_every_sent_item_to_pending_without_waiting() {
+        let mut t = CompletionTracker::new(policy(60, 2.0, 600, true));
+        let t0 = Instant::now();
+        t.add(Completion("a"));
+        t.add(Completion("b"));
+        t.take_pending_for_send(t0);
+        assert_eq!(t.reset_stale(t0), 0, "the backoff has not passed");
+        t.add(Completion("c"));
+        t.mark_acknowledged(1);
+        assert_eq!(t.resend_all(), 1, "b: a is acknowledged, c was never sent");
+        assert_eq!(t.pending(), vec![Completion("b"), Completion("c")]);
+        assert_eq!(states(&t), (2, 0, 1));
     }
 
     #[test]

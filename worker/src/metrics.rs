@@ -66,6 +66,9 @@ pub struct WorkerMetrics {
     pub listener_connected: IntGauge,
     /// `perspective_completions_flushed_total`: completed work rows deleted by the flush worker.
     pub completions_flushed: IntCounter,
+    /// `perspective_completion_flush_failures_total`: flushes that failed (their rows are
+    /// flushed again after the retry backoff, or retired by a later drain).
+    pub completion_flush_failures: IntCounter,
     /// `perspective_tables_analyzed_total{table}`: ANALYZEs (SKIP_LOCKED) of a schema table that
     /// outgrew its planner statistics (see `engine::statistics`).
     pub tables_analyzed: IntCounterVec,
@@ -188,6 +191,11 @@ impl WorkerMetrics {
             "perspective_completions_flushed_total",
             "Completed work rows deleted in batches by the completion flush worker.",
         );
+        let completion_flush_failures = counter(
+            "perspective_completion_flush_failures_total",
+            "Completion flushes that failed; their rows are flushed again after the retry \
+             backoff (worker.retryOptions), at once when the worker stops, or retired by a later drain.",
+        );
         let tables_analyzed = IntCounterVec::new(
             Opts::new(
                 "perspective_tables_analyzed_total",
@@ -259,6 +267,7 @@ impl WorkerMetrics {
             notify_wakeups,
             listener_connected,
             completions_flushed,
+            completion_flush_failures,
             tables_analyzed,
             hook_events_dropped,
             phase,
@@ -340,6 +349,7 @@ mod tests {
         "perspective_notify_wakeups_total",
         "perspective_listener_connected",
         "perspective_completions_flushed_total",
+        "perspective_completion_flush_failures_total",
         "perspective_tables_analyzed_total",
         "perspective_hook_events_dropped_total",
         "perspective_phase",
@@ -365,6 +375,7 @@ mod tests {
         m.notify_wakeups.inc();
         m.listener_connected.set(1);
         m.completions_flushed.inc_by(10);
+        m.completion_flush_failures.inc();
         m.tables_analyzed.with_label_values(&["orders"]).inc();
         m.hook_events_dropped.inc();
         m.queue_vacuums

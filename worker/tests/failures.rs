@@ -255,6 +255,106 @@ claimWorker:
     assert_eq!(seen(&schema, "p2", hung).await, [1]);
 }
 
+/// A completion flush that keeps failing backs off (here 1 s, then 100 s). Stopping does not
+/// wait that out: once the drain consumers are done it flushes what is left at once, so the
+/// worker stops well inside its grace period and the applied rows are deleted. (A CI run hung
+/// 30 s in `stop` this way, after deadlocks had failed a flush several times.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_flushes_completions_at_once_whatever_their_retry_backoff() {
+    let schema = unique_schema("flushstop");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  retryOptions: { retryTimeoutSeconds: 1, backoffMultiplier: 100, maxBackoffSeconds: 600 }
+",
+    ));
+    migrate_config(&config).await;
+    // While `flush_blocked` holds a row, a completion flush (and only that: the statement the
+    // flush worker sends) fails.
+    let mut conn = connect().await;
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE {schema}.flush_blocked (x int);
+         INSERT INTO {schema}.flush_blocked VALUES (1);
+         CREATE FUNCTION {schema}.fail_flush() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF current_query() LIKE '%complete_perspective_events%'
+              AND EXISTS (SELECT 1 FROM {schema}.flush_blocked) THEN
+             RAISE EXCEPTION 'completion flush blocked by the test';
+           END IF;
+           RETURN OLD;
+         END $$;
+         CREATE TRIGGER fail_flush BEFORE DELETE ON {schema}.wh_perspective_events
+           FOR EACH ROW EXECUTE FUNCTION {schema}.fail_flush();"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    // Appended before the engine starts, in one transaction: one claim, one drain call, one
+    // flush of all ten rows, whose retries are then the only flushes.
+    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+         SELECT s, 'A' FROM unnest($1::uuid[]) AS x(s) ORDER BY s"
+    ))
+    .bind(&streams)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let engine = RunningEngine::start(&config).await;
+    let metrics = engine.metrics.clone();
+    wait_until("a failed flush", Duration::from_secs(20), || async {
+        metrics.completion_flush_failures.get() >= 1
+    })
+    .await;
+    let first_failure = Instant::now();
+    wait_until("its failed retry", Duration::from_secs(20), || async {
+        metrics.completion_flush_failures.get() >= 2
+    })
+    .await;
+    assert!(
+        first_failure.elapsed() >= Duration::from_millis(800),
+        "the second failure is the retry after 1 s, not another batch ({:?})",
+        first_failure.elapsed()
+    );
+    for s in &streams {
+        assert_eq!(
+            seen(&schema, "p1", *s).await,
+            [1],
+            "applied before the flush"
+        );
+    }
+    assert!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_perspective_events"
+        ))
+        .await
+            > 0,
+        "the applied rows wait for their flush"
+    );
+    // The next retry is 100 s away. Unblock, then stop.
+    sqlx::query(&format!("DELETE FROM {schema}.flush_blocked"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    tokio::time::timeout(Duration::from_secs(15), engine.stop())
+        .await
+        .expect("the worker stops without waiting out the flush backoff");
+    println!("stopped {:?} after shutdown began", started.elapsed());
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_perspective_events"
+        ))
+        .await,
+        0,
+        "the last flush deleted the applied rows"
+    );
+    assert!(
+        metrics.completions_flushed.get() >= 10,
+        "5 events × 2 perspectives flushed"
+    );
+}
+
 /// Item 3. Handlers whose statements return rows cannot run in the compiled function (PL/pgSQL
 /// has nowhere to put the rows): migrate refuses them, naming perspective and handler. A plain
 /// SELECT runs with its rows discarded and is accepted.

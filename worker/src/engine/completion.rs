@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::hooks::HookEvent;
@@ -73,6 +74,9 @@ pub(crate) struct FlushWorker {
     pub cache: Arc<Mutex<ProcessedEventCache>>,
     /// Streams whose rows were flushed, out: they may be drained.
     pub settle_tx: mpsc::UnboundedSender<Uuid>,
+    /// Cancelled once the drain consumers have stopped (after the shutdown token): the last
+    /// flush, then the task ends.
+    pub stop: CancellationToken,
 }
 
 /// The settler task.
@@ -87,77 +91,132 @@ pub(crate) struct Settler {
 const FLUSH_WINDOW: Duration = Duration::from_millis(25);
 const FLUSH_MAX: usize = 1000;
 
+/// The pause after the `attempt`-th failed round of the last flush before stopping, or `None`:
+/// give up. The retry backoff of a running worker grows to `worker.retryOptions` limits (a
+/// minute by default), far past a pod's termination grace; stopping tries at once and a few
+/// times more within about 1.5 s. Rows left behind are retired by a later drain of their stream
+/// (they are at or below its cursor), so giving up loses nothing.
+pub(crate) fn final_flush_pause(attempt: u32) -> Option<Duration> {
+    const PAUSES: [u64; 4] = [100, 200, 400, 800];
+    PAUSES
+        .get(attempt as usize)
+        .map(|ms| Duration::from_millis(*ms))
+}
+
 impl FlushWorker {
-    /// Completed work rows (work id, stream) → `complete_perspective_events`, in batches.
+    /// Completed work rows (work id, stream) → `complete_perspective_events`, in batches, until
+    /// `stop` (the drain consumers are done): then a last flush of everything left.
     pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<(i64, Uuid)>) {
         let ctx = &self.shared;
         let mut tracker: CompletionTracker<(i64, Uuid)> =
             CompletionTracker::new(RetryPolicy::from_options(&ctx.config.worker.retry_options));
-        let mut closed = false;
-        loop {
+        'running: loop {
             if tracker.pending_count() == 0 && tracker.sent_count() == 0 {
-                if closed {
-                    return;
-                }
-                // Wait for work (or shutdown: then drain what is queued and stop).
                 tokio::select! {
                     item = rx.recv() => match item {
                         Some(item) => tracker.add(item),
-                        None => closed = true,
+                        None => break 'running,
                     },
-                    _ = ctx.shutdown.cancelled() => {
-                        rx.close();
-                    }
+                    _ = self.stop.cancelled() => break 'running,
                 }
             }
             // Coalesce.
             let deadline = tokio::time::Instant::now() + FLUSH_WINDOW;
-            while !closed && tracker.pending_count() < FLUSH_MAX {
+            while tracker.pending_count() < FLUSH_MAX {
                 match tokio::time::timeout_at(deadline, rx.recv()).await {
                     Ok(Some(item)) => tracker.add(item),
-                    Ok(None) => closed = true,
-                    Err(_) => break,
+                    Ok(None) | Err(_) => break,
                 }
             }
             tracker.reset_stale(Instant::now());
             let batch = tracker.take_pending_up_to(FLUSH_MAX, Instant::now());
             if batch.is_empty() {
-                if tracker.sent_count() > 0 {
-                    // Waiting for a retry of a failed flush.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                // Waiting for the retry of a failed flush.
+                tokio::select! {
+                    _ = self.stop.cancelled() => break 'running,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                 }
                 continue;
             }
-            let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
-            let result = ctx
-                .store
-                .complete_events(&ids, ctx.config.worker.debug_mode)
-                .await;
-            match result {
-                Ok(_) => {
-                    tracker.mark_acknowledged(batch.len());
-                    self.completions.flushed(&batch);
-                    tracker.clear_acknowledged();
-                    self.cache
-                        .lock()
-                        .unwrap()
-                        .activate_retention(Instant::now());
-                    ctx.metrics.completions_flushed.inc_by(batch.len() as u64);
-                    ctx.hooks
-                        .emit(HookEvent::CompletionsFlushed { count: batch.len() });
-                    // A stream whose rows went out in several flushes settles after the last.
-                    let streams: HashSet<Uuid> = batch.iter().map(|(_, s)| *s).collect();
-                    for s in streams {
-                        if !self.completions.awaiting_flush(&s) {
-                            let _ = self.settle_tx.send(s);
-                        }
+            self.flush(&mut tracker, batch).await;
+        }
+        // Nothing more arrives: the drain consumers are done.
+        rx.close();
+        while let Ok(item) = rx.try_recv() {
+            tracker.add(item);
+        }
+        self.final_flush(&mut tracker).await;
+    }
+
+    /// Everything the tracker holds, now, whatever its backoff; a few quick retries.
+    async fn final_flush(&self, tracker: &mut CompletionTracker<(i64, Uuid)>) {
+        let mut attempt = 0;
+        loop {
+            tracker.resend_all();
+            while tracker.pending_count() > 0 {
+                let batch = tracker.take_pending_up_to(FLUSH_MAX, Instant::now());
+                if !self.flush(tracker, batch).await {
+                    break;
+                }
+            }
+            let left = tracker.pending_count() + tracker.sent_count();
+            if left == 0 {
+                return;
+            }
+            match final_flush_pause(attempt) {
+                Some(pause) => tokio::time::sleep(pause).await,
+                None => {
+                    tracing::warn!(
+                        rows = left,
+                        "stopping with completed work rows not deleted; later drains of their \
+                         streams retire them (they are at or below the cursors)"
+                    );
+                    return;
+                }
+            }
+            attempt += 1;
+        }
+    }
+
+    /// One flush of `batch` (taken from `tracker` as Sent); whether it went through.
+    async fn flush(
+        &self,
+        tracker: &mut CompletionTracker<(i64, Uuid)>,
+        batch: Vec<(i64, Uuid)>,
+    ) -> bool {
+        let ctx = &self.shared;
+        let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
+        let result = ctx
+            .store
+            .complete_events(&ids, ctx.config.worker.debug_mode)
+            .await;
+        match result {
+            Ok(_) => {
+                tracker.mark_acknowledged(batch.len());
+                self.completions.flushed(&batch);
+                tracker.clear_acknowledged();
+                self.cache
+                    .lock()
+                    .unwrap()
+                    .activate_retention(Instant::now());
+                ctx.metrics.completions_flushed.inc_by(batch.len() as u64);
+                ctx.hooks
+                    .emit(HookEvent::CompletionsFlushed { count: batch.len() });
+                // A stream whose rows went out in several flushes settles after the last.
+                let streams: HashSet<Uuid> = batch.iter().map(|(_, s)| *s).collect();
+                for s in streams {
+                    if !self.completions.awaiting_flush(&s) {
+                        let _ = self.settle_tx.send(s);
                     }
                 }
-                Err(e) => {
-                    // They stay Sent; reset_stale re-queues them after the backoff. If the process
-                    // dies first, the rows are re-offered and the cursor skips them.
-                    tracing::warn!(error = %crate::db::describe_error(&e, None), count = batch.len(), "completion flush failed; will retry");
-                }
+                true
+            }
+            Err(e) => {
+                // They stay Sent; reset_stale re-queues them after the backoff. If the process
+                // dies first, the rows are re-offered and the cursor skips them.
+                ctx.metrics.completion_flush_failures.inc();
+                tracing::warn!(error = %crate::db::describe_error(&e, None), count = batch.len(), "completion flush failed; will retry");
+                false
             }
         }
     }
@@ -223,5 +282,27 @@ impl Settler {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_last_flush_retries_a_few_times_within_two_seconds_then_gives_up() {
+        let pauses: Vec<Duration> = (0..).map_while(final_flush_pause).collect();
+        assert_eq!(pauses.len(), 4, "four retries after the first attempt");
+        assert!(
+            pauses.windows(2).all(|w| w[0] < w[1]),
+            "growing: {pauses:?}"
+        );
+        let total: Duration = pauses.iter().sum();
+        assert!(
+            total <= Duration::from_secs(2),
+            "{total:?}: well inside a pod's termination grace, after the drain's 5 s"
+        );
+        assert_eq!(final_flush_pause(4), None);
+        assert_eq!(final_flush_pause(u32::MAX), None);
     }
 }

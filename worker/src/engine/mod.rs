@@ -130,6 +130,8 @@ pub struct Engine {
     readiness: Readiness,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     flush_task: tokio::task::JoinHandle<()>,
+    /// Ends the flush task once the other tasks (the drain consumers) have stopped.
+    flush_stop: CancellationToken,
 }
 
 impl Engine {
@@ -250,11 +252,13 @@ impl Engine {
             last_work,
         };
         tasks.push(tokio::spawn(claim_loop.run()));
+        let flush_stop = CancellationToken::new();
         let flush = completion::FlushWorker {
             shared: shared.clone(),
             completions,
             cache,
             settle_tx,
+            stop: flush_stop.clone(),
         };
         let flush_task = tokio::spawn(flush.run(completion_rx));
         Ok(Engine {
@@ -262,6 +266,7 @@ impl Engine {
             readiness,
             tasks,
             flush_task,
+            flush_stop,
         })
     }
 
@@ -303,7 +308,9 @@ impl Engine {
             }
             grace = Duration::from_secs(1);
         }
-        // Last: the drain consumers may still have queued completions.
+        // Last: the completions the drain consumers queued, flushed at once (not after their
+        // retry backoff).
+        self.flush_stop.cancel();
         let _ = self.flush_task.await;
         shared
             .store

@@ -80,6 +80,13 @@ pub const MIGRATIONS: &[Migration] = &[
             "../../../migrations/0015_claim_skips_the_idle_look_while_taking_a_backlog.sql"
         ),
     },
+    Migration {
+        version: 16,
+        name: "0016_completion_skips_rows_another_transaction_holds.sql",
+        template: include_str!(
+            "../../../migrations/0016_completion_skips_rows_another_transaction_holds.sql"
+        ),
+    },
 ];
 
 /// The placeholder replaced by the schema name.

@@ -148,6 +148,7 @@ impl RunningEngine {
     }
 
     pub async fn start_with(options: perspective_worker::engine::EngineOptions) -> RunningEngine {
+        init_test_logs();
         let shutdown = tokio_util::sync::CancellationToken::new();
         let hooks = options.hooks.clone();
         let metrics = options.metrics.clone();
@@ -167,12 +168,45 @@ impl RunningEngine {
 
     pub async fn stop(self) {
         self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(30), self.task)
-            .await
-            .expect("engine stops in time")
-            .expect("engine task")
-            .expect("engine stops cleanly");
+        match tokio::time::timeout(Duration::from_secs(30), self.task).await {
+            Ok(stopped) => stopped.expect("engine task").expect("engine stops cleanly"),
+            Err(_) => panic!(
+                "engine {} did not stop within 30 s; server sessions:\n{}",
+                self.instance_id,
+                server_sessions().await
+            ),
+        }
     }
+}
+
+/// The engines' logs, captured per test (shown when it fails): `TEST_LOG` filters them
+/// (default `perspective_worker=info`).
+pub fn init_test_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = std::env::var("TEST_LOG").unwrap_or_else(|_| "perspective_worker=info".into());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .with_ansi(false)
+            .try_init();
+    });
+}
+
+/// What every other session of the test server is doing (state, wait, query head), to say
+/// where a stuck engine waits.
+pub async fn server_sessions() -> String {
+    let mut conn = connect().await;
+    let rows: Vec<String> = sqlx::query_scalar(
+        "SELECT format('  [%s] wait=%s:%s app=%s %s', state, wait_event_type, wait_event,
+                       application_name, left(regexp_replace(query, '\\s+', ' ', 'g'), 160))
+         FROM pg_stat_activity
+         WHERE pid <> pg_backend_pid() AND backend_type = 'client backend'",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap_or_default();
+    rows.join("\n")
 }
 
 /// Config with perspectives `p1` and `p2`, each recording, per stream, the versions it applied
