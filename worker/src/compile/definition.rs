@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v21";
+const FORMAT_VERSION: &str = "apply-v22";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -142,8 +142,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v21",
-                "5638b867721354a5d1c472a9e5c03860b01899cfe0cbecba47fba355a84a4838"
+                "apply-v22",
+                "8d1475c517f0507ca6fda5c41ab5e5ec59dd0438b7ba00235541d331b68dab08"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

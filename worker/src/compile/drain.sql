@@ -44,9 +44,11 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
 {%- endmacro %}
 {#- Retire the pair's rows at or below its cursor: applied already (completion pending or lost).
     The cursor is read in the same statement as the rows (one snapshot: a rebuild committing in
-    between cannot pair its new rows with the old cursor), and this runs after the pair's apply,
-    so work rows are locked after the cursor row, in the order `rebuild` takes them. #}
-{% macro retire(except) -%}
+    between cannot pair its new rows with the old cursor). After the pair's apply, work rows are
+    then locked after the cursor row, in the order `rebuild` takes them. A pair that applied
+    nothing holds no cursor lock: its rows join `v_late`, retired at the end of the call (see
+    there). #}
+{% macro retire(except, late=false) -%}
     v_retire := ARRAY(
       SELECT w.event_work_id FROM {{ schema }}.wh_perspective_events w
       WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
@@ -54,9 +56,13 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
                                  WHERE c.stream_id = r.stream_id AND c.perspective_name = r.perspective_name)
         AND w.processed_at IS NULL{{ except }}
       OFFSET 0);
+  {%- if late %}
+    v_late := v_late || v_retire;
+  {%- else %}
     IF cardinality(v_retire) > 0 THEN
       PERFORM {{ schema }}.complete_perspective_events(v_retire, p_debug);
     END IF;
+  {%- endif %}
 {%- endmacro %}
 {% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer" %}
 {% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]" %}
@@ -119,6 +125,7 @@ DECLARE
   -- Work rows at or below the cursor: of the shallow pairs, and of pairs with nothing else.
   v_retired  bigint[];
   v_retired_only bigint[];
+  v_late     bigint[] := '{}';
   -- The other pairs, for the per-pair path: stream, perspective, cursor.
   x_streams  uuid[];
   x_names    text[];
@@ -249,14 +256,8 @@ BEGIN
            f_ids, f_events, f_streams, f_versions, f_created, v_retired, v_retired_only, x_streams, x_names, x_last;
   END IF;
 
-  IF v_retired_only IS NOT NULL THEN
-    -- As the per-pair path retires an empty window's pair: no cursor lock needed.
-    BEGIN
-      PERFORM {{ schema }}.complete_perspective_events(v_retired_only, p_debug);
-    EXCEPTION WHEN OTHERS THEN
-      NULL; -- (left to the next call, or to the per-pair path then)
-    END;
-  END IF;
+  -- As the per-pair path retires an empty window's pair: without its cursor lock, so last.
+  v_late := v_late || v_retired_only;
   IF s_streams IS NOT NULL THEN
     BEGIN
       -- The cursors move to the end of their windows first: the writes take their row locks
@@ -435,7 +436,7 @@ BEGIN
       ) h
       WHERE NOT h.fenced;
       IF v_ids IS NULL THEN
-        {{ retire("") }}
+        {{ retire("", late=true) }}
         CONTINUE;
       END IF;
       v_window := v_versions;
@@ -502,5 +503,18 @@ BEGIN
                           false, '{}'::uuid[], false, '{}'::uuid[];
     END;
   END LOOP;
+
+  -- Last, the rows of pairs that applied nothing (their windows were empty): retired without the
+  -- pair's cursor lock, so never before a cursor lock this call still takes. A job chunk holds
+  -- its streams' cursors and then deletes their rows; retiring one of those rows and then
+  -- waiting for another of its cursors was a deadlock. Now the retire comes after every wait,
+  -- and skips rows others hold (complete_perspective_events): it never waits at all.
+  IF cardinality(v_late) > 0 THEN
+    BEGIN
+      PERFORM {{ schema }}.complete_perspective_events(v_late, p_debug);
+    EXCEPTION WHEN OTHERS THEN
+      NULL; -- (left to the next call)
+    END;
+  END IF;
 END
 $wh_drain$
