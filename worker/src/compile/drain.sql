@@ -508,10 +508,10 @@ BEGIN
   -- pair's cursor lock, so never before a cursor lock this call still takes. A job chunk holds
   -- its streams' cursors and then deletes their rows; retiring one of those rows and then
   -- waiting for another of its cursors was a deadlock. Now the retire comes after every wait,
-  -- and skips rows others hold (complete_perspective_events): it never waits at all.
+  -- and skips rows others hold: it never waits at all.
   IF cardinality(v_late) > 0 THEN
     BEGIN
-      PERFORM {{ schema }}.complete_perspective_events(v_late, p_debug);
+      PERFORM {{ schema }}.complete_perspective_events(v_late, p_debug, p_skip_held => true);
     EXCEPTION WHEN OTHERS THEN
       NULL; -- (left to the next call)
     END;
