@@ -507,8 +507,8 @@ BEGIN
   -- Last, the rows of pairs that applied nothing (their windows were empty): retired without the
   -- pair's cursor lock, so never before a cursor lock this call still takes. A job chunk holds
   -- its streams' cursors and then deletes their rows; retiring one of those rows and then
-  -- waiting for another of its cursors was a deadlock. Now the retire comes after every wait,
-  -- and skips rows others hold: it never waits at all.
+  -- waiting for another of its cursors was a deadlock. Now the retire comes after every other
+  -- wait, and waits at most 10 ms for rows others hold before skipping them.
   IF cardinality(v_late) > 0 THEN
     BEGIN
       PERFORM {{ schema }}.complete_perspective_events(v_late, p_debug, p_skip_held => true);

@@ -5,7 +5,7 @@ use uuid::Uuid;
 use super::Store;
 
 /// The flush skips rows another transaction holds (a drain retiring them, a rebuild
-/// re-queueing them): waiting for them made deadlock cycles (migration 0016).
+/// re-queueing them) after 10 ms: waiting for them made deadlock cycles (migration 0016).
 const COMPLETE_PERSPECTIVE_EVENTS: &str =
     "SELECT {schema}.complete_perspective_events($1, $2, p_skip_held => true)";
 const CLEANUP_COMPLETED_STREAMS: &str = "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)";
@@ -18,8 +18,8 @@ const NOT_HELD: &str = "SELECT x.stream_id FROM unnest($2::uuid[]) AS x(stream_i
 
 impl Store {
     /// Delete applied work rows (stamp them instead in debug mode), skipping those another
-    /// transaction holds (they are being deleted, or are left at or below their cursor for the
-    /// next drain to retire). Returns how many.
+    /// transaction holds for more than 10 ms (they are being deleted, or are left at or below
+    /// their cursor for the next drain to retire). Returns how many.
     pub async fn complete_events(&self, work_ids: &[i64], debug: bool) -> Result<i32, sqlx::Error> {
         sqlx::query_scalar(&self.sql(COMPLETE_PERSPECTIVE_EVENTS))
             .bind(work_ids)
