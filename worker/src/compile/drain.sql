@@ -46,8 +46,8 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
     The cursor is read in the same statement as the rows (one snapshot: a rebuild committing in
     between cannot pair its new rows with the old cursor). After the pair's apply, work rows are
     then locked after the cursor row, in the order `rebuild` takes them. A pair that applied
-    nothing holds no cursor lock: its rows join `v_late`, retired at the end of the call (see
-    there). #}
+    nothing (an empty window, or one whose only due row was dead-lettered) holds no cursor lock:
+    its rows join `v_late`, retired at the end of the call (see there). #}
 {% macro retire(except, late=false) -%}
     v_retire := ARRAY(
       SELECT w.event_work_id FROM {{ schema }}.wh_perspective_events w
@@ -449,7 +449,7 @@ BEGIN
         v_versions := v_versions[2:];
       END IF;
       IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
-        {{ retire("") }}
+        {{ retire("", late=true) }}
         RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, v_last, NULL::bigint, NULL::text,
                             '{}'::bigint[], v_dead, v_window, v_created, false, '{}'::uuid[],
                             {{ due_after("v_last") }}, '{}'::uuid[];
@@ -504,7 +504,7 @@ BEGIN
     END;
   END LOOP;
 
-  -- Last, the rows of pairs that applied nothing (their windows were empty): retired without the
+  -- Last, the rows of pairs that applied nothing (empty windows, dead-letter moves): retired without the
   -- pair's cursor lock, so never before a cursor lock this call still takes. A job chunk holds
   -- its streams' cursors and then deletes their rows; retiring one of those rows and then
   -- waiting for another of its cursors was a deadlock. Now the retire comes after every other
