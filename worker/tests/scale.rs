@@ -312,6 +312,87 @@ async fn a_drain_call_reads_its_streams_rows_not_whole_tables() {
 /// work rows, probes their rows by key. Past a thousand or so ids the planner preferred
 /// sequential scans of the whole stream-head and work tables, 25–160 ms per call at 100 000
 /// streams (migration 0014).
+/// The settler retires a batch of streams with `cleanup_completed_streams`, asking each stream
+/// whether any work is left. Without column statistics (the engine's own VACUUM sets row counts,
+/// and the planner then guesses 200 distinct streams) each probe is costed as reading a
+/// thousand rows, the statement past `jit_above_cost`, and JIT compiled it on every call:
+/// 200–380 ms a call in the breadth benchmark, for a statement that runs in milliseconds.
+/// None of it, `claim_work` and the completion runs user code: all run without JIT.
+#[tokio::test]
+async fn retiring_and_claiming_many_streams_run_without_jit() {
+    let (schema, _config) = migrated_schema("retire_jit").await;
+    let mut conn = connect().await;
+    // 1 000 streams × 50 events of B (both perspectives: 100 000 work rows).
+    let streams: Vec<Uuid> = (0..1000).map(|_| Uuid::now_v7()).collect();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+         SELECT s, 'B', '{{\"total\": 1}}' FROM unnest($1::uuid[]) s, generate_series(1, 50)"
+    ))
+    .bind(&streams)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::raw_sql(&format!(
+        "VACUUM {schema}.wh_perspective_events, {schema}.wh_active_streams"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let server =
+        scalar("SELECT count(*) FROM pg_settings WHERE name = 'jit' AND setting = 'on'").await;
+    assert_eq!(server, 1, "the test cluster runs with the default jit = on");
+
+    // auto_explain prints the plan of every statement, nested ones included, to the client.
+    let explained = |call: String| {
+        let out = psql(&format!(
+            "LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0;
+             SET auto_explain.log_nested_statements = on; SET client_min_messages = log;
+             {call}"
+        ));
+        assert!(
+            out.status.success(),
+            "{call}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let list = streams
+        .iter()
+        .map(|s| format!("'{s}'"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let instance = Uuid::now_v7();
+    let retire = explained(format!(
+        "SELECT count(*) FROM {schema}.cleanup_completed_streams('{instance}', ARRAY[{list}]::uuid[]);"
+    ));
+    assert!(
+        retire.contains("Function Scan on unnest"),
+        "the nested probe was explained: {retire}"
+    );
+    assert!(
+        !retire.contains("JIT:"),
+        "retiring compiled with JIT: {retire}"
+    );
+    let claim = explained(format!(
+        "SELECT count(*) FROM {schema}.claim_work('{instance}', 1000, 30, 0);"
+    ));
+    assert!(
+        claim.contains("wh_active_streams"),
+        "the claim was explained: {claim}"
+    );
+    assert!(
+        !claim.contains("JIT:"),
+        "claiming compiled with JIT: {claim}"
+    );
+    let complete = explained(format!(
+        "SELECT {schema}.complete_perspective_events(ARRAY(SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY 1 LIMIT 10000), false, true);"
+    ));
+    assert!(
+        !complete.contains("JIT:"),
+        "completing compiled with JIT: {complete}"
+    );
+}
+
 #[tokio::test]
 async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     let (schema, _config) = migrated_schema("retire_many").await;

@@ -87,6 +87,11 @@ pub const MIGRATIONS: &[Migration] = &[
             "../../../migrations/0016_completion_skips_rows_another_transaction_holds.sql"
         ),
     },
+    Migration {
+        version: 17,
+        name: "0017_retire_without_jit.sql",
+        template: include_str!("../../../migrations/0017_retire_without_jit.sql"),
+    },
 ];
 
 /// The placeholder replaced by the schema name.
