@@ -171,7 +171,7 @@ impl Engine {
         readiness.set_not_ready("first claim pending");
 
         // Register before the first claim, so it ranks us among the live instances.
-        let heartbeat = heartbeat::Heartbeat::new(shared.clone(), &options.service_name);
+        let mut heartbeat = heartbeat::Heartbeat::new(shared.clone(), &options.service_name);
         heartbeat
             .beat()
             .await
