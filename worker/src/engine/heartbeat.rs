@@ -18,8 +18,7 @@ pub(crate) struct Heartbeat {
 
 /// Counting the pending work reads every pending work row (there is no index by perspective and
 /// age on the queue table, which producers would pay for on every append): a few milliseconds
-/// normally, 0.1–0.25 s at 200 000 pending rows (breadth benchmark), seconds in a backlog of
-/// millions.
+/// normally, 0.1–0.25 s at 200 000 pending rows (breadth benchmark), in proportion beyond.
 /// Each count is followed by at least this many times its duration without one, so the gauges
 /// take at most about 2% of one database backend whatever the backlog; they are then refreshed
 /// less often than every heartbeat.
