@@ -308,18 +308,18 @@ async fn a_drain_call_reads_its_streams_rows_not_whole_tables() {
     }
 }
 
-/// Retiring a few thousand streams at once (the settler's batches), or completing a few thousand
-/// work rows, probes their rows by key. Past a thousand or so ids the planner preferred
-/// sequential scans of the whole stream-head and work tables, 25–160 ms per call at 100 000
-/// streams (migration 0014).
 /// The settler retires a batch of streams with `cleanup_completed_streams`, asking each stream
 /// whether any work is left. Without column statistics (the engine's own VACUUM sets row counts,
 /// and the planner then guesses 200 distinct streams) each probe is costed as reading a
 /// thousand rows, the statement past `jit_above_cost`, and JIT compiled it on every call:
 /// 200–380 ms a call in the breadth benchmark, for a statement that runs in milliseconds.
-/// None of it, `claim_work` and the completion runs user code: all run without JIT.
+/// None of it, `claim_work` and the completion runs user code: all run without JIT. Nor does
+/// the listing of a deep drain call's pairs (costed for hundreds of guessed perspectives, it
+/// was compiled on every call, 40–110 ms, in the backfill benchmark); the handlers after it
+/// keep the server's setting (`the_set_based_path_runs_without_jit_and_the_per_pair_path_with_
+/// the_servers_setting`).
 #[tokio::test]
-async fn retiring_and_claiming_many_streams_run_without_jit() {
+async fn engine_statements_over_many_streams_run_without_jit() {
     let (schema, _config) = migrated_schema("retire_jit").await;
     let mut conn = connect().await;
     // 1 000 streams × 50 events of B (both perspectives: 100 000 work rows).
@@ -391,8 +391,27 @@ async fn retiring_and_claiming_many_streams_run_without_jit() {
         !complete.contains("JIT:"),
         "completing compiled with JIT: {complete}"
     );
+    // A deep drain call (p_shallow_rows 0: every pair takes the per-pair path) of 100 streams
+    // the claim above gave this instance.
+    let drain = explained(format!(
+        "SELECT count(*) FROM {schema}.wh_drain('{instance}',
+           ARRAY(SELECT stream_id FROM {schema}.wh_active_streams ORDER BY stream_id LIMIT 100),
+           100, 10000, false, false, 1000, 60000, false, 10, 60000, 0);"
+    ));
+    let listing = drain
+        .split("LOG:  duration")
+        .find(|plan| plan.contains("array_agg(y.last_version)"))
+        .unwrap_or_else(|| panic!("the pair listing was explained: {drain}"));
+    assert!(
+        !listing.contains("JIT:"),
+        "listing a deep call's pairs compiled with JIT: {listing}"
+    );
 }
 
+/// Retiring a few thousand streams at once (the settler's batches), or completing a few thousand
+/// work rows, probes their rows by key. Past a thousand or so ids the planner preferred
+/// sequential scans of the whole stream-head and work tables, 25–160 ms per call at 100 000
+/// streams (migration 0014).
 #[tokio::test]
 async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     let (schema, _config) = migrated_schema("retire_many").await;

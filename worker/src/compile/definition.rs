@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v23";
+const FORMAT_VERSION: &str = "apply-v24";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -142,8 +142,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v23",
-                "0565ad661df9d7e508c5b8730a59a4883710302a1d120e0e0e3fe71a12f98a70"
+                "apply-v24",
+                "cb2b77ae9fa879e3c62c02a09541e7d9d575f045d0f6b57bea8e02c46b0193a0"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

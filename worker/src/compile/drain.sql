@@ -138,6 +138,7 @@ DECLARE
   v_cancel_i integer;
   v_cancel_err text;
   v_partial  boolean := false;
+  v_jit      text;
 BEGIN
   -- The listed streams this instance holds: one primary-key probe per stream. (Given both
   -- conditions, the planner would pick the owner index and filter every stream this instance
@@ -150,7 +151,12 @@ BEGIN
     RETURN;
   END IF;
   IF v_shallow_rows = 0 THEN
-    -- Deep streams expected: every pair takes the per-pair path.
+    -- Deep streams expected: every pair takes the per-pair path. Listing the pairs is costed
+    -- like the set-based probe below (hundreds of guessed perspectives), past jit_above_cost:
+    -- JIT compiled it on every call, 40-110 ms. Off for this statement only; the windows keep
+    -- the server's setting.
+    v_jit := current_setting('jit');
+    PERFORM set_config('jit', 'off', true);
     SELECT array_agg(y.stream_id), array_agg(y.perspective_name), array_agg(y.last_version)
       INTO x_streams, x_names, x_last
     FROM (
@@ -161,6 +167,7 @@ BEGIN
       -- A backfill holds the perspective back on a stream until the stream's history is queued.
       WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
       ORDER BY 1, 2) y;
+    PERFORM set_config('jit', v_jit, true);
   ELSE
     -- This probe is costed for hundreds of perspectives (a cross join of the streams with the
     -- subscriptions), past jit_above_cost: JIT compiled it on every call, 200 ms each, longer
