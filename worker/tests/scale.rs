@@ -356,6 +356,9 @@ async fn engine_statements_over_many_streams_run_without_jit() {
         );
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
+    let no_jit = |what: &str, plans: &str| {
+        assert!(!plans.contains("JIT:"), "{what} compiled with JIT: {plans}");
+    };
     let list = streams
         .iter()
         .map(|s| format!("'{s}'"))
@@ -369,10 +372,7 @@ async fn engine_statements_over_many_streams_run_without_jit() {
         retire.contains("Function Scan on unnest"),
         "the nested probe was explained: {retire}"
     );
-    assert!(
-        !retire.contains("JIT:"),
-        "retiring compiled with JIT: {retire}"
-    );
+    no_jit("retiring", &retire);
     let claim = explained(format!(
         "SELECT count(*) FROM {schema}.claim_work('{instance}', 1000, 30, 0);"
     ));
@@ -380,17 +380,11 @@ async fn engine_statements_over_many_streams_run_without_jit() {
         claim.contains("wh_active_streams"),
         "the claim was explained: {claim}"
     );
-    assert!(
-        !claim.contains("JIT:"),
-        "claiming compiled with JIT: {claim}"
-    );
+    no_jit("claiming", &claim);
     let complete = explained(format!(
         "SELECT {schema}.complete_perspective_events(ARRAY(SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY 1 LIMIT 10000), false, true);"
     ));
-    assert!(
-        !complete.contains("JIT:"),
-        "completing compiled with JIT: {complete}"
-    );
+    no_jit("completing", &complete);
     // A deep drain call (p_shallow_rows 0: every pair takes the per-pair path) of 100 streams
     // the claim above gave this instance.
     let drain = explained(format!(
@@ -402,10 +396,7 @@ async fn engine_statements_over_many_streams_run_without_jit() {
         .split("LOG:  duration")
         .find(|plan| plan.contains("array_agg(y.last_version)"))
         .unwrap_or_else(|| panic!("the pair listing was explained: {drain}"));
-    assert!(
-        !listing.contains("JIT:"),
-        "listing a deep call's pairs compiled with JIT: {listing}"
-    );
+    no_jit("listing a deep call's pairs", listing);
 }
 
 /// Retiring a few thousand streams at once (the settler's batches), or completing a few thousand
