@@ -28,6 +28,7 @@ fmt:
 
 lint:
 	$(CARGO) fmt --all -- --check
+	python3 tests/lint/architecture.py
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Installs the PostgreSQL server package when no server binaries are present.
