@@ -257,7 +257,7 @@ pub struct PerspectiveLag {
     pub progress: Option<PerspectiveProgress>,
 }
 
-/// Where a perspective is in its life (the worker's [`perspective_worker::progress::Phase`]).
+/// Where a perspective is in its life (the worker's [`perspective_worker::store::catchup::progress::Phase`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub enum PerspectivePhase {
     /// Applying events as they are appended.
@@ -269,9 +269,9 @@ pub enum PerspectivePhase {
     Rebuilding,
 }
 
-impl From<perspective_worker::progress::Phase> for PerspectivePhase {
-    fn from(phase: perspective_worker::progress::Phase) -> Self {
-        use perspective_worker::progress::Phase;
+impl From<perspective_worker::store::catchup::progress::Phase> for PerspectivePhase {
+    fn from(phase: perspective_worker::store::catchup::progress::Phase) -> Self {
+        use perspective_worker::store::catchup::progress::Phase;
         match phase {
             Phase::Live => PerspectivePhase::Live,
             Phase::Backfilling => PerspectivePhase::Backfilling,
@@ -291,7 +291,7 @@ impl PerspectivePhase {
 }
 
 /// How far a catch-up (backfill or rebuild) is (the worker's
-/// [`perspective_worker::progress::Progress`], in whole numbers).
+/// [`perspective_worker::store::catchup::progress::Progress`], in whole numbers).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PerspectiveProgress {
@@ -312,8 +312,8 @@ pub struct PerspectiveProgress {
     pub eta_seconds: Option<i64>,
 }
 
-impl From<&perspective_worker::progress::Progress> for PerspectiveProgress {
-    fn from(p: &perspective_worker::progress::Progress) -> Self {
+impl From<&perspective_worker::store::catchup::progress::Progress> for PerspectiveProgress {
+    fn from(p: &perspective_worker::store::catchup::progress::Progress) -> Self {
         PerspectiveProgress {
             step: p.step.clone(),
             streams_done: p.streams_done,

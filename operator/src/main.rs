@@ -16,7 +16,7 @@ use perspective_operator::lag::LagReader;
 use perspective_operator::leader::{self, Election};
 use perspective_operator::metrics::OperatorMetrics;
 use perspective_operator::reconcile::{Context, Options};
-use perspective_worker::http::Readiness;
+use perspective_worker::engine::http::Readiness;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
@@ -128,7 +128,7 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let readiness = Readiness::new("connecting to the API server");
     // The worker's endpoints: /livez, /readyz (ready once the API server answered; a standby
     // replica is ready too, so rollouts do not wait on leadership) and /metrics.
-    let (bound, _server) = perspective_worker::http::serve(
+    let (bound, _server) = perspective_worker::engine::http::serve(
         args.http_addr,
         readiness.clone(),
         metrics.clone(),

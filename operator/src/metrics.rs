@@ -224,7 +224,7 @@ impl OperatorMetrics {
     }
 }
 
-impl perspective_worker::http::MetricsSource for OperatorMetrics {
+impl perspective_worker::engine::http::MetricsSource for OperatorMetrics {
     fn render(&self) -> String {
         OperatorMetrics::render(self)
     }

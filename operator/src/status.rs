@@ -5,7 +5,7 @@
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
-use perspective_worker::progress::Phase;
+use perspective_worker::store::catchup::progress::Phase;
 use perspective_worker::store::status::{PerspectiveStatus, Status as DbStatus};
 
 use crate::conditions::{self, Desired};
@@ -515,7 +515,7 @@ pub fn phase_summary(perspectives: &[PerspectiveLag]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use perspective_worker::progress::Progress;
+    use perspective_worker::store::catchup::progress::Progress;
 
     fn catching_up(name: &str, phase: Phase, percent: f64) -> PerspectiveStatus {
         PerspectiveStatus {

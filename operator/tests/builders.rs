@@ -9,7 +9,7 @@ use perspective_operator::crd::{
 use perspective_operator::migration_job::{self, JobState};
 use perspective_operator::status::{compute, Observed};
 use perspective_operator::{config_map, labels, validate, workers};
-use perspective_worker::progress::{Phase, Progress};
+use perspective_worker::store::catchup::progress::{Phase, Progress};
 use perspective_worker::store::status::{PerspectiveStatus, Status};
 
 fn spec() -> PerspectiveDeploymentSpec {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use perspective_worker::progress::Phase;
+use perspective_worker::store::catchup::progress::Phase;
 use perspective_worker::store::status::read_status;
 use uuid::Uuid;
 
@@ -124,10 +124,14 @@ async fn a_new_perspective_is_backfilled_by_three_instances_while_producers_appe
     // p2 joins: migrate starts its backfill.
     let config = parse_config(&both);
     let mut conn = connect().await;
-    let report =
-        perspective_worker::migrate::migrate(&mut conn, &config, "both.yaml", Default::default())
-            .await
-            .expect("migrate");
+    let report = perspective_worker::admin::migrate::migrate(
+        &mut conn,
+        &config,
+        "both.yaml",
+        Default::default(),
+    )
+    .await
+    .expect("migrate");
     assert_eq!(report.backfills, vec!["p2".to_string()]);
     assert!(report.rebuilds.is_empty() && report.warnings.is_empty());
     let status = read_status(&mut conn, &schema, &["p1".into(), "p2".into()], 30.0)
@@ -310,10 +314,14 @@ async fn a_version_bump_rebuilds_online_and_every_read_sees_an_ordered_prefix() 
 
     let bumped = yaml.replacen("  - name: p1\n", "  - name: p1\n    version: 2\n", 1);
     let config = parse_config(&bumped);
-    let report =
-        perspective_worker::migrate::migrate(&mut conn, &config, "bumped.yaml", Default::default())
-            .await
-            .expect("migrate");
+    let report = perspective_worker::admin::migrate::migrate(
+        &mut conn,
+        &config,
+        "bumped.yaml",
+        Default::default(),
+    )
+    .await
+    .expect("migrate");
     assert_eq!(report.rebuilds.len(), 1);
     assert_eq!(
         (
@@ -370,10 +378,14 @@ async fn a_version_bump_rebuilds_online_and_every_read_sees_an_ordered_prefix() 
     assert_exactly_once(&schema, 60).await;
 
     // The same version again rebuilds nothing.
-    let again =
-        perspective_worker::migrate::migrate(&mut conn, &config, "bumped.yaml", Default::default())
-            .await
-            .expect("migrate");
+    let again = perspective_worker::admin::migrate::migrate(
+        &mut conn,
+        &config,
+        "bumped.yaml",
+        Default::default(),
+    )
+    .await
+    .expect("migrate");
     assert!(again.rebuilds.is_empty() && again.backfills.is_empty());
     assert_eq!(jobs_left(&schema).await, 0);
 }

@@ -6,7 +6,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use perspective_worker::embedded::EmbeddedPostgres;
+use perspective_worker::db::embedded::EmbeddedPostgres;
 use sqlx::{Connection, PgConnection};
 
 /// A fresh directory under /tmp that the `postgres` user can traverse (the server runs as that

@@ -559,11 +559,12 @@ claimWorker:
     // Replaying through the same runner refuses the same payload again and changes nothing.
     let runner = stream_history_runner::StreamHistoryRunner::new(&schema, "seen_");
     let replay =
-        perspective_worker::dead_letters::replay(&mut conn, &schema, &runner, letters[0].0).await;
+        perspective_worker::admin::dead_letters::replay(&mut conn, &schema, &runner, letters[0].0)
+            .await;
     assert!(
         matches!(
             replay,
-            Err(perspective_worker::dead_letters::ReplayError::FailedAgain { .. })
+            Err(perspective_worker::admin::dead_letters::ReplayError::FailedAgain { .. })
         ),
         "{replay:?}"
     );

@@ -8,8 +8,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use perspective_worker::admin::migrate::{migrate, MigrateError, MigrateOptions};
 use perspective_worker::engine::{EngineOptions, HookEvent};
-use perspective_worker::migrate::{migrate, MigrateError, MigrateOptions};
 use perspective_worker::store::failure::retry_delay_ms;
 use uuid::Uuid;
 

@@ -6,7 +6,7 @@ mod common;
 use std::process::Output;
 
 use common::*;
-use perspective_worker::migrate::{migrate, MigrateError, MigrateOptions};
+use perspective_worker::admin::migrate::{migrate, MigrateError, MigrateOptions};
 use perspective_worker::store::migrations::{latest_version, MIGRATIONS};
 
 fn write_config(yaml: &str) -> tempfile_path::TempPath {

@@ -110,9 +110,10 @@ async fn rebuilds_racing_draining_workers_leave_every_stream_exactly_once_in_ord
     let started = Instant::now();
     let mut conn = connect().await;
     for _ in 0..ROUNDS {
-        let report = perspective_worker::jobs::rebuild(&mut conn, &config, "p1", |_, _| {})
-            .await
-            .expect("rebuild");
+        let report =
+            perspective_worker::engine::catchup::plan::rebuild(&mut conn, &config, "p1", |_, _| {})
+                .await
+                .expect("rebuild");
         assert_eq!(report.streams, STREAMS as i64);
     }
     let rebuilding = started.elapsed();

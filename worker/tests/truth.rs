@@ -298,7 +298,7 @@ async fn a_dead_lettered_event_is_not_applied_by_every_perspective_until_replaye
     .await
     .unwrap();
     let runner = perspective_worker::engine::SqlRunner::new(&fixed);
-    perspective_worker::dead_letters::replay(&mut conn, &schema, &runner, id)
+    perspective_worker::admin::dead_letters::replay(&mut conn, &schema, &runner, id)
         .await
         .expect("replay");
     let n = tokio::time::timeout(Duration::from_secs(10), listener.recv())
@@ -503,7 +503,7 @@ async fn the_event_store_refuses_delete_and_truncate_and_retention_keeps_what_is
     .fetch_one(&mut conn)
     .await
     .unwrap();
-    perspective_worker::dead_letters::replay(
+    perspective_worker::admin::dead_letters::replay(
         &mut conn,
         &schema,
         &perspective_worker::engine::SqlRunner::new(&fixed),

@@ -4,7 +4,7 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use perspective_worker::append::{self, NewEvent};
+use perspective_worker::admin::append::{self, NewEvent};
 use perspective_worker::db;
 
 use super::context::{Context, InvalidInput};

@@ -1,7 +1,7 @@
 //! `perspective-worker dead-letters list|replay`.
 
+use perspective_worker::admin::dead_letters;
 use perspective_worker::db;
-use perspective_worker::dead_letters;
 use perspective_worker::engine::SqlRunner;
 use perspective_worker::store::dead_letters::{self as store, DeadLetter};
 use sqlx::postgres::PgConnection;

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use perspective_worker::append;
+use perspective_worker::admin::append;
 use perspective_worker::engine::{HookEvent, Hooks};
 use perspective_worker::store::demo::read_model_tables;
 use perspective_worker::store::status::read_status;

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use perspective_worker::migrate::{self, MigrateError, MigrateOptions, MigrateReport};
+use perspective_worker::admin::migrate::{self, MigrateError, MigrateOptions, MigrateReport};
 
 use super::context::{connect, Context, InvalidInput};
 use super::out::outln;

@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use perspective_worker::jobs::{self, JobError};
+use perspective_worker::engine::catchup::plan::{self, JobError};
 
 use super::context::{Context, InvalidInput};
 use super::out::outln;
@@ -37,7 +37,7 @@ pub async fn execute(ctx: &Context, args: &RebuildArgs) -> anyhow::Result<()> {
         .progress_chars("=> "),
     );
     bar.set_message(perspective.clone());
-    let report = jobs::rebuild(&mut conn, &ctx.config, perspective, |done, total| {
+    let report = plan::rebuild(&mut conn, &ctx.config, perspective, |done, total| {
         bar.set_length(total.max(0) as u64);
         bar.set_position(done.max(0) as u64);
     })

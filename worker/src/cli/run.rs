@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use perspective_worker::embedded::EmbeddedPostgres;
+use perspective_worker::db::embedded::EmbeddedPostgres;
 use perspective_worker::engine::{Engine, EngineError, EngineOptions, Hooks};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -139,7 +139,7 @@ impl RunningEngine {
         options.instance_id = instance_id;
         options.max_connections = runtime.max_connections;
         options.hooks = hooks;
-        let (addr, http) = perspective_worker::http::serve(
+        let (addr, http) = perspective_worker::engine::http::serve(
             runtime.http_addr,
             options.readiness.clone(),
             options.metrics.clone(),

@@ -93,7 +93,7 @@ pub fn render(st: &Status) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use perspective_worker::progress::{Phase, Progress};
+    use perspective_worker::store::catchup::progress::{Phase, Progress};
     use perspective_worker::store::status::PerspectiveStatus;
 
     fn perspective(name: &str, pending: i64, oldest: Option<f64>) -> PerspectiveStatus {

@@ -49,33 +49,12 @@ use std::sync::OnceLock;
 
 use minijinja::syntax::SyntaxConfig;
 use minijinja::{AutoEscape, Environment, UndefinedBehavior, Value};
-use sha2::{Digest, Sha256};
 
 pub use apply::{create_apply_function, create_batch_function, runs_as_perform};
 pub use definition::{definition_hash, handlers_hash};
 pub use drain::create_drain_function;
 
-/// Name of the apply function of `perspective` (always a valid identifier of at most 63 bytes).
-pub fn apply_function_name(perspective: &str) -> String {
-    generated_name("wh_apply_", perspective)
-}
-
-/// Name of the batch function of `perspective` (see `batch_function.sql`; the same rule as
-/// [`apply_function_name`]).
-pub fn batch_function_name(perspective: &str) -> String {
-    generated_name("wh_batch_", perspective)
-}
-
-/// `prefix` + `perspective`, or, past PostgreSQL's 63 bytes, its first 44 bytes and a hash.
-fn generated_name(prefix: &str, perspective: &str) -> String {
-    let name = format!("{prefix}{perspective}");
-    if name.len() <= 63 {
-        name
-    } else {
-        let hash = hex::encode(&Sha256::digest(perspective.as_bytes())[..4]);
-        format!("{prefix}{}_{hash}", &perspective[..44])
-    }
-}
+use crate::store::names::{apply_function_name, batch_function_name};
 
 /// The template pieces, by the name they are included by.
 const TEMPLATES: [(&str, &str); 13] = [

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use super::drain_queue::{DrainQueue, Offer, Offered};
+use super::drain::queue::{DrainQueue, Offer, Offered};
 use super::Shared;
 use crate::config::ClaimWorkerOptions;
-use crate::http::Readiness;
+use crate::engine::http::Readiness;
 use crate::store::claim::ClaimArgs;
 
 /// The claim task: polls, feeds the drain channel, marks the engine ready after its first claim.
@@ -21,7 +21,7 @@ pub(crate) struct ClaimLoop {
     pub listener_healthy: Arc<AtomicBool>,
     pub readiness: Readiness,
     /// When a claim last found work, out (the job runner paces itself by it).
-    pub last_work: Arc<super::jobs::LastWork>,
+    pub last_work: Arc<super::catchup::LastWork>,
 }
 
 /// The wait before the next poll: the tight interval while NOTIFY is unavailable, however long

@@ -5,35 +5,36 @@
 //! metrics, shutdown.
 //! - [`claim`]: polls `claim_work` (tight while NOTIFY is down, relaxed while it is healthy),
 //!   woken at once by the doorbell or [`Hooks::request_immediate_poll`]; feeds stream ids into
-//!   the bounded drain channel; marks the engine ready after its first claim;
-//! - [`drain_queue`]: the streams queued for or being drained, each at most once (a claim
-//!   offers only the others, and claims again once the drain has room);
+//!   the drain queue; marks the engine ready after its first claim;
 //! - [`listener`]: the LISTEN connection (doorbell → claim wake-up; health; reconnects);
 //! - [`drain`]: `maxConcurrentDrainConsumers` consumers: sliding-window batches of stream ids,
 //!   drained by `wh_drain` in the database or, for a custom [`PerspectiveRunner`], fetched and
-//!   applied group by group;
-//! - [`completion`]: the Batched completion flush worker and the settler that retires drained
-//!   streams;
+//!   applied group by group; its `queue` holds the streams queued for or being drained, each at
+//!   most once;
+//! - [`completion`]: the Batched completion flush worker with its tracker (pending → sent →
+//!   acknowledged), the settler that retires drained streams, and the custom-runner path's
+//!   dedup cache;
+//! - [`catchup`]: backfill and rebuild jobs: starting them, their chunks (shared with the other
+//!   instances), and their progress;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
 //! - [`statistics`]: while busy, ANALYZE of the schema's tables that outgrew their planner
 //!   statistics (so cached plans of tables that grew from empty stop scanning them);
-//! - [`jobs`]: backfill and rebuild chunks, shared with the other instances, and their progress
-//!   in `/metrics`;
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
 //!   once per event, orphan reconciliation;
 //! - [`vacuum`]: while busy, vacuums the queue tables between autovacuum's visits;
 //! - [`hooks`]: what the engine did, for tests and embedding applications;
-//! - [`runner`]: the [`PerspectiveRunner`] trait and the SQL runner.
+//! - [`runner`]: the SQL runner, the [`PerspectiveRunner`] of compiled perspectives;
+//! - [`http`] and [`metrics`]: `/livez`, `/readyz` and `/metrics`, and the collectors behind them.
 
+pub mod catchup;
 pub mod claim;
-pub mod completion;
 pub mod drain;
-pub mod drain_queue;
 pub mod heartbeat;
 pub mod hooks;
-pub mod jobs;
+pub mod http;
 pub mod lifecycle;
 pub mod listener;
+pub mod metrics;
 pub mod runner;
 pub mod statistics;
 pub mod vacuum;
@@ -47,16 +48,17 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-pub use hooks::{HookEvent, Hooks};
-pub use runner::{
-    ApplyMode, ApplyOutcome, Group, PerspectiveRunner, RunnerError, SqlRunner, WorkItem,
+pub use crate::contract::{
+    ApplyMode, ApplyOutcome, Group, PerspectiveRunner, RunnerError, WorkItem,
 };
+pub use hooks::{HookEvent, Hooks};
+pub use runner::SqlRunner;
 
 use crate::compile::definition_hash;
 use crate::config::Config;
-use crate::dedup::ProcessedEventCache;
-use crate::http::Readiness;
-use crate::metrics::WorkerMetrics;
+use crate::engine::drain::completion::dedup::ProcessedEventCache;
+use crate::engine::http::Readiness;
+use crate::engine::metrics::WorkerMetrics;
 use crate::store::migrations::latest_version;
 use crate::store::Store;
 
@@ -184,11 +186,11 @@ impl Engine {
         // The channels between the tasks.
         let (drain_tx, drain_rx) =
             mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
-        let (completions, completion_rx) = completion::CompletionQueue::new();
+        let (completions, completion_rx) = drain::completion::CompletionQueue::new();
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         let listener_healthy = Arc::new(AtomicBool::new(false));
         let jobs_wake = Arc::new(tokio::sync::Notify::new());
-        let last_work = Arc::new(jobs::LastWork::new());
+        let last_work = Arc::new(catchup::LastWork::new());
         let cache = Arc::new(Mutex::new(ProcessedEventCache::new(Duration::from_secs(
             config.worker.lease_seconds as u64,
         ))));
@@ -205,7 +207,7 @@ impl Engine {
             jobs_wake: jobs_wake.clone(),
         };
         tasks.push(tokio::spawn(listener.run()));
-        let job_runner = jobs::JobRunner {
+        let job_runner = catchup::JobRunner {
             shared: shared.clone(),
             wake: jobs_wake,
             apply_in_chunks: options.runner.is_none(),
@@ -220,8 +222,8 @@ impl Engine {
             }
             .run(),
         ));
-        let queue = Arc::new(drain_queue::DrainQueue::new(drain_tx));
-        let settler = completion::Settler {
+        let queue = Arc::new(drain::queue::DrainQueue::new(drain_tx));
+        let settler = drain::completion::Settler {
             shared: shared.clone(),
             completions: completions.clone(),
             queue: queue.clone(),
@@ -253,7 +255,7 @@ impl Engine {
         };
         tasks.push(tokio::spawn(claim_loop.run()));
         let flush_stop = CancellationToken::new();
-        let flush = completion::FlushWorker {
+        let flush = drain::completion::FlushWorker {
             shared: shared.clone(),
             completions,
             cache,

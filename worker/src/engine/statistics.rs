@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::jobs::LastWork;
+use super::catchup::LastWork;
 use super::Shared;
 use crate::store::statistics::TableSize;
 

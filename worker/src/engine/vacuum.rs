@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::jobs::LastWork;
+use super::catchup::LastWork;
 use super::Shared;
 use crate::store::vacuum::TableRows;
 

@@ -4,7 +4,7 @@
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
-use crate::append::NewEvent;
+use crate::contract::NewEvent;
 
 const INSERT_EVENTS: &str = "INSERT INTO {schema}.wh_event_store
          (event_id, stream_id, stream_version, event_type, event_data, metadata, scope)

@@ -1,4 +1,4 @@
-//! The (stream, perspective) cursor, for custom [`crate::engine::PerspectiveRunner`]s: lock it,
+//! The (stream, perspective) cursor, for custom [`crate::contract::PerspectiveRunner`]s: lock it,
 //! skip what it covers, advance it in the same transaction as the model change. The compiled
 //! SQL apply functions do the same inside the database.
 

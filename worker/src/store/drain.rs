@@ -1,13 +1,13 @@
 //! Fetching work to apply: `wh_drain` (claim and apply in the database, for compiled SQL
 //! perspectives) and `claim_and_fetch_pending_perspective_events` (lease and fetch rows for a
-//! custom [`crate::engine::PerspectiveRunner`]).
+//! custom [`crate::contract::PerspectiveRunner`]).
 
 use chrono::{DateTime, Utc};
 use sqlx::FromRow;
 use uuid::Uuid;
 
 use super::Store;
-use crate::engine::WorkItem;
+use crate::contract::WorkItem;
 
 const CLAIM_AND_FETCH: &str = "SELECT * FROM \
     {schema}.claim_and_fetch_pending_perspective_events($1, $2, $3, $4, $5, $6, $7)";

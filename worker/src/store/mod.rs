@@ -1,6 +1,6 @@
 //! Every SQL statement the worker sends at run time, one file per concern, each a typed
 //! function. Nothing outside this module builds or sends SQL text (the generated apply functions
-//! come from [`crate::compile`] templates and are executed by [`schema`]).
+//! come from the `compile` module's templates and are executed by [`schema`]).
 //!
 //! Statements are written as constants with a `{schema}` placeholder, filled by `sql` with the
 //! deployment's (validated) schema name; sqlx prepares and caches each one per connection.
@@ -19,7 +19,7 @@
 //! - [`failure`]: recording an event a custom runner failed to apply (backoff, Failed cursor)
 //! - [`dead_letters`]: moving poison rows aside, listing and replaying them
 //! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
-//! - [`jobs`]: backfill and rebuild jobs: their life, their streams, their progress
+//! - [`catchup`]: backfill and rebuild jobs: their life, their streams, their progress
 //! - [`removal`]: removing what a perspective that left the config leaves behind
 //! - [`statistics`]: the tables' sizes against their planner statistics, and ANALYZE
 //! - [`status`]: read-only lag / failure / dead-letter figures
@@ -29,6 +29,7 @@
 
 pub mod append;
 pub mod apply;
+pub mod catchup;
 pub mod claim;
 pub mod complete;
 pub mod cursor;
@@ -37,7 +38,6 @@ pub mod demo;
 pub mod drain;
 pub mod failure;
 pub mod instances;
-pub mod jobs;
 pub mod lifecycle;
 pub mod migrations;
 pub mod names;

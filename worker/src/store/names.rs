@@ -1,5 +1,7 @@
 //! Names and flags the worker shares with its SQL, defined once.
 
+use sha2::{Digest, Sha256};
+
 /// NOTIFY channel on which producers ring the doorbell for new work (empty payload), workers
 /// announce abandoned instances ([`ORPHAN_PAYLOAD`]) and jobs announce their start
 /// ([`JOBS_PAYLOAD`]).
@@ -39,4 +41,26 @@ pub mod recovery_status {
 pub mod job_kind {
     pub const BACKFILL: &str = "backfill";
     pub const REBUILD: &str = "rebuild";
+}
+
+/// Name of the apply function of `perspective` (always a valid identifier of at most 63 bytes).
+pub fn apply_function_name(perspective: &str) -> String {
+    generated_name("wh_apply_", perspective)
+}
+
+/// Name of the batch function of `perspective` (compiled from `compile/batch_function.sql`; the same rule as
+/// [`apply_function_name`]).
+pub fn batch_function_name(perspective: &str) -> String {
+    generated_name("wh_batch_", perspective)
+}
+
+/// `prefix` + `perspective`, or, past PostgreSQL's 63 bytes, its first 44 bytes and a hash.
+fn generated_name(prefix: &str, perspective: &str) -> String {
+    let name = format!("{prefix}{perspective}");
+    if name.len() <= 63 {
+        name
+    } else {
+        let hash = hex::encode(&Sha256::digest(perspective.as_bytes())[..4]);
+        format!("{prefix}{}_{hash}", &perspective[..44])
+    }
 }

@@ -77,7 +77,7 @@ pub async fn remove_perspective(
         .await?
         .map(|r| r.get(0));
     // Generated identifiers (see compile::apply_function_name), so no quoting.
-    let batch = crate::compile::batch_function_name(perspective);
+    let batch = crate::store::names::batch_function_name(perspective);
     for function in function.into_iter().chain([batch]) {
         sqlx::query(&format!("DROP FUNCTION IF EXISTS {schema}.{function}"))
             .execute(&mut *tx)

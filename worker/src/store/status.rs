@@ -6,7 +6,7 @@ use serde::Serialize;
 use sqlx::postgres::PgConnection;
 use sqlx::Row;
 
-use crate::progress::{Phase, Progress};
+use crate::store::catchup::progress::{Phase, Progress};
 
 /// Status of one perspective.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -91,7 +91,7 @@ pub async fn read_status(
         .bind(configured)
         .fetch_all(&mut *conn)
         .await?;
-    let jobs = super::jobs::progress(&mut *conn, schema).await?;
+    let jobs = super::catchup::progress(&mut *conn, schema).await?;
     let perspectives = rows
         .iter()
         .map(|r| {

@@ -7,8 +7,8 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use perspective_worker::admin::migrate::{migrate, MigrateOptions};
 use perspective_worker::config::Config;
-use perspective_worker::migrate::{migrate, MigrateOptions};
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
 
@@ -135,7 +135,7 @@ where
 pub struct RunningEngine {
     pub hooks: perspective_worker::engine::Hooks,
     pub instance_id: uuid::Uuid,
-    pub metrics: std::sync::Arc<perspective_worker::metrics::WorkerMetrics>,
+    pub metrics: std::sync::Arc<perspective_worker::engine::metrics::WorkerMetrics>,
     shutdown: tokio_util::sync::CancellationToken,
     task: tokio::task::JoinHandle<Result<(), perspective_worker::engine::EngineError>>,
 }

@@ -1,4 +1,4 @@
-//! Draining for a custom [`PerspectiveRunner`](crate::engine::PerspectiveRunner): claim and
+//! Draining for a custom [`PerspectiveRunner`](crate::contract::PerspectiveRunner): claim and
 //! fetch the rows (leased), drop poison and recently applied ones, group them per (stream,
 //! perspective) and apply the groups in parallel, each pair under its in-process mutex. A
 //! runner's failure is recorded like a failing SQL handler's.
@@ -17,8 +17,8 @@ use super::report::{
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
+use crate::contract::{ApplyMode, ApplyOutcome, Group, WorkItem};
 use crate::engine::lifecycle;
-use crate::engine::runner::{ApplyMode, ApplyOutcome, Group, WorkItem};
 use crate::store::drain::FetchArgs;
 use crate::store::failure::Failure;
 

@@ -4,7 +4,9 @@
 //! each stream while it keeps producing work. `report` turns outcomes into metrics, hooks and
 //! logs.
 
+pub mod completion;
 mod fetch;
+pub mod queue;
 mod report;
 mod server;
 
@@ -17,13 +19,13 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::completion::CompletionQueue;
-use super::drain_queue::{DrainQueue, Offer};
+use super::drain::queue::{DrainQueue, Offer};
 use super::hooks::HookEvent;
-use super::runner::PerspectiveRunner;
 use super::Shared;
 use crate::config::DrainBatcherOptions;
-use crate::dedup::ProcessedEventCache;
+use crate::contract::PerspectiveRunner;
+use completion::dedup::ProcessedEventCache;
+use completion::CompletionQueue;
 
 /// The drain channel's receiving end, shared by the consumers.
 pub(crate) type SharedReceiver = Arc<tokio::sync::Mutex<mpsc::Receiver<Uuid>>>;

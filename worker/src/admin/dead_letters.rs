@@ -17,7 +17,7 @@ use sqlx::postgres::PgConnection;
 use sqlx::Connection;
 use uuid::Uuid;
 
-use crate::engine::{ApplyMode, Group, PerspectiveRunner, WorkItem};
+use crate::contract::{ApplyMode, Group, PerspectiveRunner, WorkItem};
 use crate::store::dead_letters as store;
 
 #[derive(Debug, thiserror::Error)]

@@ -15,7 +15,7 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
-use crate::progress::{Phase, Progress};
+use crate::store::catchup::progress::{Phase, Progress};
 
 /// Buckets for durations inside the worker (a claim, a batch): 1 ms … 30 s.
 const DURATION_BUCKETS: &[f64] = &[

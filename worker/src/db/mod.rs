@@ -1,4 +1,7 @@
-//! Connecting to PostgreSQL and describing its errors for people.
+//! The PostgreSQL server and connections to it: connect options, errors described for people,
+//! and [`embedded`], a private server for `run` and `demo` when `DATABASE_URL` is unset.
+
+pub mod embedded;
 
 use std::str::FromStr;
 

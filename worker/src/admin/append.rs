@@ -8,8 +8,6 @@
 use std::collections::HashSet;
 use std::io::BufRead;
 
-use serde::Deserialize;
-use serde_json::Value;
 use sqlx::postgres::PgConnection;
 use sqlx::Connection;
 use uuid::Uuid;
@@ -19,30 +17,7 @@ use crate::config::MAX_EVENT_TYPE_LEN;
 /// Rows per INSERT statement.
 const CHUNK: usize = 1000;
 
-/// One input line.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct NewEvent {
-    pub stream_id: Uuid,
-    pub event_type: String,
-    /// The event's payload; `{}` when absent.
-    #[serde(default = "empty_object")]
-    pub event_data: Value,
-    #[serde(default = "empty_object")]
-    pub metadata: Value,
-    #[serde(default = "empty_object")]
-    pub scope: Value,
-    /// Fixed id (idempotent imports); a UUIDv7 is generated when absent.
-    #[serde(default)]
-    pub event_id: Option<Uuid>,
-    /// Expected version of this event (optimistic concurrency); assigned when absent.
-    #[serde(default)]
-    pub stream_version: Option<i64>,
-}
-
-fn empty_object() -> Value {
-    Value::Object(Default::default())
-}
+pub use crate::contract::NewEvent;
 
 /// Lines that could not be read as events.
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,7 @@
 //! `perspective-worker migrate`: bring a deployment's schema to this binary's version, register
 //! the perspectives' subscriptions, run their `setup`, and prove every handler prepares.
 //!
-//! It also starts the perspectives' jobs (see [`crate::jobs`]): a backfill for a perspective new
+//! It also starts the perspectives' jobs (see [`crate::engine::catchup::plan`]): a backfill for a perspective new
 //! to a schema that has history, a rebuild for one whose `version` changed; and it warns when
 //! a perspective's handlers changed without a new version, or when it gained an event type of
 //! which events are already stored (rows built before did not see them).
@@ -16,14 +16,15 @@ use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::Connection;
 
 use crate::compile::{
-    apply_function_name, create_apply_function, create_batch_function, create_drain_function,
-    definition_hash, handlers_hash, runs_as_perform,
+    create_apply_function, create_batch_function, create_drain_function, definition_hash,
+    handlers_hash, runs_as_perform,
 };
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
 use crate::sql_params::ParsedStatement;
-use crate::store::jobs::{self, JobKind};
+use crate::store::catchup::{self, JobKind};
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
+use crate::store::names::apply_function_name;
 use crate::store::removal::{self, Removed};
 use crate::store::schema as store;
 
@@ -269,7 +270,7 @@ async fn start_jobs(
             Some(_) => None,
         };
         if let Some(kind) = kind {
-            jobs::start(tx, schema, &p.name, kind)
+            catchup::start(tx, schema, &p.name, kind)
                 .await
                 .map_err(db_err(format!(
                     "starting the {} of {}",

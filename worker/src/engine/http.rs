@@ -36,7 +36,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::metrics::WorkerMetrics;
+use crate::engine::metrics::WorkerMetrics;
 
 /// The content type of the Prometheus text exposition format.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";

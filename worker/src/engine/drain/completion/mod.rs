@@ -2,6 +2,9 @@
 //! batches, tracked pending → sent → acknowledged with backoff on failure) and the settler that
 //! retires drained streams from `wh_active_streams` without losing a doorbell.
 
+pub mod dedup;
+pub mod tracker;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -10,10 +13,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::hooks::HookEvent;
-use super::Shared;
-use crate::completion_tracker::{CompletionTracker, RetryPolicy};
-use crate::dedup::ProcessedEventCache;
+use crate::engine::hooks::HookEvent;
+use crate::engine::Shared;
+use dedup::ProcessedEventCache;
+use tracker::{CompletionTracker, RetryPolicy};
 
 /// Applied work rows on their way to the flush worker (Batched), and per stream which ones are
 /// not deleted yet: such a stream cannot be retired before the flush, which settles it after.
@@ -84,7 +87,7 @@ pub(crate) struct Settler {
     pub shared: Arc<Shared>,
     pub completions: CompletionQueue,
     /// Streams that could not be retired go back to the drain, out.
-    pub queue: Arc<super::drain_queue::DrainQueue>,
+    pub queue: Arc<super::queue::DrainQueue>,
 }
 
 /// Coalescing of completions: wait this long after the first one, or until this many.
@@ -276,7 +279,7 @@ impl Settler {
                     tokio::select! {
                         _ = shutdown.cancelled() => {}
                         _ = tokio::time::sleep(delay) => {
-                            queue.offer(s, super::drain_queue::Offer::Signal);
+                            queue.offer(s, super::queue::Offer::Signal);
                         }
                     }
                 });

@@ -24,8 +24,8 @@ use uuid::Uuid;
 
 use crate::config::{Config, PerspectiveConfig};
 use crate::sql_params::ParsedStatement;
-use crate::store::jobs as store;
-pub use crate::store::jobs::{JobKind, JobRow, JobState, Requeue};
+use crate::store::catchup as store;
+pub use crate::store::catchup::{JobKind, JobRow, JobState, Requeue};
 
 /// Streams per chunk transaction: enough to amortise the commit, few enough that a producer of
 /// one of them never waits long.

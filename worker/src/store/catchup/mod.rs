@@ -3,6 +3,8 @@
 //! applying → done) is decided in SQL (`wh_job_advance`); the workers and the `rebuild` command
 //! take its streams a chunk per transaction.
 
+pub mod progress;
+
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::{Executor, Row, Statement};
 use uuid::Uuid;

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::store::jobs::{JobKind, JobRow, JobState};
+use super::{JobKind, JobRow, JobState};
 
 /// Where a perspective is in its life.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,11 +1,17 @@
-//! The job runner: every instance helps with the schema's perspective jobs (backfills and
-//! rebuilds, see [`crate::jobs`]). Each turn it advances every job it has the perspective for,
-//! takes chunks of streams while a job is queueing (up to `maxConcurrentDrainConsumers` chunks at
-//! a time, each on its own connection, fewer and slower while there is live work: see [`pace`];
-//! with the compiled SQL perspectives each chunk also applies its streams' history, a custom
-//! runner gets it queued), and publishes each job's progress in
-//! `/metrics`. It sleeps while there is no job; `wh_job_start` rings the doorbell with the `jobs`
-//! payload, which the listener turns into a wake-up here.
+//! Catch-up: backfills of new perspectives and rebuilds of new versions, in one place.
+//! - [`plan`]: starting jobs (from `migrate` and `rebuild`) and running one chunk of streams;
+//! - the store's `catchup` module: the jobs table's statements, and `progress`, a perspective's
+//!   phase (Live, Backfilling, Rebuilding) and catch-up figures read from its job's row;
+//! - this module: the job runner. Every instance helps with the schema's perspective jobs. Each
+//!   turn it advances every job it has the perspective for, takes chunks of streams while a job
+//!   is queueing (up to `maxConcurrentDrainConsumers` chunks at a time, each on its own
+//!   connection, fewer and slower while there is live work: see [`pace`]; with the compiled SQL
+//!   perspectives each chunk also applies its streams' history, a custom runner gets it
+//!   queued), and publishes each job's progress in `/metrics`. It sleeps while there is no
+//!   job; `wh_job_start` rings the doorbell with the `jobs` payload, which the listener turns
+//!   into a wake-up here.
+
+pub mod plan;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,9 +21,9 @@ use tokio::sync::Notify;
 
 use super::Shared;
 use crate::config::PerspectiveConfig;
-use crate::jobs::{self, JobError, JobKind, JobState, Requeue};
-use crate::progress::{Phase, Progress};
-use crate::store::jobs as store;
+use crate::store::catchup as store;
+use crate::store::catchup::progress::{Phase, Progress};
+use plan::{JobError, JobKind, JobState, Requeue};
 
 /// Between turns while a job waits for older transactions or its history is being applied.
 const WATCH_INTERVAL: Duration = Duration::from_millis(250);
@@ -219,7 +225,7 @@ impl JobRunner {
             }
             let schema = shared.store.schema();
             let started = std::time::Instant::now();
-            match jobs::run_chunk(&mut conn, schema, perspective, kind, how).await? {
+            match plan::run_chunk(&mut conn, schema, perspective, kind, how).await? {
                 Some(chunk) => {
                     taken += 1;
                     if pause > 0.0 {
