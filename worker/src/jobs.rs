@@ -23,7 +23,7 @@ use sqlx::Connection;
 use uuid::Uuid;
 
 use crate::config::{Config, PerspectiveConfig};
-use crate::sql_params::ParsedStatement;
+use crate::config::sql_params::ParsedStatement;
 use crate::store::jobs as store;
 pub use crate::store::jobs::{JobKind, JobRow, JobState, Requeue};
 

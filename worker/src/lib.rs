@@ -4,8 +4,8 @@
 //! stream versions and creates one work row per subscribed perspective in the same transaction.
 //!
 //! Configuration and compilation:
-//! - [`config`]: the perspective config (also the `spec` of the operator's CRD) and its validation
-//! - [`sql_params`]: the `:name` parameter lexer for handler SQL
+//! - [`config`]: the perspective config (also the `spec` of the operator's CRD), its loading and
+//!   validation, and the `:name` parameter lexer for handler SQL ([`config::sql_params`])
 //! - [`compile`]: apply functions and `wh_drain` rendered from `.sql` templates; definition hash
 //!
 //! The database:
@@ -42,5 +42,4 @@ pub mod jobs;
 pub mod metrics;
 pub mod migrate;
 pub mod progress;
-pub mod sql_params;
 pub mod store;

@@ -21,7 +21,7 @@ use crate::compile::{
 };
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
-use crate::sql_params::ParsedStatement;
+use crate::config::sql_params::ParsedStatement;
 use crate::store::jobs::{self, JobKind};
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
 use crate::store::removal::{self, Removed};
@@ -484,7 +484,7 @@ fn statements(
 ) -> Result<Vec<(String, ParsedStatement)>, MigrateError> {
     let mut statements = Vec::new();
     if let Some(reset) = p.reset.as_deref() {
-        let parsed = crate::sql_params::parse_statements(reset).map_err(|e| {
+        let parsed = crate::config::sql_params::parse_statements(reset).map_err(|e| {
             MigrateError::InvalidPerspectives(ConfigError {
                 source: source.to_string(),
                 problems: vec![Problem {

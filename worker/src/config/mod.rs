@@ -15,8 +15,9 @@ use schemars::JsonSchema;
 use serde::de::{Deserializer, Error as _, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-use crate::sql_params::{self, ParsedStatement};
+use sql_params::ParsedStatement;
 
+pub mod sql_params;
 pub mod yaml_limits;
 
 /// Longest allowed schema name. NOTIFY channels are named `<schema>_work`, `<schema>_applied`
@@ -1010,7 +1011,7 @@ perspectives:
 
     #[test]
     fn example_shop_config_is_valid() {
-        let config = Config::from_yaml_str(include_str!("../../examples/shop.yaml"), "shop.yaml")
+        let config = Config::from_yaml_str(include_str!("../../../examples/shop.yaml"), "shop.yaml")
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(config.schema, "shop");
         let names: Vec<_> = config
@@ -1166,7 +1167,7 @@ perspectives:
 
     #[test]
     fn serialization_round_trips() {
-        let config = parse(include_str!("../../examples/shop.yaml")).unwrap();
+        let config = parse(include_str!("../../../examples/shop.yaml")).unwrap();
         let text = serde_yaml::to_string(&config).unwrap();
         assert_eq!(parse(&text).unwrap(), config);
     }
