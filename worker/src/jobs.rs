@@ -22,8 +22,8 @@ use sqlx::postgres::PgConnection;
 use sqlx::Connection;
 use uuid::Uuid;
 
-use crate::config::{Config, PerspectiveConfig};
 use crate::config::sql_params::ParsedStatement;
+use crate::config::{Config, PerspectiveConfig};
 use crate::store::jobs as store;
 pub use crate::store::jobs::{JobKind, JobRow, JobState, Requeue};
 

@@ -19,9 +19,9 @@ use crate::compile::{
     apply_function_name, create_apply_function, create_batch_function, create_drain_function,
     definition_hash, handlers_hash, runs_as_perform,
 };
+use crate::config::sql_params::ParsedStatement;
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
-use crate::config::sql_params::ParsedStatement;
 use crate::store::jobs::{self, JobKind};
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
 use crate::store::removal::{self, Removed};

@@ -1011,8 +1011,9 @@ perspectives:
 
     #[test]
     fn example_shop_config_is_valid() {
-        let config = Config::from_yaml_str(include_str!("../../../examples/shop.yaml"), "shop.yaml")
-            .unwrap_or_else(|e| panic!("{e}"));
+        let config =
+            Config::from_yaml_str(include_str!("../../../examples/shop.yaml"), "shop.yaml")
+                .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(config.schema, "shop");
         let names: Vec<_> = config
             .perspectives
