@@ -14,8 +14,8 @@
 //!   embedded migrations; channel names, cursor flags and generated function names
 //! - [`contract`]: the types the store and the engine share: work items, groups, apply modes
 //!   and outcomes, the `PerspectiveRunner` trait, the appended event
-//! - [`config`]: the perspective config (also the `spec` of the operator's CRD), its validation
-//!   and the `:name` parameter lexer for handler SQL
+//! - [`config`]: the perspective config (also the `spec` of the operator's CRD), its loading and
+//!   validation, and the `:name` parameter lexer for handler SQL ([`config::sql_params`])
 //! - [`db`]: connections, human-readable database errors, the embedded PostgreSQL
 
 pub mod admin;
@@ -24,5 +24,4 @@ pub mod config;
 pub mod contract;
 pub mod db;
 pub mod engine;
-pub mod sql_params;
 pub mod store;

@@ -19,9 +19,9 @@ use crate::compile::{
     create_apply_function, create_batch_function, create_drain_function, definition_hash,
     handlers_hash, runs_as_perform,
 };
+use crate::config::sql_params::ParsedStatement;
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
-use crate::sql_params::ParsedStatement;
 use crate::store::catchup::{self, JobKind};
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
 use crate::store::names::apply_function_name;
@@ -485,7 +485,7 @@ fn statements(
 ) -> Result<Vec<(String, ParsedStatement)>, MigrateError> {
     let mut statements = Vec::new();
     if let Some(reset) = p.reset.as_deref() {
-        let parsed = crate::sql_params::parse_statements(reset).map_err(|e| {
+        let parsed = crate::config::sql_params::parse_statements(reset).map_err(|e| {
             MigrateError::InvalidPerspectives(ConfigError {
                 source: source.to_string(),
                 problems: vec![Problem {

@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use minijinja::{context, Value};
 
 use super::{apply_function_name, batch_function_name, render};
+use crate::config::sql_params::{Param, ParsedStatement};
 use crate::config::{Ordering, PerspectiveConfig};
-use crate::sql_params::{Param, ParsedStatement};
 use crate::store::failure::retry_delay_sql;
 use crate::store::names::{applied_channel, cursor_status};
 

@@ -4,12 +4,15 @@
 //! the process-global default registry: tests and embedders can run several workers in one
 //! process without their series colliding, and nothing else in the process can inject series
 //! into the worker's `/metrics`. The collectors are public fields; prometheus handles are cheap
-//! to clone and lock-free to update, so engine code clones the ones it needs.
+//! to clone and lock-free to update, so engine code clones the ones it needs. Each metric
+//! family (name, help text, labels, buckets) is defined by one constructor function named after
+//! its field, below the `WorkerMetrics` impl.
 //!
 //! Names follow the seeds with a `perspective_` prefix. Labelled families only appear once a
 //! label value is used; [`WorkerMetrics::init_perspective`] creates the zero series for a
 //! perspective up front so `rate()` and alerts see a series from the first scrape.
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry, TextEncoder,
@@ -93,187 +96,30 @@ impl WorkerMetrics {
     /// Creates every collector and registers it in a fresh registry.
     pub fn new() -> Self {
         let registry = Registry::new();
-        let reg = |c: Box<dyn prometheus::core::Collector>| {
-            registry
-                .register(c)
-                .expect("worker metric names are unique and valid")
-        };
-
-        let counter = |name: &str, help: &str| {
-            let c = IntCounter::new(name, help).expect("valid metric");
-            reg(Box::new(c.clone()));
-            c
-        };
-        let counter_vec = |name: &str, help: &str| {
-            let c =
-                IntCounterVec::new(Opts::new(name, help), &[PERSPECTIVE]).expect("valid metric");
-            reg(Box::new(c.clone()));
-            c
-        };
-        let histogram = |name: &str, help: &str, buckets: &[f64]| {
-            let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
-                .expect("valid metric");
-            reg(Box::new(h.clone()));
-            h
-        };
-
-        let events_processed = counter_vec(
-            "perspective_events_processed_total",
-            "Events applied to a perspective (model change and cursor advance committed).",
-        );
-        let empty_batches = counter(
-            "perspective_empty_batches_total",
-            "Claim cycles that found no work for this instance.",
-        );
-        let batches = counter(
-            "perspective_batches_total",
-            "Claim cycles that returned work and were processed.",
-        );
-        let batch_duration = histogram(
-            "perspective_batch_duration_seconds",
-            "Wall time of one batch: claim, fetch, apply to every perspective, complete.",
-            DURATION_BUCKETS,
-        );
-        let claim_duration = histogram(
-            "perspective_claim_duration_seconds",
-            "Round trip of one claim_work call (leasing work rows).",
-            DURATION_BUCKETS,
-        );
-        let pending_events = IntGaugeVec::new(
-            Opts::new(
-                "perspective_pending_events",
-                "Work rows of a perspective not yet applied (its lag in events), as last measured.",
-            ),
-            &[PERSPECTIVE],
-        )
-        .expect("valid metric");
-        reg(Box::new(pending_events.clone()));
-        let lag_seconds = GaugeVec::new(
-            Opts::new(
-                "perspective_lag_seconds",
-                "Age of a perspective's oldest work row not yet applied, in seconds (0 when nothing \
-                 is pending), as last measured.",
-            ),
-            &[PERSPECTIVE],
-        )
-        .expect("valid metric");
-        reg(Box::new(lag_seconds.clone()));
-        let dead_letters = counter_vec(
-            "perspective_dead_letters_total",
-            "Events dead-lettered for a perspective after exhausting their attempts.",
-        );
-        let failures = counter_vec(
-            "perspective_failures_total",
-            "Failed attempts to apply an event to a perspective (each one retried or \
-             dead-lettered).",
-        );
-        let rewinds = counter(
-            "perspective_rewinds_total",
-            "Perspective cursors rewound because an event arrived behind the cursor.",
-        );
-        let apply_latency = histogram(
-            "perspective_apply_latency_seconds",
-            "Time from the event's append (its created_at) until a perspective applied it; one observation per event and perspective.",
-            APPLY_LATENCY_BUCKETS,
-        );
-        let notify_wakeups = counter(
-            "perspective_notify_wakeups_total",
-            "Times a NOTIFY for new work woke the worker before its poll interval.",
-        );
-        let listener_connected = IntGauge::new(
-            "perspective_listener_connected",
-            "1 while the LISTEN connection for work notifications is up, 0 while the worker \
-             relies on polling alone.",
-        )
-        .expect("valid metric");
-        reg(Box::new(listener_connected.clone()));
-        let completions_flushed = counter(
-            "perspective_completions_flushed_total",
-            "Completed work rows deleted in batches by the completion flush worker.",
-        );
-        let completion_flush_failures = counter(
-            "perspective_completion_flush_failures_total",
-            "Completion flushes that failed; their rows are flushed again after the retry \
-             backoff (worker.retryOptions), at once when the worker stops, or retired by a later drain.",
-        );
-        let tables_analyzed = IntCounterVec::new(
-            Opts::new(
-                "perspective_tables_analyzed_total",
-                "ANALYZEs the worker ran on a table of its schema whose rows outgrew its planner \
-                 statistics (so cached plans made while it was small stop scanning it); one that \
-                 found the table locked by another ANALYZE, a VACUUM or DDL skipped it.",
-            ),
-            &["table"],
-        )
-        .expect("valid metric");
-        reg(Box::new(tables_analyzed.clone()));
-        let hook_events_dropped = counter(
-            "perspective_hook_events_dropped_total",
-            "Hook events not delivered because a subscriber had fallen the channel's capacity behind \
-             (lifecycle stages dropped are not recorded as done and fire again at the next start).",
-        );
-
-        let phase = IntGaugeVec::new(
-            Opts::new(
-                "perspective_phase",
-                "1 for the phase a perspective is in (Live, Backfilling, Rebuilding), 0 for the others.",
-            ),
-            &[PERSPECTIVE, "phase"],
-        )
-        .expect("valid metric");
-        reg(Box::new(phase.clone()));
-        let catchup_remaining_events = IntGaugeVec::new(
-            Opts::new(
-                "perspective_catchup_remaining_events",
-                "Events a perspective's backfill or rebuild has still to apply (0 when live).",
-            ),
-            &[PERSPECTIVE],
-        )
-        .expect("valid metric");
-        reg(Box::new(catchup_remaining_events.clone()));
-        let catchup_progress = GaugeVec::new(
-            Opts::new(
-                "perspective_catchup_progress_ratio",
-                "Share of a perspective's backfill or rebuild applied, 0 to 1 (1 when live).",
-            ),
-            &[PERSPECTIVE],
-        )
-        .expect("valid metric");
-        reg(Box::new(catchup_progress.clone()));
-        let queue_vacuums = IntCounterVec::new(
-            Opts::new(
-                "perspective_queue_vacuums_total",
-                "Vacuums of a queue table (wh_perspective_events, wh_active_streams) this worker ran \
-                 because it held as many dead rows as live ones.",
-            ),
-            &["table"],
-        )
-        .expect("valid metric");
-        reg(Box::new(queue_vacuums.clone()));
-
+        let r = Registrar(&registry);
         WorkerMetrics {
+            events_processed: events_processed(&r),
+            empty_batches: empty_batches(&r),
+            batches: batches(&r),
+            batch_duration: batch_duration(&r),
+            claim_duration: claim_duration(&r),
+            pending_events: pending_events(&r),
+            lag_seconds: lag_seconds(&r),
+            dead_letters: dead_letters(&r),
+            failures: failures(&r),
+            rewinds: rewinds(&r),
+            apply_latency: apply_latency(&r),
+            notify_wakeups: notify_wakeups(&r),
+            listener_connected: listener_connected(&r),
+            completions_flushed: completions_flushed(&r),
+            completion_flush_failures: completion_flush_failures(&r),
+            tables_analyzed: tables_analyzed(&r),
+            hook_events_dropped: hook_events_dropped(&r),
+            phase: phase(&r),
+            catchup_remaining_events: catchup_remaining_events(&r),
+            catchup_progress: catchup_progress(&r),
+            queue_vacuums: queue_vacuums(&r),
             registry,
-            events_processed,
-            empty_batches,
-            batches,
-            batch_duration,
-            claim_duration,
-            pending_events,
-            lag_seconds,
-            dead_letters,
-            failures,
-            rewinds,
-            apply_latency,
-            notify_wakeups,
-            listener_connected,
-            completions_flushed,
-            completion_flush_failures,
-            tables_analyzed,
-            hook_events_dropped,
-            phase,
-            catchup_remaining_events,
-            catchup_progress,
-            queue_vacuums,
         }
     }
 
@@ -328,6 +174,214 @@ impl std::fmt::Debug for WorkerMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkerMetrics").finish_non_exhaustive()
     }
+}
+
+/// Creates collectors and registers each one in the worker's registry.
+struct Registrar<'a>(&'a Registry);
+
+impl Registrar<'_> {
+    fn register<C: Collector + Clone + 'static>(&self, collector: C) -> C {
+        self.0
+            .register(Box::new(collector.clone()))
+            .expect("worker metric names are unique and valid");
+        collector
+    }
+
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.register(IntCounter::new(name, help).expect("valid metric"))
+    }
+
+    fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.register(IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn int_gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.register(IntGauge::new(name, help).expect("valid metric"))
+    }
+
+    fn int_gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.register(IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+        self.register(GaugeVec::new(Opts::new(name, help), labels).expect("valid metric"))
+    }
+
+    fn histogram(&self, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+        let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+        self.register(Histogram::with_opts(opts).expect("valid metric"))
+    }
+}
+
+// One constructor per metric family: its name, help text, labels and buckets. Each is named
+// after the `WorkerMetrics` field it fills, whose doc comment says what it counts.
+
+fn events_processed(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_events_processed_total",
+        "Events applied to a perspective (model change and cursor advance committed).",
+        &[PERSPECTIVE],
+    )
+}
+
+fn empty_batches(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_empty_batches_total",
+        "Claim cycles that found no work for this instance.",
+    )
+}
+
+fn batches(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_batches_total",
+        "Claim cycles that returned work and were processed.",
+    )
+}
+
+fn batch_duration(r: &Registrar) -> Histogram {
+    r.histogram(
+        "perspective_batch_duration_seconds",
+        "Wall time of one batch: claim, fetch, apply to every perspective, complete.",
+        DURATION_BUCKETS,
+    )
+}
+
+fn claim_duration(r: &Registrar) -> Histogram {
+    r.histogram(
+        "perspective_claim_duration_seconds",
+        "Round trip of one claim_work call (leasing work rows).",
+        DURATION_BUCKETS,
+    )
+}
+
+fn pending_events(r: &Registrar) -> IntGaugeVec {
+    r.int_gauge_vec(
+        "perspective_pending_events",
+        "Work rows of a perspective not yet applied (its lag in events), as last measured.",
+        &[PERSPECTIVE],
+    )
+}
+
+fn lag_seconds(r: &Registrar) -> GaugeVec {
+    r.gauge_vec(
+        "perspective_lag_seconds",
+        "Age of a perspective's oldest work row not yet applied, in seconds (0 when nothing \
+         is pending), as last measured.",
+        &[PERSPECTIVE],
+    )
+}
+
+fn dead_letters(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_dead_letters_total",
+        "Events dead-lettered for a perspective after exhausting their attempts.",
+        &[PERSPECTIVE],
+    )
+}
+
+fn failures(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_failures_total",
+        "Failed attempts to apply an event to a perspective (each one retried or \
+         dead-lettered).",
+        &[PERSPECTIVE],
+    )
+}
+
+fn rewinds(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_rewinds_total",
+        "Perspective cursors rewound because an event arrived behind the cursor.",
+    )
+}
+
+fn apply_latency(r: &Registrar) -> Histogram {
+    r.histogram(
+        "perspective_apply_latency_seconds",
+        "Time from the event's append (its created_at) until a perspective applied it; one observation per event and perspective.",
+        APPLY_LATENCY_BUCKETS,
+    )
+}
+
+fn notify_wakeups(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_notify_wakeups_total",
+        "Times a NOTIFY for new work woke the worker before its poll interval.",
+    )
+}
+
+fn listener_connected(r: &Registrar) -> IntGauge {
+    r.int_gauge(
+        "perspective_listener_connected",
+        "1 while the LISTEN connection for work notifications is up, 0 while the worker \
+         relies on polling alone.",
+    )
+}
+
+fn completions_flushed(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_completions_flushed_total",
+        "Completed work rows deleted in batches by the completion flush worker.",
+    )
+}
+
+fn completion_flush_failures(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_completion_flush_failures_total",
+        "Completion flushes that failed; their rows are flushed again after the retry \
+         backoff (worker.retryOptions), at once when the worker stops, or retired by a later drain.",
+    )
+}
+
+fn tables_analyzed(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_tables_analyzed_total",
+        "ANALYZEs the worker ran on a table of its schema whose rows outgrew its planner \
+         statistics (so cached plans made while it was small stop scanning it); one that \
+         found the table locked by another ANALYZE, a VACUUM or DDL skipped it.",
+        &["table"],
+    )
+}
+
+fn hook_events_dropped(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_hook_events_dropped_total",
+        "Hook events not delivered because a subscriber had fallen the channel's capacity behind \
+         (lifecycle stages dropped are not recorded as done and fire again at the next start).",
+    )
+}
+
+fn phase(r: &Registrar) -> IntGaugeVec {
+    r.int_gauge_vec(
+        "perspective_phase",
+        "1 for the phase a perspective is in (Live, Backfilling, Rebuilding), 0 for the others.",
+        &[PERSPECTIVE, "phase"],
+    )
+}
+
+fn catchup_remaining_events(r: &Registrar) -> IntGaugeVec {
+    r.int_gauge_vec(
+        "perspective_catchup_remaining_events",
+        "Events a perspective's backfill or rebuild has still to apply (0 when live).",
+        &[PERSPECTIVE],
+    )
+}
+
+fn catchup_progress(r: &Registrar) -> GaugeVec {
+    r.gauge_vec(
+        "perspective_catchup_progress_ratio",
+        "Share of a perspective's backfill or rebuild applied, 0 to 1 (1 when live).",
+        &[PERSPECTIVE],
+    )
+}
+
+fn queue_vacuums(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_queue_vacuums_total",
+        "Vacuums of a queue table (wh_perspective_events, wh_active_streams) this worker ran \
+         because it held as many dead rows as live ones.",
+        &["table"],
+    )
 }
 
 #[cfg(test)]

@@ -22,8 +22,8 @@ use sqlx::postgres::PgConnection;
 use sqlx::Connection;
 use uuid::Uuid;
 
+use crate::config::sql_params::ParsedStatement;
 use crate::config::{Config, PerspectiveConfig};
-use crate::sql_params::ParsedStatement;
 use crate::store::catchup as store;
 pub use crate::store::catchup::{JobKind, JobRow, JobState, Requeue};
 

@@ -10,7 +10,7 @@ use sqlx::{Executor, Row, Statement};
 use uuid::Uuid;
 
 use super::names::job_kind;
-use crate::sql_params::{Param, ParsedStatement};
+use crate::config::sql_params::{Param, ParsedStatement};
 
 const START: &str = "SELECT {schema}.wh_job_start($1, $2)";
 const ADVANCE: &str = "SELECT {schema}.wh_job_advance($1)";

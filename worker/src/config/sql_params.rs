@@ -6,6 +6,10 @@
 //! quotes, comments and `::` casts, so a `:name` or `;` inside any of those is left alone.
 //! Parameters are always bound as real parameters (or PL/pgSQL variables), never spliced in
 //! as text.
+//!
+//! It lives under `config` because validation lexes every handler, `reset` and `setup` with it
+//! (so a config that loads has SQL that lexes); the apply functions' compiler and the code that
+//! runs `reset` use the lexed statements.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -308,10 +312,6 @@ fn is_param_continue(b: u8) -> bool {
 /// UTF-8 character never equals one of them, and every slice boundary falls on ASCII.
 fn scan<'a>(sql: &'a str, mut emit: impl FnMut(Token<'a>)) -> Result<(), SqlParamError> {
     let b = sql.as_bytes();
-    let unterminated = |what, start| {
-        let (line, column) = position(sql, start);
-        SqlParamError::Unterminated { what, line, column }
-    };
     // Start of the plain text not yet emitted.
     let mut text_start = 0;
     let mut i = 0;
@@ -319,11 +319,11 @@ fn scan<'a>(sql: &'a str, mut emit: impl FnMut(Token<'a>)) -> Result<(), SqlPara
         match b[i] {
             b'\'' => {
                 i = skip_quoted(b, i, b'\'', false)
-                    .ok_or_else(|| unterminated(Unterminated::QuotedString, i))?;
+                    .ok_or_else(|| unterminated(sql, Unterminated::QuotedString, i))?;
             }
             b'"' => {
                 i = skip_quoted(b, i, b'"', false)
-                    .ok_or_else(|| unterminated(Unterminated::QuotedIdentifier, i))?;
+                    .ok_or_else(|| unterminated(sql, Unterminated::QuotedIdentifier, i))?;
             }
             b'-' if b.get(i + 1) == Some(&b'-') => {
                 emit(Token::Text(&sql[text_start..i]));
@@ -337,44 +337,19 @@ fn scan<'a>(sql: &'a str, mut emit: impl FnMut(Token<'a>)) -> Result<(), SqlPara
             b'/' if b.get(i + 1) == Some(&b'*') => {
                 emit(Token::Text(&sql[text_start..i]));
                 i = skip_block_comment(b, i)
-                    .ok_or_else(|| unterminated(Unterminated::BlockComment, i))?;
+                    .ok_or_else(|| unterminated(sql, Unterminated::BlockComment, i))?;
                 emit(Token::Text(" "));
                 text_start = i;
             }
-            b'$' => match scan_dollar(sql, i) {
-                Dollar::Skip(end) => i = end,
-                Dollar::Unterminated => {
-                    return Err(unterminated(Unterminated::DollarQuotedString, i));
-                }
-                Dollar::Positional(end) => {
-                    let (line, column) = position(sql, i);
-                    return Err(SqlParamError::PositionalParameter {
-                        text: sql[i..end].to_owned(),
-                        line,
-                        column,
-                    });
-                }
-            },
+            b'$' => i = skip_dollar(sql, i)?,
             b':' => match b.get(i + 1) {
                 // `::type` casts and PL/pgSQL-style `:=` are not parameters.
                 Some(b':' | b'=') => i += 2,
                 Some(&c) if c.is_ascii_alphabetic() || c == b'_' => {
-                    let len = b[i + 1..]
-                        .iter()
-                        .take_while(|&&c| is_param_continue(c))
-                        .count();
-                    let name = &sql[i + 1..i + 1 + len];
-                    let param = Param::from_name(name).ok_or_else(|| {
-                        let (line, column) = position(sql, i);
-                        SqlParamError::UnknownParameter {
-                            name: name.to_owned(),
-                            line,
-                            column,
-                        }
-                    })?;
+                    let (param, end) = named_param(sql, i)?;
                     emit(Token::Text(&sql[text_start..i]));
                     emit(Token::Param(param, i));
-                    i += 1 + len;
+                    i = end;
                     text_start = i;
                 }
                 _ => i += 1,
@@ -385,27 +360,73 @@ fn scan<'a>(sql: &'a str, mut emit: impl FnMut(Token<'a>)) -> Result<(), SqlPara
                 i += 1;
                 text_start = i;
             }
-            c if is_ident_start(c) => {
-                // Consume whole words so that a `$` inside an identifier (legal in
-                // PostgreSQL) never opens a dollar quote, and `E'` is only a prefix when
-                // the E stands alone.
-                let len = b[i..]
-                    .iter()
-                    .take_while(|&&c| is_ident_continue(c) || c == b'$')
-                    .count();
-                let word_end = i + len;
-                if len == 1 && (c == b'E' || c == b'e') && b.get(word_end) == Some(&b'\'') {
-                    i = skip_quoted(b, word_end, b'\'', true)
-                        .ok_or_else(|| unterminated(Unterminated::EscapeString, i))?;
-                } else {
-                    i = word_end;
-                }
-            }
+            c if is_ident_start(c) => i = skip_word(sql, i)?,
             _ => i += 1,
         }
     }
     emit(Token::Text(&sql[text_start..]));
     Ok(())
+}
+
+/// The error for a construct opened at `start` that never closes.
+fn unterminated(sql: &str, what: Unterminated, start: usize) -> SqlParamError {
+    let (line, column) = position(sql, start);
+    SqlParamError::Unterminated { what, line, column }
+}
+
+/// Skips what a `$` at `start` opens (a dollar-quoted string, or nothing); returns the offset
+/// after it. A `$1` placeholder is an error: handler SQL names its parameters.
+fn skip_dollar(sql: &str, start: usize) -> Result<usize, SqlParamError> {
+    match scan_dollar(sql, start) {
+        Dollar::Skip(end) => Ok(end),
+        Dollar::Unterminated => Err(unterminated(sql, Unterminated::DollarQuotedString, start)),
+        Dollar::Positional(end) => {
+            let (line, column) = position(sql, start);
+            Err(SqlParamError::PositionalParameter {
+                text: sql[start..end].to_owned(),
+                line,
+                column,
+            })
+        }
+    }
+}
+
+/// The parameter named by the `:name` at `start` and the offset after its name.
+fn named_param(sql: &str, start: usize) -> Result<(Param, usize), SqlParamError> {
+    let len = sql.as_bytes()[start + 1..]
+        .iter()
+        .take_while(|&&c| is_param_continue(c))
+        .count();
+    let name = &sql[start + 1..start + 1 + len];
+    let param = Param::from_name(name).ok_or_else(|| {
+        let (line, column) = position(sql, start);
+        SqlParamError::UnknownParameter {
+            name: name.to_owned(),
+            line,
+            column,
+        }
+    })?;
+    Ok((param, start + 1 + len))
+}
+
+/// Skips the word (identifier or keyword) at `start`, and the escape string it opens when it
+/// is a lone `E` before a quote; returns the offset after it.
+///
+/// Whole words are consumed so that a `$` inside an identifier (legal in PostgreSQL) never
+/// opens a dollar quote, and `E'` is only a prefix when the E stands alone.
+fn skip_word(sql: &str, start: usize) -> Result<usize, SqlParamError> {
+    let b = sql.as_bytes();
+    let len = b[start..]
+        .iter()
+        .take_while(|&&c| is_ident_continue(c) || c == b'$')
+        .count();
+    let word_end = start + len;
+    if len == 1 && matches!(b[start], b'E' | b'e') && b.get(word_end) == Some(&b'\'') {
+        skip_quoted(b, word_end, b'\'', true)
+            .ok_or_else(|| unterminated(sql, Unterminated::EscapeString, start))
+    } else {
+        Ok(word_end)
+    }
 }
 
 /// Skips a literal opened by `quote` at `start`; a doubled quote is an escaped quote, and in

@@ -1,0 +1,646 @@
+//! Validation: every rule a config must follow beyond its types, and the [`Problem`] and
+//! [`ConfigError`] types that report what is wrong.
+//!
+//! Validation reports every problem it finds at once, each with the path of the offending
+//! field: names ([`super::names`]), perspectives (handler, `reset` and `setup` SQL lexed with
+//! [`super::sql_params`]), the `worker:` and `claimWorker:` ranges.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use super::claim_options::ClaimWorkerOptions;
+use super::names::{
+    check_event_type, check_identifier, check_schema_name, MAX_PERSPECTIVE_NAME_LEN,
+};
+use super::perspective::{Ordering, PerspectiveConfig};
+use super::sql_params;
+use super::worker_options::{WorkerOptions, MAX_HANDLER_TIMEOUT_MILLISECONDS};
+use super::Config;
+
+/// Statements that would end or split the worker's apply transaction.
+const TRANSACTION_CONTROL: [&str; 8] = [
+    "begin",
+    "start",
+    "commit",
+    "end",
+    "rollback",
+    "abort",
+    "savepoint",
+    "release",
+];
+
+/// One thing wrong with a config: the field it concerns and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Field path such as `schema`, `worker.perspectiveBatchSize` or
+    /// `perspectives[0] (order_summary).handlers.OrderPlaced`; empty for the whole document.
+    pub path: String,
+    pub message: String,
+}
+
+impl Problem {
+    pub(super) fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// A config that could not be read, parsed or validated, with every problem found.
+///
+/// `std::error::Error` is implemented by hand: thiserror treats a field named `source` as
+/// the underlying error, and here it is the file name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Where the config came from (a file name, or a description such as `config`).
+    pub source: String,
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, problem) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{}: {problem}", self.source)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Every validation problem of `config`; empty when it is valid.
+pub(super) fn problems(config: &Config) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    if let Err(message) = check_schema_name(&config.schema) {
+        problems.push(Problem::new("schema", message));
+    }
+    if config.perspectives.is_empty() {
+        problems.push(Problem::new(
+            "perspectives",
+            "at least one perspective is required",
+        ));
+    }
+    let mut seen = HashSet::new();
+    for (index, perspective) in config.perspectives.iter().enumerate() {
+        let label = perspective_label(index, &perspective.name);
+        if !seen.insert(perspective.name.as_str()) {
+            problems.push(Problem::new(
+                format!("{label}.name"),
+                format!("duplicate perspective name `{}`", perspective.name),
+            ));
+        }
+        check_perspective(perspective, &label, &mut problems);
+    }
+    check_worker_options(&config.worker, &mut problems);
+    check_claim_worker_options(&config.claim_worker, &mut problems);
+    problems
+}
+
+/// The problems of one perspective, `label` naming it in their paths.
+fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mut Vec<Problem>) {
+    if let Err(message) = check_identifier(&perspective.name, MAX_PERSPECTIVE_NAME_LEN) {
+        problems.push(Problem::new(
+            format!("{label}.name"),
+            format!("invalid perspective name `{}`: {message}", perspective.name),
+        ));
+    }
+    if perspective.version == 0 {
+        problems.push(Problem::new(
+            format!("{label}.version"),
+            "version starts at 1; raise it to rebuild the perspective",
+        ));
+    }
+    if let Some(setup) = &perspective.setup {
+        // Setup runs once, at migrate time, when there is no event to take values from.
+        match sql_params::parameter_uses(setup) {
+            Ok(uses) => {
+                if let Some(first) = uses.first() {
+                    problems.push(Problem::new(
+                        format!("{label}.setup"),
+                        format!(
+                            "setup runs at migrate time and cannot use {} (line {}, column {})",
+                            first.param, first.line, first.column
+                        ),
+                    ));
+                }
+            }
+            Err(e) => problems.push(Problem::new(format!("{label}.setup"), e.to_string())),
+        }
+    }
+    if let Some(reset) = &perspective.reset {
+        // An empty reset would let a rewind replay events on top of the old model.
+        check_apply_sql(reset, "reset", &format!("{label}.reset"), problems);
+    }
+    if perspective.ordering == Ordering::EventId && perspective.reset.is_none() {
+        problems.push(Problem::new(
+            format!("{label}.reset"),
+            "ordering: eventId needs a reset: a late event rewinds the stream (reset, then replay in event-id order)",
+        ));
+    }
+    if perspective.handlers.is_empty() {
+        problems.push(Problem::new(
+            format!("{label}.handlers"),
+            "at least one handler (event type: SQL) is required",
+        ));
+    }
+    for (event_type, sql) in &perspective.handlers {
+        if let Err(message) = check_event_type(event_type) {
+            problems.push(Problem::new(
+                format!("{label}.handlers[{event_type:?}]"),
+                format!("invalid event type mapping: {message}"),
+            ));
+            continue;
+        }
+        check_apply_sql(
+            sql,
+            "handler",
+            &format!("{label}.handlers.{event_type}"),
+            problems,
+        );
+    }
+}
+
+/// The problems of the `worker:` options.
+fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
+    let at_least_one = [
+        ("leaseSeconds", worker.lease_seconds.into()),
+        (
+            "abandonStaleInstanceThresholdSeconds",
+            worker.abandon_stale_instance_threshold_seconds.into(),
+        ),
+        ("idleThresholdPolls", worker.idle_threshold_polls.into()),
+        ("perspectiveBatchSize", worker.perspective_batch_size.into()),
+        (
+            "maxConcurrentPerspectives",
+            worker.max_concurrent_perspectives.into(),
+        ),
+        (
+            "maxConcurrentDrainConsumers",
+            worker.max_concurrent_drain_consumers.into(),
+        ),
+        (
+            "drainLoopMaxIterations",
+            worker.drain_loop_max_iterations.into(),
+        ),
+        (
+            "drainLoopRefetchMinBatch",
+            worker.drain_loop_refetch_min_batch.into(),
+        ),
+        ("drainBatcher.maxSize", worker.drain_batcher.max_size.into()),
+        (
+            "heartbeatIntervalSeconds",
+            worker.heartbeat_interval_seconds.into(),
+        ),
+    ];
+    check_at_least_one("worker", &at_least_one, problems);
+    if let Some(t) = worker.handler_timeout_milliseconds {
+        if !(1..=MAX_HANDLER_TIMEOUT_MILLISECONDS).contains(&t) {
+            problems.push(Problem::new(
+                "worker.handlerTimeoutMilliseconds",
+                format!(
+                    "must be between 1 and {MAX_HANDLER_TIMEOUT_MILLISECONDS}, or null for no limit, got {t}"
+                ),
+            ));
+        }
+    }
+    if worker.max_perspective_event_attempts == Some(0) {
+        problems.push(Problem::new(
+            "worker.maxPerspectiveEventAttempts",
+            "must be at least 1, or null to never dead-letter",
+        ));
+    }
+    let multiplier = worker.retry_options.backoff_multiplier;
+    if !(multiplier.is_finite() && multiplier >= 1.0) {
+        problems.push(Problem::new(
+            "worker.retryOptions.backoffMultiplier",
+            format!("must be a number of at least 1.0, got {multiplier}"),
+        ));
+    }
+    // A live instance that heartbeats less often than the abandonment threshold would
+    // have its leases taken away while it is still working.
+    if worker.heartbeat_interval_seconds >= worker.abandon_stale_instance_threshold_seconds
+        && worker.heartbeat_interval_seconds > 0
+    {
+        problems.push(Problem::new(
+            "worker.heartbeatIntervalSeconds",
+            format!(
+                "must be less than abandonStaleInstanceThresholdSeconds ({}), or live instances are abandoned",
+                worker.abandon_stale_instance_threshold_seconds
+            ),
+        ));
+    }
+}
+
+/// The problems of the `claimWorker:` options.
+fn check_claim_worker_options(claim: &ClaimWorkerOptions, problems: &mut Vec<Problem>) {
+    let at_least_one = [
+        (
+            "pollingIntervalMilliseconds",
+            claim.polling_interval_milliseconds,
+        ),
+        (
+            "notifyHealthyPollingIntervalMilliseconds",
+            claim.notify_healthy_polling_interval_milliseconds,
+        ),
+        (
+            "pollingMaxIntervalMilliseconds",
+            claim.polling_max_interval_milliseconds,
+        ),
+        ("maxStreamsPerBatch", claim.max_streams_per_batch.into()),
+    ];
+    check_at_least_one("claimWorker", &at_least_one, problems);
+}
+
+fn check_at_least_one(prefix: &str, fields: &[(&str, u64)], problems: &mut Vec<Problem>) {
+    for (field, value) in fields {
+        if *value < 1 {
+            problems.push(Problem::new(
+                format!("{prefix}.{field}"),
+                format!("must be at least 1, got {value}"),
+            ));
+        }
+    }
+}
+
+/// Validates handler or reset SQL: it must lex, hold at least one statement and leave the
+/// worker's transaction alone.
+fn check_apply_sql(sql: &str, what: &str, path: &str, problems: &mut Vec<Problem>) {
+    let statements = match sql_params::parse_statements(sql) {
+        Ok(statements) => statements,
+        Err(e) => {
+            problems.push(Problem::new(path, e.to_string()));
+            return;
+        }
+    };
+    if statements.is_empty() {
+        problems.push(Problem::new(
+            path,
+            format!("{what} contains no SQL statement"),
+        ));
+    }
+    for statement in &statements {
+        if let Some(keyword) = statement.leading_keyword() {
+            if TRANSACTION_CONTROL.contains(&keyword.as_str()) {
+                problems.push(Problem::new(
+                    path,
+                    format!(
+                        "{} is not allowed: the {what} runs inside the worker's transaction, which commits the model change together with the cursor",
+                        keyword.to_uppercase()
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+fn perspective_label(index: usize, name: &str) -> String {
+    if name.is_empty() {
+        format!("perspectives[{index}]")
+    } else {
+        format!("perspectives[{index}] ({name})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::tests::{parse, MINIMAL};
+
+    /// A config that fails validation, the problem path it must report and a fragment of the
+    /// message.
+    type Case = (String, &'static str, &'static str);
+
+    /// A one-perspective config whose OrderPlaced handler is `sql`.
+    fn with_handler(sql: &str) -> String {
+        format!(
+            "schema: shop\nperspectives:\n  - name: order_summary\n    handlers:\n      OrderPlaced: {sql}\n"
+        )
+    }
+
+    /// Cases about identifiers, names, handlers and the document's shape.
+    fn shape_cases() -> Vec<Case> {
+        vec![
+            (
+                MINIMAL.replace("schema: shop", "schema: Shop"),
+                "schema",
+                "must start with a lower-case letter",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: my-shop"),
+                "schema",
+                "contains '-'",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: public"),
+                "schema",
+                "`public` is reserved",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: information_schema"),
+                "schema",
+                "is reserved",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: pg_shop"),
+                "schema",
+                "pg_ are reserved",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: select"),
+                "schema",
+                "invalid schema name `select`: it is a reserved SQL keyword in PostgreSQL",
+            ),
+            (
+                MINIMAL.replace("schema: shop", "schema: user"),
+                "schema",
+                "`user`: it is a reserved SQL keyword",
+            ),
+            (
+                MINIMAL.replace("schema: shop", &format!("schema: {}", "s".repeat(41))),
+                "schema",
+                "at most 40 are allowed",
+            ),
+            (
+                MINIMAL.replace("name: order_summary", "name: OrderSummary"),
+                "perspectives[0] (OrderSummary).name",
+                "invalid perspective name",
+            ),
+            (
+                format!(
+                "{MINIMAL}  - name: order_summary\n    handlers:\n      OrderShipped: SELECT 1\n"
+            ),
+                "perspectives[1] (order_summary).name",
+                "duplicate perspective name",
+            ),
+            (
+                "schema: shop\nperspectives: []\n".to_owned(),
+                "perspectives",
+                "at least one perspective",
+            ),
+            (
+                format!("{MINIMAL}workers: {{}}\n"),
+                "workers",
+                "unknown field `workers`",
+            ),
+            (
+                MINIMAL.replace("    handlers:", "    handlrs: {}\n    handlers:"),
+                "perspectives[0].handlrs",
+                "unknown field `handlrs`, expected one of",
+            ),
+        ]
+    }
+
+    /// Cases about worker and claim-worker options.
+    fn option_cases() -> Vec<Case> {
+        vec![
+            (
+                format!("{MINIMAL}worker:\n  leaseSecs: 5\n"),
+                "worker.leaseSecs",
+                "unknown field `leaseSecs`",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  drainBatcher: {{ maxSise: 5 }}\n"),
+                "worker.drainBatcher.maxSise",
+                "unknown field `maxSise`",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  leaseSeconds: -5\n"),
+                "worker.leaseSeconds",
+                "integer `-5`, expected u32",
+            ),
+            (
+                "schema: shop\nperspectives: [\n".to_owned(),
+                "perspectives",
+                "at line 3, column 1",
+            ),
+            (
+                "schema: shop\n  bad indent: 1\n".to_owned(),
+                "",
+                "mapping values are not allowed in this context",
+            ),
+            (
+                "perspectives: []\n".to_owned(),
+                "",
+                "missing field `schema`",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  perspectiveBatchSize: 0\n"),
+                "worker.perspectiveBatchSize",
+                "must be at least 1, got 0",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  drainBatcher:\n    maxSize: 0\n"),
+                "worker.drainBatcher.maxSize",
+                "must be at least 1",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  maxPerspectiveEventAttempts: 0\n"),
+                "worker.maxPerspectiveEventAttempts",
+                "or null to never dead-letter",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  handlerTimeoutMilliseconds: 0\n"),
+                "worker.handlerTimeoutMilliseconds",
+                "or null for no limit, got 0",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  retryOptions: {{ backoffMultiplier: 0.5 }}\n"),
+                "worker.retryOptions.backoffMultiplier",
+                "at least 1.0, got 0.5",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  heartbeatIntervalSeconds: 30\n"),
+                "worker.heartbeatIntervalSeconds",
+                "less than abandonStaleInstanceThresholdSeconds (30)",
+            ),
+            (
+                format!("{MINIMAL}claimWorker:\n  pollingIntervalMilliseconds: 0\n"),
+                "claimWorker.pollingIntervalMilliseconds",
+                "must be at least 1",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  completionStrategy: Eventually\n"),
+                "worker.completionStrategy",
+                "unknown variant `Eventually`",
+            ),
+        ]
+    }
+
+    /// Cases about handler and reset SQL.
+    fn handler_cases() -> Vec<Case> {
+        vec![
+            (
+                with_handler("|\n        UPDATE order_summary\n        SET total = :totl"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "unknown parameter :totl at line 2, column 13 (known: :stream_id",
+            ),
+            (
+                with_handler("SELECT 'unterminated"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "unterminated quoted string starting at line 1, column 8",
+            ),
+            (
+                with_handler("UPDATE t SET a = 1 WHERE id = $1"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "positional parameter $1",
+            ),
+            (
+                with_handler("-- nothing here"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "handler contains no SQL statement",
+            ),
+            (
+                with_handler("SELECT 1; COMMIT"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "COMMIT is not allowed",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    setup: CREATE TABLE t (id uuid DEFAULT :stream_id)\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).setup",
+                "setup runs at migrate time and cannot use :stream_id (line 1, column 33)",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    reset: DELETE FROM t WHERE x = :nope\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).reset",
+                "unknown parameter :nope",
+            ),
+            (
+                MINIMAL.replace("    handlers:", "    reset: ''\n    handlers:"),
+                "perspectives[0] (order_summary).reset",
+                "reset contains no SQL statement",
+            ),
+            (
+                "schema: shop\nperspectives:\n  - name: p\n    handlers: {}\n".to_owned(),
+                "perspectives[0] (p).handlers",
+                "at least one handler",
+            ),
+            (
+                with_handler("SELECT 1\n      Order Placed: SELECT 2"),
+                "perspectives[0] (order_summary).handlers[\"Order Placed\"]",
+                "invalid event type mapping",
+            ),
+            (
+                with_handler("SELECT 1\n      1Order: SELECT 2"),
+                "perspectives[0] (order_summary).handlers[\"1Order\"]",
+                "must start with a letter",
+            ),
+            (
+                with_handler("SELECT 1\n      OrderPlaced: SELECT 2"),
+                "perspectives[0].handlers",
+                "duplicate event type `OrderPlaced`",
+            ),
+            (
+                with_handler("\n        sql: SELECT 1"),
+                "perspectives[0].handlers.OrderPlaced",
+                "invalid type: map, expected a string",
+            ),
+        ]
+    }
+
+    #[test]
+    fn invalid_configs_name_the_field_and_the_problem() {
+        let long_name_path = format!("perspectives[0] ({}).name", "p".repeat(64));
+        let mut cases: Vec<(String, &str, &str)> = shape_cases()
+            .into_iter()
+            .chain(handler_cases())
+            .chain(option_cases())
+            .collect();
+        cases.push((
+            MINIMAL.replace("name: order_summary", &format!("name: {}", "p".repeat(64))),
+            &long_name_path,
+            "at most 63",
+        ));
+        // Check every case before failing, so one run shows all mismatches.
+        let mut failures = Vec::new();
+        for (text, path, fragment) in &cases {
+            match parse(text) {
+                Ok(_) => failures.push(format!("accepted:\n{text}")),
+                Err(error) => {
+                    assert_eq!(error.source, "test.yaml");
+                    let found = error
+                        .problems
+                        .iter()
+                        .any(|p| p.path == *path && p.message.contains(fragment));
+                    if !found {
+                        failures.push(format!(
+                            "expected `{path}` with `{fragment}`, got:\n{error}\nfor:\n{text}"
+                        ));
+                    }
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+        assert!(cases.len() >= 14);
+    }
+
+    #[test]
+    fn all_problems_are_reported_together_one_line_each() {
+        let error = parse(
+            "schema: public
+perspectives:
+  - name: Bad
+    setup: CREATE TABLE t (a text DEFAULT :user_id)
+    handlers:
+      A: SELECT :totl
+  - name: Bad
+    handlers:
+      B: SELECT 1
+worker:
+  leaseSeconds: 0
+",
+        )
+        .unwrap_err();
+        let paths: Vec<_> = error.problems.iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "schema",
+                "perspectives[0] (Bad).name",
+                "perspectives[0] (Bad).setup",
+                "perspectives[0] (Bad).handlers.A",
+                "perspectives[1] (Bad).name",
+                "perspectives[1] (Bad).name",
+                "worker.leaseSeconds",
+            ]
+        );
+        let text = error.to_string();
+        assert_eq!(text.lines().count(), paths.len());
+        assert!(text
+            .lines()
+            .all(|line| line.starts_with("test.yaml: perspectives[")
+                || line.starts_with("test.yaml: schema: ")
+                || line.starts_with("test.yaml: worker.")));
+        assert!(text.contains(
+            "test.yaml: perspectives[0] (Bad).handlers.A: unknown parameter :totl at line 1, column 8 (known: "
+        ));
+    }
+
+    #[test]
+    fn validate_checks_a_deserialized_config() {
+        let mut config = parse(MINIMAL).unwrap();
+        assert_eq!(config.validate(), Ok(()));
+        config.worker.perspective_batch_size = 0;
+        let error = config.validate().unwrap_err();
+        assert_eq!(error.source, "config");
+        assert_eq!(error.problems[0].path, "worker.perspectiveBatchSize");
+    }
+}
