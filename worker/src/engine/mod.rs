@@ -43,8 +43,9 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -143,17 +144,7 @@ impl Engine {
         shutdown: CancellationToken,
     ) -> Result<Engine, EngineError> {
         let config = options.config.clone();
-        let connect = |app: &str| crate::db::connect_options(&options.database_url, app);
-        let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections.max(2))
-            .acquire_timeout(Duration::from_secs(30))
-            .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
-            .await
-            .map_err(|e| db("connecting to PostgreSQL", e))?;
-        let listen_pool = PgPoolOptions::new().max_connections(1).connect_lazy_with(
-            connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
-        );
-        let store = Store::new(pool, &config.schema);
+        let (store, listen_pool) = connect(&options).await?;
         verify_schema(&store, &config).await?;
         for p in &config.perspectives {
             options.metrics.init_perspective(&p.name);
@@ -182,87 +173,8 @@ impl Engine {
         if config.worker.notify_applied {
             lifecycle::reconcile_orphans(&shared).await;
         }
-
-        // The channels between the tasks.
-        let (drain_tx, drain_rx) =
-            mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
-        let (completions, completion_rx) = drain::completion::CompletionQueue::new();
-        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
-        let listener_healthy = Arc::new(AtomicBool::new(false));
-        let jobs_wake = Arc::new(tokio::sync::Notify::new());
-        let last_work = Arc::new(catchup::LastWork::new());
-        let cache = Arc::new(Mutex::new(ProcessedEventCache::new(Duration::from_secs(
-            config.worker.lease_seconds as u64,
-        ))));
-        let runner = options
-            .runner
-            .clone()
-            .unwrap_or_else(|| Arc::new(SqlRunner::new(&config)));
-
-        let mut tasks = Vec::new();
-        let listener = listener::Listener {
-            shared: shared.clone(),
-            pool: listen_pool,
-            healthy: listener_healthy.clone(),
-            jobs_wake: jobs_wake.clone(),
-        };
-        tasks.push(tokio::spawn(listener.run()));
-        let job_runner = catchup::JobRunner {
-            shared: shared.clone(),
-            wake: jobs_wake,
-            apply_in_chunks: options.runner.is_none(),
-            last_work: last_work.clone(),
-        };
-        tasks.push(tokio::spawn(job_runner.run()));
-        tasks.push(tokio::spawn(heartbeat.run()));
-        tasks.push(tokio::spawn(
-            vacuum::Vacuum {
-                shared: shared.clone(),
-                last_work: last_work.clone(),
-            }
-            .run(),
-        ));
-        let queue = Arc::new(drain::queue::DrainQueue::new(drain_tx));
-        let settler = drain::completion::Settler {
-            shared: shared.clone(),
-            completions: completions.clone(),
-            queue: queue.clone(),
-        };
-        tasks.push(tokio::spawn(settler.run(settle_rx)));
-        let drainer = Arc::new(drain::Drainer::new(
-            shared.clone(),
-            runner,
-            cache.clone(),
-            completions.clone(),
-            queue.clone(),
-            settle_tx.clone(),
-        ));
-        let rx: drain::SharedReceiver = Arc::new(tokio::sync::Mutex::new(drain_rx));
-        for _ in 0..config.worker.max_concurrent_drain_consumers.max(1) {
-            tasks.push(tokio::spawn(drainer.clone().consume(rx.clone())));
-        }
-        let statistics = statistics::StatisticsKeeper {
-            shared: shared.clone(),
-            last_work: last_work.clone(),
-        };
-        tasks.push(tokio::spawn(statistics.run()));
-        let claim_loop = claim::ClaimLoop {
-            shared: shared.clone(),
-            queue,
-            listener_healthy,
-            readiness: readiness.clone(),
-            last_work,
-        };
-        tasks.push(tokio::spawn(claim_loop.run()));
-        let flush_stop = CancellationToken::new();
-        let flush = drain::completion::FlushWorker {
-            shared: shared.clone(),
-            completions,
-            cache,
-            settle_tx,
-            stop: flush_stop.clone(),
-        };
-        let flush_task = tokio::spawn(flush.run(completion_rx));
+        let (tasks, flush_task, flush_stop) =
+            spawn_tasks(&shared, &options, listen_pool, heartbeat);
         Ok(Engine {
             shared,
             readiness,
@@ -323,6 +235,111 @@ impl Engine {
         tracing::info!(instance_id = %shared.instance_id, "stopped; leases released and instance deregistered");
         Ok(())
     }
+}
+
+/// The engine's pool (connected, so a bad URL fails here) and the listener's (lazy).
+async fn connect(options: &EngineOptions) -> Result<(Store, PgPool), EngineError> {
+    let connect = |app: &str| crate::db::connect_options(&options.database_url, app);
+    let pool = PgPoolOptions::new()
+        .max_connections(options.max_connections.max(2))
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
+        .await
+        .map_err(|e| db("connecting to PostgreSQL", e))?;
+    let listen_pool = PgPoolOptions::new().max_connections(1).connect_lazy_with(
+        connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
+    );
+    Ok((Store::new(pool, &options.config.schema), listen_pool))
+}
+
+/// Every task of a started engine, joined by their channels: the listener, the job runner, the
+/// heartbeat, the vacuum, the settler, the drain consumers, the statistics keeper and the claim
+/// loop; and, apart (it stops last, see [`Engine::run_until_stopped`]), the completion flush
+/// with the token that ends it.
+fn spawn_tasks(
+    shared: &Arc<Shared>,
+    options: &EngineOptions,
+    listen_pool: PgPool,
+    heartbeat: heartbeat::Heartbeat,
+) -> (Vec<JoinHandle<()>>, JoinHandle<()>, CancellationToken) {
+    let config = &shared.config;
+    let (drain_tx, drain_rx) =
+        mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
+    let (completions, completion_rx) = drain::completion::CompletionQueue::new();
+    let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+    let listener_healthy = Arc::new(AtomicBool::new(false));
+    let jobs_wake = Arc::new(tokio::sync::Notify::new());
+    let last_work = Arc::new(catchup::LastWork::new());
+    let cache = Arc::new(Mutex::new(ProcessedEventCache::new(Duration::from_secs(
+        config.worker.lease_seconds as u64,
+    ))));
+    let runner = options
+        .runner
+        .clone()
+        .unwrap_or_else(|| Arc::new(SqlRunner::new(config)));
+
+    let mut tasks = Vec::new();
+    let listener = listener::Listener {
+        shared: shared.clone(),
+        pool: listen_pool,
+        healthy: listener_healthy.clone(),
+        jobs_wake: jobs_wake.clone(),
+    };
+    tasks.push(tokio::spawn(listener.run()));
+    let job_runner = catchup::JobRunner {
+        shared: shared.clone(),
+        wake: jobs_wake,
+        apply_in_chunks: options.runner.is_none(),
+        last_work: last_work.clone(),
+    };
+    tasks.push(tokio::spawn(job_runner.run()));
+    tasks.push(tokio::spawn(heartbeat.run()));
+    let vacuum = vacuum::Vacuum {
+        shared: shared.clone(),
+        last_work: last_work.clone(),
+    };
+    tasks.push(tokio::spawn(vacuum.run()));
+    let queue = Arc::new(drain::queue::DrainQueue::new(drain_tx));
+    let settler = drain::completion::Settler {
+        shared: shared.clone(),
+        completions: completions.clone(),
+        queue: queue.clone(),
+    };
+    tasks.push(tokio::spawn(settler.run(settle_rx)));
+    let drainer = Arc::new(drain::Drainer::new(
+        shared.clone(),
+        runner,
+        cache.clone(),
+        completions.clone(),
+        queue.clone(),
+        settle_tx.clone(),
+    ));
+    let rx: drain::SharedReceiver = Arc::new(tokio::sync::Mutex::new(drain_rx));
+    for _ in 0..config.worker.max_concurrent_drain_consumers.max(1) {
+        tasks.push(tokio::spawn(drainer.clone().consume(rx.clone())));
+    }
+    let statistics = statistics::StatisticsKeeper {
+        shared: shared.clone(),
+        last_work: last_work.clone(),
+    };
+    tasks.push(tokio::spawn(statistics.run()));
+    let claim_loop = claim::ClaimLoop {
+        shared: shared.clone(),
+        queue,
+        listener_healthy,
+        readiness: options.readiness.clone(),
+        last_work,
+    };
+    tasks.push(tokio::spawn(claim_loop.run()));
+    let flush_stop = CancellationToken::new();
+    let flush = drain::completion::FlushWorker {
+        shared: shared.clone(),
+        completions,
+        cache,
+        settle_tx,
+        stop: flush_stop.clone(),
+    };
+    (tasks, tokio::spawn(flush.run(completion_rx)), flush_stop)
 }
 
 fn db(step: &'static str, e: sqlx::Error) -> EngineError {

@@ -12,28 +12,12 @@ use super::report::{
 use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
 use crate::engine::lifecycle;
-use crate::store::drain::DrainArgs;
+use crate::store::drain::{DrainArgs, PairOutcome};
 
 /// One `wh_drain` round for `streams`, reported.
 pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
-    let per_pair = ctx.shared.config.worker.perspective_batch_size.max(1) as i64;
-    let max_rows = (per_pair * streams.len() as i64 * ctx.shared.config.perspectives.len() as i64)
-        .clamp(100, 2 * ROWS_PER_FETCH as i64);
     let instant = ctx.shared.config.worker.completion_strategy == CompletionStrategy::Instant;
-    let w = &ctx.shared.config.worker;
-    let args = DrainArgs {
-        instance_id: ctx.shared.instance_id,
-        per_pair: per_pair as i32,
-        max_rows: max_rows as i32,
-        instant,
-        debug: w.debug_mode,
-        retry_base_ms: w.failure_retry_base_milliseconds as f64,
-        retry_max_ms: w.failure_retry_max_milliseconds as f64,
-        notify_applied: w.notify_applied,
-        max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
-        handler_timeout_ms: w.handler_timeout_milliseconds,
-        shallow_rows: shallow_rows(ctx.observed_depth(), ctx.shared.config.perspectives.len()),
-    };
+    let args = drain_args(ctx, streams.len(), instant);
     let outcomes = ctx.shared.store.drain(streams, args).await;
     let outcomes = match outcomes {
         Ok(o) => o,
@@ -47,77 +31,13 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
     let mut more: HashSet<Uuid> = HashSet::new();
     let now = chrono::Utc::now();
     let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
-    for o in outcomes {
+    for o in &outcomes {
         *rows_per_stream.entry(o.stream_id).or_default() += o.rows as i64;
         if o.more {
             more.insert(o.stream_id);
         }
-        let perspective = o.perspective.as_str();
-        let versions = o
-            .versions
-            .first()
-            .zip(o.versions.last())
-            .map(|(a, b)| (*a, *b));
-        let outcome = pair_outcome(
-            o.applied.max(0) as u64,
-            o.failed_work_id.is_some(),
-            !o.dead_lettered.is_empty(),
-            o.rewound,
-        );
-        let span = pair_span(perspective, o.stream_id, versions);
-        span.record("outcome", outcome);
-        let _pair = span.entered();
-        tracing::debug!(
-            rows = o.rows,
-            applied = o.applied,
-            cursor = o.last_version,
-            "pair drained"
-        );
-        if o.rewound {
-            report_rewound(&ctx.shared, perspective, o.stream_id);
-        }
-        lifecycle::post_perspective(&ctx.shared, perspective, o.stream_id, &o.applied_event_ids);
-        completed.extend(o.completed_event_ids.iter().map(|e| (o.stream_id, *e)));
-        if !o.dead_lettered.is_empty() {
-            report_dead_lettered(
-                &ctx.shared,
-                perspective,
-                o.stream_id,
-                o.dead_lettered.clone(),
-            );
-        }
-        if o.applied > 0 {
-            applied += o.applied as u64;
-            report_applied(
-                &ctx.shared,
-                perspective,
-                o.stream_id,
-                o.applied as u32,
-                o.last_version.unwrap_or_default(),
-                // The rows applied: up to the new cursor, a dead-lettered head excepted.
-                o.versions
-                    .iter()
-                    .zip(&o.created_at)
-                    .skip(o.dead_lettered.len())
-                    .filter(|(v, _)| Some(**v) <= o.last_version)
-                    .map(|(_, t)| seconds_since(*t, now)),
-            );
-        }
-        if let Some(work_id) = o.failed_work_id {
-            report_failed(
-                &ctx.shared,
-                perspective,
-                o.stream_id,
-                work_id,
-                o.error.as_deref().unwrap_or_default(),
-            );
-        } else if let Some(error) = o.error.as_deref() {
-            // The pair failed, but no row of it could carry the failure.
-            tracing::warn!(perspective, stream = %o.stream_id, error, "applying a (stream, perspective) failed");
-        }
-        if !instant && !o.done_work_ids.is_empty() {
-            ctx.completions.queue(o.stream_id, &o.done_work_ids);
-        }
+        applied += o.applied.max(0) as u64;
+        report_pair(ctx, o, now, instant, &mut completed);
     }
     let min_batch = ctx.shared.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
     ctx.observe_depth(
@@ -145,4 +65,103 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         .copied()
         .collect();
     Round { applied, busy }
+}
+
+/// The arguments of one `wh_drain` call for `streams` streams.
+fn drain_args(ctx: &Drainer, streams: usize, instant: bool) -> DrainArgs {
+    let w = &ctx.shared.config.worker;
+    let perspectives = ctx.shared.config.perspectives.len();
+    let per_pair = w.perspective_batch_size.max(1) as i64;
+    let max_rows =
+        (per_pair * streams as i64 * perspectives as i64).clamp(100, 2 * ROWS_PER_FETCH as i64);
+    DrainArgs {
+        instance_id: ctx.shared.instance_id,
+        per_pair: per_pair as i32,
+        max_rows: max_rows as i32,
+        instant,
+        debug: w.debug_mode,
+        retry_base_ms: w.failure_retry_base_milliseconds as f64,
+        retry_max_ms: w.failure_retry_max_milliseconds as f64,
+        notify_applied: w.notify_applied,
+        max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
+        handler_timeout_ms: w.handler_timeout_milliseconds,
+        shallow_rows: shallow_rows(ctx.observed_depth(), perspectives),
+    }
+}
+
+/// Report what `wh_drain` did to one (stream, perspective) pair: span, metrics, hooks and logs,
+/// PostPerspective, the events whose lifecycle is due (into `completed`) and, Batched, the rows
+/// to complete.
+fn report_pair(
+    ctx: &Drainer,
+    o: &PairOutcome,
+    now: chrono::DateTime<chrono::Utc>,
+    instant: bool,
+    completed: &mut Vec<(Uuid, Uuid)>,
+) {
+    let perspective = o.perspective.as_str();
+    let versions = o
+        .versions
+        .first()
+        .zip(o.versions.last())
+        .map(|(a, b)| (*a, *b));
+    let outcome = pair_outcome(
+        o.applied.max(0) as u64,
+        o.failed_work_id.is_some(),
+        !o.dead_lettered.is_empty(),
+        o.rewound,
+    );
+    let span = pair_span(perspective, o.stream_id, versions);
+    span.record("outcome", outcome);
+    let _pair = span.entered();
+    tracing::debug!(
+        rows = o.rows,
+        applied = o.applied,
+        cursor = o.last_version,
+        "pair drained"
+    );
+    if o.rewound {
+        report_rewound(&ctx.shared, perspective, o.stream_id);
+    }
+    lifecycle::post_perspective(&ctx.shared, perspective, o.stream_id, &o.applied_event_ids);
+    completed.extend(o.completed_event_ids.iter().map(|e| (o.stream_id, *e)));
+    if !o.dead_lettered.is_empty() {
+        report_dead_lettered(
+            &ctx.shared,
+            perspective,
+            o.stream_id,
+            o.dead_lettered.clone(),
+        );
+    }
+    if o.applied > 0 {
+        report_applied(
+            &ctx.shared,
+            perspective,
+            o.stream_id,
+            o.applied as u32,
+            o.last_version.unwrap_or_default(),
+            // The rows applied: up to the new cursor, a dead-lettered head excepted.
+            o.versions
+                .iter()
+                .zip(&o.created_at)
+                .skip(o.dead_lettered.len())
+                .filter(|(v, _)| Some(**v) <= o.last_version)
+                .map(|(_, t)| seconds_since(*t, now)),
+        );
+    }
+    if let Some(work_id) = o.failed_work_id {
+        report_failed(
+            &ctx.shared,
+            perspective,
+            o.stream_id,
+            work_id,
+            o.error.as_deref().unwrap_or_default(),
+        );
+    } else if let Some(error) = o.error.as_deref() {
+        // The pair failed, but no row of it could carry the failure.
+        tracing::warn!(perspective, stream = %o.stream_id, error, "applying a (stream, perspective) failed");
+    }
+    if !instant && !o.done_work_ids.is_empty() {
+        ctx.completions.queue(o.stream_id, &o.done_work_ids);
+    }
 }
