@@ -5,7 +5,7 @@
 #                then the real-node scenarios (a kubelet with containerd, runc and the CNI bridge)
 #   make bench   append-path, apply-path and backfill benchmarks (see BENCHMARKS.md)
 #   make bench-scale  how the cost grows with history, breadth, fan-out, a hot stream and churn
-#                (~20 min; appends its table to BENCHMARKS.md)
+#                (~15 min; appends its table to docs/benchmarks-history.md)
 #   make images  the worker and operator container images, built with buildah
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c

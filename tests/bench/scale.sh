@@ -23,8 +23,9 @@
 #            connections, one event per transaction, APPEND_SECONDS, no worker running).
 #
 # Every case checks that each counter ends at exactly its stream's event count. The result table
-# (figure, goal, met) is printed and, unless RECORD=0, appended to BENCHMARKS.md with the
-# command, date and commit.
+# (figure, goal, met) is printed and, unless RECORD=0, appended to docs/benchmarks-history.md
+# (the dated runs; BENCHMARKS.md holds the current figures, updated by hand) with the command,
+# date and commit.
 #
 #   make bench-scale                      (builds the release worker first)
 #   QUICK=1 RECORD=0 tests/bench/scale.sh (every case at a small size: checks the script, ~2 min)
@@ -557,7 +558,7 @@ echo
 cat "$table"
 if [ "$RECORD" = 1 ]; then
   commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-  [ -z "$(git status --porcelain 2>/dev/null | grep -v '^?? ' | grep -v BENCHMARKS.md)" ] || commit="$commit (with uncommitted changes)"
+  [ -z "$(git status --porcelain 2>/dev/null | grep -v '^?? ' | grep -v docs/benchmarks-history.md)" ] || commit="$commit (with uncommitted changes)"
   {
     echo
     echo "### \`make bench-scale\`, $(date -u '+%Y-%m-%d %H:%M') UTC, commit $commit"
@@ -565,6 +566,6 @@ if [ "$RECORD" = 1 ]; then
     echo "Command: \`make bench-scale\`$( [ "${QUICK:-0}" = 1 ] && echo ' (QUICK=1)'); cases: $CASES; $(( $(date +%s) - started )) s on $(nproc) cores."
     echo
     cat "$table"
-  } >>BENCHMARKS.md
-  log "appended to BENCHMARKS.md"
+  } >>docs/benchmarks-history.md
+  log "appended to docs/benchmarks-history.md"
 fi
