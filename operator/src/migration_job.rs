@@ -1,9 +1,10 @@
 //! The migration Job: `perspective-worker migrate` for one migration target.
 //!
 //! The Job is named by the hash of what a migration depends on: the worker image, the worker's
-//! embedded migrations, and each perspective's definition hash as the worker computes it
-//! (`perspective_worker::compile::definition_hash`, the same hash `run` checks, so the two
-//! cannot disagree about what needs a migration). It is never patched: a new target is a new
+//! embedded migrations, the hash of its engine functions and each perspective's definition hash
+//! as the worker computes them (`perspective_worker::store::functions::hash`,
+//! `perspective_worker::compile::definition_hash`: the hashes `run` checks, so the two cannot
+//! disagree about what needs a migration). It is never patched: a new target is a new
 //! Job, and superseded Jobs are deleted. Worker-only options (batch sizes, intervals) are not
 //! part of the target, so changing them rolls the pods without a migration.
 
@@ -14,6 +15,7 @@ use k8s_openapi::api::core::v1::PodTemplateSpec;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::ObjectMeta;
 use perspective_worker::compile::definition_hash;
+use perspective_worker::store::functions;
 use perspective_worker::store::migrations::MIGRATIONS;
 use sha2::{Digest, Sha256};
 
@@ -42,6 +44,7 @@ pub fn target(instance: &str, spec: &PerspectiveDeploymentSpec, image: &str) -> 
         field(migration.checksum().as_bytes());
     }
     field(spec.schema.as_bytes());
+    field(functions::hash(&spec.schema).as_bytes());
     for p in &spec.perspectives {
         field(definition_hash(&spec.schema, p).as_bytes());
     }

@@ -4,9 +4,11 @@
 mod common;
 
 use std::process::Output;
+use std::time::Duration;
 
 use common::*;
 use perspective_worker::admin::migrate::{migrate, MigrateError, MigrateOptions};
+use perspective_worker::store::functions::FUNCTIONS;
 use perspective_worker::store::migrations::{latest_version, MIGRATIONS};
 
 fn write_config(yaml: &str) -> tempfile_path::TempPath {
@@ -81,6 +83,10 @@ async fn second_migrate_changes_nothing() {
         .unwrap();
     assert!(report.applied.is_empty());
     assert_eq!(report.already_applied, MIGRATIONS.len());
+    assert!(
+        !report.functions_installed,
+        "the engine functions were current"
+    );
     assert!(report.subscriptions_added.is_empty() && report.subscriptions_removed.is_empty());
     assert_eq!(report.statements_prepared, 4);
     assert_eq!(catalog_snapshot(&schema).await, before);
@@ -694,4 +700,261 @@ async fn an_append_in_flight_while_a_perspective_is_removed_pins_nothing() {
     )
     .await;
     engine.stop().await;
+}
+
+/// Every function of the schema but the compiled ones (`wh_drain`, `wh_apply_*`, `wh_batch_*`),
+/// each as the server prints it, with the schema's name replaced by `S`.
+async fn engine_function_defs(conn: &mut sqlx::PgConnection, schema: &str) -> Vec<String> {
+    let defs: Vec<String> = sqlx::query_scalar(
+        r"SELECT pg_get_functiondef(p.oid) FROM pg_proc p
+          WHERE p.pronamespace = $1::regnamespace AND p.proname <> 'wh_drain'
+            AND p.proname NOT LIKE 'wh\_apply\_%' AND p.proname NOT LIKE 'wh\_batch\_%'
+          ORDER BY p.proname, pg_get_function_identity_arguments(p.oid)",
+    )
+    .bind(schema)
+    .fetch_all(conn)
+    .await
+    .unwrap();
+    defs.into_iter().map(|d| d.replace(schema, "S")).collect()
+}
+
+/// One home per function: every function a migrated schema has (but the compiled ones) is one
+/// file of worker/src/store/functions/, with no other overload, and every file is installed.
+#[tokio::test]
+async fn every_function_of_a_migrated_schema_has_one_file() {
+    let (schema, _) = migrated_schema("fnfiles").await;
+    let mut conn = connect().await;
+    let installed: Vec<String> = sqlx::query_scalar(
+        r"SELECT p.proname::text FROM pg_proc p
+          WHERE p.pronamespace = $1::regnamespace AND p.proname <> 'wh_drain'
+            AND p.proname NOT LIKE 'wh\_apply\_%' AND p.proname NOT LIKE 'wh\_batch\_%'
+          ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let mut files: Vec<String> = FUNCTIONS.iter().map(|f| f.name.to_string()).collect();
+    files.sort();
+    assert_eq!(installed, files);
+    // The compiled ones are there too, and were left out above by name only.
+    let compiled: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_proc WHERE pronamespace = $1::regnamespace
+           AND proname IN ('wh_drain', 'wh_apply_alpha', 'wh_batch_alpha', 'wh_apply_beta', 'wh_batch_beta')",
+    )
+    .bind(&schema)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(compiled, 5);
+}
+
+/// `run` starts only on the engine functions `migrate` installed from this binary's files: a
+/// record of another binary's set, no record, or functions changed, dropped or overloaded since
+/// are refused (naming `migrate`); `migrate` then puts the files' functions back (dropping an
+/// overload or an older shape it cannot replace) and `run` starts.
+#[tokio::test]
+async fn run_refuses_engine_functions_migrate_did_not_install() {
+    use perspective_worker::engine::{Engine, EngineError, EngineOptions};
+
+    let (schema, config) = migrated_schema("fntamper").await;
+    let mut conn = connect().await;
+    let installed = engine_function_defs(&mut conn, &schema).await;
+    let tampers = [
+        (
+            "another binary's hash",
+            format!("UPDATE {schema}.wh_schema_functions SET hash = 'older'"),
+        ),
+        (
+            "no record",
+            format!("DELETE FROM {schema}.wh_schema_functions"),
+        ),
+        (
+            "a changed body",
+            format!(
+                "CREATE OR REPLACE FUNCTION {schema}.wh_uuid_v7() RETURNS uuid
+                 LANGUAGE sql VOLATILE PARALLEL SAFE AS 'SELECT gen_random_uuid()'"
+            ),
+        ),
+        (
+            "a changed setting",
+            format!("ALTER FUNCTION {schema}.cleanup_completed_streams(uuid, uuid[]) RESET jit"),
+        ),
+        (
+            "a dropped function",
+            format!("DROP FUNCTION {schema}.wh_delete_applied_events(interval)"),
+        ),
+        (
+            "an extra overload",
+            format!(
+                "CREATE FUNCTION {schema}.claim_work(p_instance_id uuid) RETURNS TABLE (stream_id uuid)
+                 LANGUAGE sql AS 'SELECT NULL::uuid'"
+            ),
+        ),
+        (
+            "an older result type",
+            format!(
+                "DROP FUNCTION {schema}.wh_job_advance(text);
+                 CREATE FUNCTION {schema}.wh_job_advance(p_perspective text) RETURNS integer
+                 LANGUAGE sql AS 'SELECT 0'"
+            ),
+        ),
+        (
+            "older parameter names",
+            format!(
+                "DROP FUNCTION {schema}.wh_queue_stream(uuid, text, bigint);
+                 CREATE FUNCTION {schema}.wh_queue_stream(s uuid, p text, v bigint DEFAULT 0)
+                 RETURNS bigint LANGUAGE sql AS 'SELECT 0::bigint'"
+            ),
+        ),
+    ];
+    for (what, sql) in tampers {
+        sqlx::raw_sql(&sql).execute(&mut conn).await.unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        match Engine::start(
+            EngineOptions::new(config.clone(), database_url()),
+            shutdown.clone(),
+        )
+        .await
+        {
+            Err(e @ EngineError::FunctionsOutdated { .. }) => assert!(
+                e.to_string().contains("run `perspective-worker migrate`"),
+                "{what}: {e}"
+            ),
+            Err(e) => panic!("{what}: unexpected error {e}"),
+            Ok(engine) => {
+                shutdown.cancel();
+                engine.run_until_stopped().await.unwrap();
+                panic!("the engine started on {what}");
+            }
+        }
+        let report = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+            .await
+            .unwrap();
+        assert!(report.functions_installed, "{what}: migrate reinstalls");
+        assert_eq!(
+            engine_function_defs(&mut conn, &schema).await,
+            installed,
+            "after {what}, migrate installs the files' functions and only those"
+        );
+        RunningEngine::start(&config).await.stop().await;
+    }
+}
+
+/// A schema that an earlier binary migrated to 0017 (every engine function defined by the
+/// migrations, no record of installed functions), with history and pending work its trigger
+/// created: `run` refuses it; `migrate` applies 0018, installs the files over the migrations'
+/// functions, leaving exactly what a fresh schema has; the engine then applies the history,
+/// the pending work and new events exactly once; a second `migrate` installs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
+    use perspective_worker::engine::{Engine, EngineError, EngineOptions};
+    use perspective_worker::store::schema as store;
+    use sqlx::Connection;
+
+    let schema = unique_schema("upg17");
+    let config = parse_config(&two_perspective_yaml(&schema));
+    let mut conn = connect().await;
+    let mut tx = conn.begin().await.unwrap();
+    store::create_schema(&mut tx, &schema).await.unwrap();
+    for m in MIGRATIONS.iter().filter(|m| m.version <= 17) {
+        store::apply_migration(&mut tx, &schema, m, "perspective-worker 0.1.0")
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let stream = uuid::Uuid::now_v7();
+    let append = |types: &'static [&'static str]| {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            for t in types {
+                sqlx::query(&format!(
+                    "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+                     VALUES ($1, $2, '{{\"total\": 1}}')"
+                ))
+                .bind(stream)
+                .bind(t)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            }
+        }
+    };
+    // History (nothing subscribed yet), then work rows made by 0017's trigger.
+    append(&["A"]).await;
+    sqlx::raw_sql(&format!(
+        "INSERT INTO {schema}.wh_perspective_subscriptions (perspective_name, event_type)
+         VALUES ('alpha', 'A'), ('alpha', 'B'), ('beta', 'B'), ('beta', 'C')"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    append(&["B", "D"]).await;
+
+    let refused = Engine::start(
+        EngineOptions::new(config.clone(), database_url()),
+        tokio_util::sync::CancellationToken::new(),
+    )
+    .await;
+    assert!(
+        matches!(
+            refused,
+            Err(EngineError::SchemaOutdated {
+                found: Some(17),
+                ..
+            })
+        ),
+        "{:?}",
+        refused.err()
+    );
+
+    let report = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        report.applied,
+        ["0018_engine_functions_installed_by_migrate.sql"]
+    );
+    assert!(report.functions_installed);
+    let (fresh, _) = migrated_schema("upg17fresh").await;
+    let upgraded = engine_function_defs(&mut conn, &schema).await;
+    assert_eq!(upgraded, engine_function_defs(&mut conn, &fresh).await);
+
+    let engine = RunningEngine::start(&config).await;
+    append(&["C"]).await;
+    let seen = || async {
+        scalar(&format!(
+            "SELECT (SELECT count(*) FROM {schema}.alpha_seen) * 10 + (SELECT count(*) FROM {schema}.beta_seen)"
+        ))
+        .await
+    };
+    wait_until(
+        "history, old work and new events applied",
+        Duration::from_secs(30),
+        || async { seen().await == 22 },
+    )
+    .await;
+    engine.stop().await;
+    let applied: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT 'alpha ' || event_type, stream_version FROM {schema}.alpha_seen
+         UNION ALL SELECT 'beta', stream_version FROM {schema}.beta_seen ORDER BY 1, 2"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        applied,
+        [
+            ("alpha A".to_string(), 1),
+            ("alpha B".to_string(), 2),
+            ("beta".to_string(), 2),
+            ("beta".to_string(), 4)
+        ]
+    );
+
+    let again = migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .unwrap();
+    assert!(again.applied.is_empty() && !again.functions_installed);
 }

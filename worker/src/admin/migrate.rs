@@ -23,10 +23,14 @@ use crate::config::sql_params::ParsedStatement;
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
 use crate::store::catchup::{self, JobKind};
+use crate::store::functions;
 use crate::store::migrations::{latest_version, Migration, MIGRATIONS};
 use crate::store::names::apply_function_name;
 use crate::store::removal::{self, Removed};
 use crate::store::schema as store;
+
+/// Who applied a migration or installed the functions, as recorded in the schema.
+const APPLIED_BY: &str = concat!("perspective-worker ", env!("CARGO_PKG_VERSION"));
 
 /// Oldest server we support (`gen_random_uuid()` in core, `EXECUTE FUNCTION` triggers).
 const MIN_SERVER_VERSION: i32 = 130000;
@@ -46,6 +50,9 @@ pub struct MigrateReport {
     pub applied: Vec<String>,
     /// Migrations that were already applied.
     pub already_applied: usize,
+    /// Whether this run installed the engine functions (false: the schema already had this
+    /// binary's, unchanged).
+    pub functions_installed: bool,
     /// (perspective, event type) pairs added / removed.
     pub subscriptions_added: Vec<(String, String)>,
     pub subscriptions_removed: Vec<(String, String)>,
@@ -205,6 +212,7 @@ async fn migrate_in(
         apply_one(tx, schema, m).await?;
         report.applied.push(m.name.to_string());
     }
+    install_functions(tx, schema, report).await?;
     // An event store created by this run has no history to backfill.
     let fresh_store = !applied.contains_key(&1);
     let recorded = store::recorded_perspectives(tx, schema)
@@ -387,14 +395,30 @@ async fn apply_one(
     m: &Migration,
 ) -> Result<(), MigrateError> {
     tracing::info!(schema, migration = m.name, "applying migration");
-    store::apply_migration(
-        conn,
-        schema,
-        m,
-        concat!("perspective-worker ", env!("CARGO_PKG_VERSION")),
-    )
-    .await
-    .map_err(db_err(format!("applying migration {}", m.name)))
+    store::apply_migration(conn, schema, m, APPLIED_BY)
+        .await
+        .map_err(db_err(format!("applying migration {}", m.name)))
+}
+
+/// Install the engine functions after the migrations, unless the schema has this binary's set,
+/// unchanged since it was installed.
+async fn install_functions(
+    tx: &mut PgConnection,
+    schema: &str,
+    report: &mut MigrateReport,
+) -> Result<(), MigrateError> {
+    let current = functions::up_to_date(tx, schema)
+        .await
+        .map_err(db_err("reading the installed engine functions"))?;
+    if current {
+        return Ok(());
+    }
+    tracing::info!(schema, "installing the engine functions");
+    functions::install(tx, schema, APPLIED_BY)
+        .await
+        .map_err(db_err("installing the engine functions"))?;
+    report.functions_installed = true;
+    Ok(())
 }
 
 /// Make `wh_perspective_subscriptions` equal to what the config declares.

@@ -65,6 +65,9 @@ fn print_report(r: &MigrateReport, seconds: f64) -> anyhow::Result<()> {
     for m in &r.applied {
         outln!("  applied {m}")?;
     }
+    if r.functions_installed {
+        outln!("  installed the engine functions")?;
+    }
     for (p, e) in &r.subscriptions_added {
         outln!("  subscribed {p} to {e}")?;
     }

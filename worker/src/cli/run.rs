@@ -178,12 +178,13 @@ impl RunningEngine {
     }
 }
 
-/// A schema or perspective not migrated to this config is the caller's to fix (exit 2).
+/// A schema, its functions or a perspective not migrated to this config is the caller's to fix
+/// (exit 2).
 fn start_error(e: EngineError) -> anyhow::Error {
     match e {
-        EngineError::SchemaOutdated { .. } | EngineError::PerspectiveOutdated { .. } => {
-            InvalidInput::error(e.to_string())
-        }
+        EngineError::SchemaOutdated { .. }
+        | EngineError::PerspectiveOutdated { .. }
+        | EngineError::FunctionsOutdated { .. } => InvalidInput::error(e.to_string()),
         other => other.into(),
     }
 }

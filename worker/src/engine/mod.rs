@@ -110,6 +110,10 @@ pub enum EngineError {
         "perspective {perspective} in schema {schema} was compiled from a different definition than the config's (handlers, reset, ordering or setup): run `perspective-worker migrate` to compile the current one"
     )]
     PerspectiveOutdated { schema: String, perspective: String },
+    #[error(
+        "schema {schema} {problem}: run `perspective-worker migrate` to install this worker's engine functions"
+    )]
+    FunctionsOutdated { schema: String, problem: String },
 }
 
 /// What every task of one engine uses: who it is, where its schema is, where it reports, and
@@ -349,8 +353,8 @@ fn db(step: &'static str, e: sqlx::Error) -> EngineError {
     }
 }
 
-/// The schema must be at this binary's migration and every perspective compiled from the
-/// config's current definition.
+/// The schema must be at this binary's migration, have this binary's engine functions as
+/// `migrate` installed them, and every perspective compiled from the config's current definition.
 async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError> {
     let schema = &config.schema;
     let found = store
@@ -362,6 +366,16 @@ async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError
             schema: schema.clone(),
             found,
             expected: latest_version(),
+        });
+    }
+    let problem = store
+        .functions_problem()
+        .await
+        .map_err(|e| db("checking the engine functions", e))?;
+    if let Some(problem) = problem {
+        return Err(EngineError::FunctionsOutdated {
+            schema: schema.clone(),
+            problem,
         });
     }
     let compiled = store

@@ -21,7 +21,7 @@ pub struct ClaimArgs {
 
 impl Store {
     /// Streams this instance should drain now: the ones it owns with due work, plus unowned ones
-    /// of its partition share (see `claim_work` in migrations/0002, 0010 and 0013).
+    /// of its partition share (see `functions/claim_work.sql`).
     pub async fn claim_work(&self, args: ClaimArgs) -> Result<Vec<Uuid>, sqlx::Error> {
         sqlx::query_scalar(&self.sql(CLAIM_WORK))
             .bind(args.instance_id)

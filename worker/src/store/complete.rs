@@ -5,7 +5,8 @@ use uuid::Uuid;
 use super::Store;
 
 /// The flush skips rows another transaction holds (a drain retiring them, a rebuild
-/// re-queueing them) after 10 ms: waiting for them made deadlock cycles (migration 0016).
+/// re-queueing them) after 10 ms: waiting for them made deadlock cycles (see
+/// `functions/complete_perspective_events.sql`).
 const COMPLETE_PERSPECTIVE_EVENTS: &str =
     "SELECT {schema}.complete_perspective_events($1, $2, p_skip_held => true)";
 const CLEANUP_COMPLETED_STREAMS: &str = "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)";

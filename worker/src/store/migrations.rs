@@ -1,4 +1,7 @@
 //! The versioned SQL of `migrations/`, embedded into the binary and rendered for one schema.
+//! Migrations hold tables, indexes, types and data. The functions that migrations 0001 to 0017
+//! define are history: the current text of every engine function is in `store/functions/`,
+//! installed by `migrate` after the migrations (see the `functions` module beside this one).
 
 use sha2::{Digest, Sha256};
 
@@ -92,10 +95,20 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0017_retire_without_jit.sql",
         template: include_str!("../../../migrations/0017_retire_without_jit.sql"),
     },
+    Migration {
+        version: 18,
+        name: "0018_engine_functions_installed_by_migrate.sql",
+        template: include_str!(
+            "../../../migrations/0018_engine_functions_installed_by_migrate.sql"
+        ),
+    },
 ];
 
-/// The placeholder replaced by the schema name.
-const PLACEHOLDER: &str = "{{schema}}";
+/// The last migration that defined functions; later ones must not (see the module docs).
+pub const LAST_MIGRATION_WITH_FUNCTIONS: i32 = 17;
+
+/// The placeholder replaced by the schema name (also in the function files).
+pub(crate) const PLACEHOLDER: &str = "{{schema}}";
 
 impl Migration {
     /// SHA-256 of the template, hex. Independent of the schema it is rendered for.
@@ -139,6 +152,43 @@ mod tests {
             let sql = m.render("shop");
             assert!(!sql.contains("{{"), "{} keeps a placeholder", m.name);
             assert!(sql.contains("shop."), "{} names no schema object", m.name);
+        }
+    }
+
+    /// A function defined by a migration would be overwritten by its file at the end of the same
+    /// `migrate`, or, without a file, be a second home for engine code.
+    #[test]
+    fn no_migration_after_0017_defines_a_function() {
+        let defines = |sql: &str| {
+            let words: Vec<String> = sql
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| !w.is_empty())
+                .map(str::to_ascii_uppercase)
+                .collect();
+            let routine = |w: Option<&String>| {
+                matches!(w.map(String::as_str), Some("FUNCTION" | "PROCEDURE"))
+            };
+            (0..words.len()).any(|i| {
+                words[i] == "CREATE"
+                    && (routine(words.get(i + 1))
+                        || (words.get(i + 1).is_some_and(|w| w == "OR")
+                            && words.get(i + 2).is_some_and(|w| w == "REPLACE")
+                            && routine(words.get(i + 3))))
+            })
+        };
+        assert!(defines("create  or\nreplace FUNCTION x()"));
+        assert!(defines("Create Procedure x()"));
+        assert!(defines(MIGRATIONS[0].template));
+        assert!(!defines("CREATE TABLE function (procedure text)"));
+        for m in MIGRATIONS
+            .iter()
+            .filter(|m| m.version > LAST_MIGRATION_WITH_FUNCTIONS)
+        {
+            assert!(
+                !defines(m.template),
+                "{} defines a function: put it in worker/src/store/functions/ instead",
+                m.name
+            );
         }
     }
 

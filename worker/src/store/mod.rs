@@ -8,7 +8,9 @@
 //! kinds) are defined once in [`names`].
 //!
 //! - [`names`]: channels, cursor status flags, dead-letter recovery states
-//! - [`migrations`]: the embedded, versioned schema SQL
+//! - [`migrations`]: the embedded, versioned schema SQL (tables, indexes, types, data)
+//! - [`functions`]: the engine's server-side functions, one `.sql` file each in `functions/`,
+//!   installed by `migrate` and verified by `run` with one hash
 //! - [`schema`]: migrate's statements and the engine's schema verification
 //! - [`instances`]: heartbeats, stale-instance abandonment, deregistration
 //! - [`claim`]: `claim_work`, the only polled query
@@ -37,6 +39,7 @@ pub mod dead_letters;
 pub mod demo;
 pub mod drain;
 pub mod failure;
+pub mod functions;
 pub mod instances;
 pub mod lifecycle;
 pub mod migrations;

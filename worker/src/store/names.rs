@@ -18,7 +18,7 @@ pub fn applied_channel(schema: &str) -> String {
 /// Payload on the work channel when silent instances were abandoned.
 pub const ORPHAN_PAYLOAD: &str = "orphan";
 
-/// Payload on the work channel when a perspective job starts (`wh_job_start`, migration 0006).
+/// Payload on the work channel when a perspective job starts (`wh_job_start`).
 pub const JOBS_PAYLOAD: &str = "jobs";
 
 /// Flags of `wh_perspective_cursors.status` (the seeds' PerspectiveProcessingStatus) that the
@@ -37,7 +37,8 @@ pub mod recovery_status {
     pub const REPLAYED: &str = "replayed";
 }
 
-/// Values of `wh_perspective_jobs.kind` (migration 0006 spells them in its CHECK and gate).
+/// Values of `wh_perspective_jobs.kind` (spelled in the table's CHECK, and in the functions
+/// `wh_backfill_gated` and `claim_work`).
 pub mod job_kind {
     pub const BACKFILL: &str = "backfill";
     pub const REBUILD: &str = "rebuild";

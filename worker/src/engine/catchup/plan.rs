@@ -7,7 +7,7 @@
 //!   rebuild`: each stream's share of the model is `reset`, then its history queued.
 //!
 //! Either way the work is the same: the job lists the streams (once every transaction older than
-//! the job has ended, see migration 0006), then whoever runs it — every worker instance, and the
+//! the job has ended, see `wh_job_advance`), then whoever runs it — every worker instance, and the
 //! `rebuild` command — takes a chunk of streams per transaction ([`run_chunk`]): their heads and
 //! cursors are locked (a producer of one of them waits for this chunk only), reset for a rebuild,
 //! their cursors and pending work for the perspective dropped and every stored event of a

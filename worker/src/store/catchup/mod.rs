@@ -1,4 +1,4 @@
-//! Perspective jobs (migration 0006): backfilling a perspective new to the schema, rebuilding one
+//! Perspective jobs (the `wh_job_*` functions in `functions/`): backfilling a perspective new to the schema, rebuilding one
 //! whose version changed or that `rebuild` names. The life of a job (waiting → queueing →
 //! applying → done) is decided in SQL (`wh_job_advance`); the workers and the `rebuild` command
 //! take its streams a chunk per transaction.

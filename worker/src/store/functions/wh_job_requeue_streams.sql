@@ -1,0 +1,64 @@
+-- wh_job_requeue_streams(perspective, streams, apply, ...): catch up streams taken by
+-- wh_job_take_streams (after their `reset`, for a rebuild): their cursors and pending work for
+-- the perspective go, and they leave the job's list (which lifts a backfill's gate in the same
+-- commit). Then either every stored event of a subscribed type is queued again (wh_queue_stream,
+-- ringing the doorbell) for the workers to apply, or, with p_apply, each stream's history is
+-- applied here, through the perspective's compiled apply function, in the same commit (a rebuilt
+-- stream is never seen reset but not yet replayed), without work rows: what an apply leaves (a
+-- failing event and what follows it) is queued for the workers' usual retries. Returns the rows
+-- queued and the events applied.
+
+CREATE OR REPLACE FUNCTION {{schema}}.wh_job_requeue_streams(
+    p_perspective text, p_stream_ids uuid[], p_apply boolean DEFAULT false,
+    p_debug boolean DEFAULT false, p_retry_base_ms double precision DEFAULT 1000,
+    p_retry_max_ms double precision DEFAULT 300000)
+RETURNS TABLE (o_queued bigint, o_applied bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_stream   uuid;
+  v_queued   bigint := 0;
+  v_applied  bigint := 0;
+  v_n        integer;
+  v_function text;
+  v_call     text;
+  v_events   uuid[];
+  v_versions bigint[];
+BEGIN
+  IF p_apply THEN
+    SELECT p.apply_function INTO v_function FROM {{schema}}.wh_perspectives p
+    WHERE p.perspective_name = p_perspective;
+    -- Work ids are only completed, so placeholders do (there are no rows to delete).
+    v_call := format('SELECT o_applied FROM {{schema}}.%I($1, array_fill(0::bigint, ARRAY[cardinality($2)]), $2, $3, true, $4, false, $5, $6, false, true, false)',
+                     v_function);
+  END IF;
+  DELETE FROM {{schema}}.wh_perspective_cursors
+  WHERE stream_id = ANY (p_stream_ids) AND perspective_name = p_perspective;
+  DELETE FROM {{schema}}.wh_perspective_events
+  WHERE stream_id = ANY (p_stream_ids) AND perspective_name = p_perspective;
+  FOREACH v_stream IN ARRAY p_stream_ids LOOP
+    IF v_function IS NULL THEN
+      v_queued := v_queued + {{schema}}.wh_queue_stream(v_stream, p_perspective);
+      CONTINUE;
+    END IF;
+    SELECT array_agg(e.event_id ORDER BY e.stream_version), array_agg(e.stream_version ORDER BY e.stream_version)
+      INTO v_events, v_versions
+    FROM {{schema}}.wh_event_store e
+    JOIN {{schema}}.wh_perspective_subscriptions s
+      ON s.event_type = e.event_type AND s.perspective_name = p_perspective
+    WHERE e.stream_id = v_stream;
+    IF v_events IS NULL THEN
+      CONTINUE;
+    END IF;
+    EXECUTE v_call INTO v_n
+      USING v_stream, v_events, v_versions, p_debug, p_retry_base_ms, p_retry_max_ms;
+    v_applied := v_applied + v_n;
+    IF v_n < cardinality(v_events) THEN
+      -- The whole history: rows at or below the cursor are retired as applied by the workers.
+      v_queued := v_queued + {{schema}}.wh_queue_stream(v_stream, p_perspective);
+    END IF;
+  END LOOP;
+  DELETE FROM {{schema}}.wh_perspective_job_streams
+  WHERE perspective_name = p_perspective AND stream_id = ANY (p_stream_ids);
+  RETURN QUERY SELECT v_queued, v_applied;
+END
+$$;
