@@ -718,6 +718,22 @@ async fn engine_function_defs(conn: &mut sqlx::PgConnection, schema: &str) -> Ve
     defs.into_iter().map(|d| d.replace(schema, "S")).collect()
 }
 
+/// `found` and `expected` hold the same definitions; else the ones that differ, one side each.
+fn assert_same_functions(found: &[String], expected: &[String], what: &str) {
+    let only = |a: &[String], b: &[String]| -> Vec<String> {
+        a.iter()
+            .filter(|d| !b.contains(d))
+            .map(|d| d.lines().next().unwrap_or_default().to_string())
+            .collect()
+    };
+    assert!(
+        found == expected,
+        "{what}: found only {:#?}, expected only {:#?}",
+        only(found, expected),
+        only(expected, found)
+    );
+}
+
 /// One home per function: every function a migrated schema has (but the compiled ones) is one
 /// file of worker/src/store/functions/, with no other overload, and every file is installed.
 #[tokio::test]
@@ -832,10 +848,10 @@ async fn run_refuses_engine_functions_migrate_did_not_install() {
             .await
             .unwrap();
         assert!(report.functions_installed, "{what}: migrate reinstalls");
-        assert_eq!(
-            engine_function_defs(&mut conn, &schema).await,
-            installed,
-            "after {what}, migrate installs the files' functions and only those"
+        assert_same_functions(
+            &engine_function_defs(&mut conn, &schema).await,
+            &installed,
+            &format!("after {what}, migrate installs the files' functions and only those"),
         );
         RunningEngine::start(&config).await.stop().await;
     }
@@ -919,7 +935,11 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
     assert!(report.functions_installed);
     let (fresh, _) = migrated_schema("upg17fresh").await;
     let upgraded = engine_function_defs(&mut conn, &schema).await;
-    assert_eq!(upgraded, engine_function_defs(&mut conn, &fresh).await);
+    assert_same_functions(
+        &upgraded,
+        &engine_function_defs(&mut conn, &fresh).await,
+        "an upgraded schema has the functions of a fresh one",
+    );
 
     let engine = RunningEngine::start(&config).await;
     append(&["C"]).await;
