@@ -11,7 +11,8 @@
 //!   `/livez` `/readyz` `/metrics`
 //! - [`compile`]: apply functions and `wh_drain` rendered from `.sql` templates; definition hash
 //! - [`store`]: every SQL statement the worker sends at run time, one file per concern; the
-//!   embedded migrations; channel names, cursor flags and generated function names
+//!   embedded migrations and engine functions (one `.sql` file each); channel names, cursor flags
+//!   and generated function names
 //! - [`contract`]: the types the store and the engine share: work items, groups, apply modes
 //!   and outcomes, the `PerspectiveRunner` trait, the appended event
 //! - [`config`]: the perspective config (also the `spec` of the operator's CRD), its loading and

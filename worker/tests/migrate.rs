@@ -860,7 +860,7 @@ async fn run_refuses_engine_functions_migrate_did_not_install() {
 /// A schema that an earlier binary migrated to 0017 (every engine function defined by the
 /// migrations, no record of installed functions), with history and pending work its trigger
 /// created: `run` refuses it; `migrate` applies 0018, installs the files over the migrations'
-/// functions, leaving exactly what a fresh schema has; the engine then applies the history,
+/// functions in place, leaving exactly what a fresh schema has; the engine then applies the history,
 /// the pending work and new events exactly once; a second `migrate` installs nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
@@ -907,6 +907,18 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
     .await
     .unwrap();
     append(&["B", "D"]).await;
+    let oids = |schema: String| async move {
+        let mut conn = connect().await;
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT proname::text, oid::int8 FROM pg_proc WHERE pronamespace = $1::regnamespace
+             ORDER BY 1, 2",
+        )
+        .bind(schema)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap()
+    };
+    let before = oids(schema.clone()).await;
 
     let refused = Engine::start(
         EngineOptions::new(config.clone(), database_url()),
@@ -933,6 +945,13 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
         ["0018_engine_functions_installed_by_migrate.sql"]
     );
     assert!(report.functions_installed);
+    // Replaced in place (same oids, so grants on them stay); the compiled ones are new.
+    let after: Vec<(String, i64)> = oids(schema.clone())
+        .await
+        .into_iter()
+        .filter(|(name, _)| FUNCTIONS.iter().any(|f| f.name == name))
+        .collect();
+    assert_eq!(after, before);
     let (fresh, _) = migrated_schema("upg17fresh").await;
     let upgraded = engine_function_defs(&mut conn, &schema).await;
     assert_same_functions(
