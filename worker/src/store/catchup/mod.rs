@@ -1,7 +1,7 @@
-//! Perspective jobs (the `wh_job_*` functions in `functions/`): backfilling a perspective new to the schema, rebuilding one
-//! whose version changed or that `rebuild` names. The life of a job (waiting → queueing →
-//! applying → done) is decided in SQL (`wh_job_advance`); the workers and the `rebuild` command
-//! take its streams a chunk per transaction.
+//! Perspective jobs: backfilling a perspective new to the schema, rebuilding one whose version
+//! changed or that `rebuild` names. The life of a job (waiting → queueing → applying → done) is
+//! decided in SQL (`wh_job_advance`; the `wh_job_*` functions are in `store/functions/`); the
+//! workers and the `rebuild` command take its streams a chunk per transaction.
 
 pub mod progress;
 
