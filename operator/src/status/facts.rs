@@ -68,3 +68,95 @@ impl<'a> Facts<'a> {
         }
     }
 }
+
+/// Observations for the unit tests of the condition builders.
+#[cfg(test)]
+pub mod fixture {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec, StatefulSetStatus};
+    use k8s_openapi::api::core::v1::PodTemplateSpec;
+    use kube::api::ObjectMeta;
+    use perspective_worker::store::status::{PerspectiveStatus, Status as DbStatus};
+
+    use crate::labels;
+    use crate::migration_job::{JobState, MigrationTarget};
+    use crate::status::observed::Observed;
+
+    /// A valid, unpaused deployment of 3 replicas whose Job does not exist yet.
+    pub fn observed() -> Observed {
+        Observed {
+            instance: "shop".into(),
+            generation: Some(2),
+            paused: false,
+            problems: vec![],
+            secret_problem: None,
+            rejected: None,
+            target: MigrationTarget {
+                hash: "mh".into(),
+                job_name: "shop-migrate-mh".into(),
+            },
+            config_hash: "ch".into(),
+            job: None,
+            migration_failures: 0,
+            statefulset: None,
+            desired_replicas: 3,
+            database: None,
+        }
+    }
+
+    /// Migrated, with `ready` of 3 pods ready on the current template, all rolled.
+    pub fn migrated(ready: i32) -> Observed {
+        let mut o = observed();
+        o.job = Some(JobState::Succeeded);
+        o.statefulset = Some(statefulset("mh", "ch", ready, true));
+        o
+    }
+
+    /// A StatefulSet of 3 replicas built for `migration_hash` and `config_hash`.
+    pub fn statefulset(
+        migration_hash: &str,
+        config_hash: &str,
+        ready: i32,
+        rolled: bool,
+    ) -> StatefulSet {
+        let annotations = BTreeMap::from([
+            (labels::MIGRATION_HASH.to_owned(), migration_hash.to_owned()),
+            (labels::CONFIG_HASH.to_owned(), config_hash.to_owned()),
+        ]);
+        StatefulSet {
+            metadata: ObjectMeta {
+                generation: Some(1),
+                ..ObjectMeta::default()
+            },
+            spec: Some(StatefulSetSpec {
+                template: PodTemplateSpec {
+                    metadata: Some(ObjectMeta {
+                        annotations: Some(annotations),
+                        ..ObjectMeta::default()
+                    }),
+                    spec: None,
+                },
+                ..StatefulSetSpec::default()
+            }),
+            status: Some(StatefulSetStatus {
+                observed_generation: Some(1),
+                replicas: 3,
+                ready_replicas: Some(ready),
+                updated_replicas: Some(3),
+                current_revision: Some("r1".into()),
+                update_revision: Some(if rolled { "r1" } else { "r2" }.into()),
+                ..StatefulSetStatus::default()
+            }),
+        }
+    }
+
+    /// The database's view: `live` workers, and these perspectives.
+    pub fn database(live: i64, perspectives: Vec<PerspectiveStatus>) -> DbStatus {
+        DbStatus {
+            live_instances: live,
+            perspectives,
+            ..DbStatus::default()
+        }
+    }
+}

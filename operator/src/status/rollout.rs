@@ -136,3 +136,42 @@ pub fn remaining_step(
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::migration_job::JobState;
+    use crate::status::facts::fixture;
+
+    #[test]
+    fn a_statefulset_is_current_and_rolled_only_for_this_target_and_config() {
+        let none = Rollout::of(&fixture::observed());
+        assert!(!none.exists && !none.pods_ready(0));
+        let o = fixture::migrated(3);
+        let r = Rollout::of(&o);
+        assert!(r.exists && r.current_template && r.rolled && r.pods_ready(3));
+        let mut other = fixture::observed();
+        other.statefulset = Some(fixture::statefulset("mh", "other", 3, false));
+        let r = Rollout::of(&other);
+        assert!(!r.current_template && !r.rolled);
+    }
+
+    #[test]
+    fn the_remaining_step_names_what_waits() {
+        let step = |o: &Observed| {
+            let r = Rollout::of(o);
+            let migrated = o.job == Some(JobState::Succeeded);
+            remaining_step(o, &r, migrated, None).map(|s| s.reason)
+        };
+        let mut o = fixture::observed();
+        assert_eq!(step(&o), Some("MigrationPending"));
+        o.paused = true;
+        assert_eq!(step(&o), Some("Paused"));
+        let mut o = fixture::migrated(3);
+        assert_eq!(step(&o), None);
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 3, false));
+        assert_eq!(step(&o), Some("RollingOut"));
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 2, true));
+        assert_eq!(step(&o), Some("WaitingForPods"));
+    }
+}

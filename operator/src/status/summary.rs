@@ -65,3 +65,54 @@ pub fn phase_summary(perspectives: &[PerspectiveLag]) -> String {
         catching_up.join(", ")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::jiff::Timestamp;
+
+    use super::*;
+    use crate::status::condition::{merge, Desired};
+
+    fn conditions(list: &[(&'static str, bool, &str)]) -> Vec<Condition> {
+        let desired: Vec<Desired> = list
+            .iter()
+            .map(|(t, s, r)| Desired::new(t, *s, r, ""))
+            .collect();
+        merge(&[], &desired, Some(1), Timestamp::UNIX_EPOCH)
+    }
+
+    #[test]
+    fn degraded_comes_first_then_paused_then_migrating() {
+        let c = conditions(&[
+            (DEGRADED, true, "EventsFailing"),
+            (MIGRATIONS_APPLIED, false, "Running"),
+        ]);
+        assert_eq!(summary(&c, true, None), "Degraded: EventsFailing");
+        let c = conditions(&[(MIGRATIONS_APPLIED, false, "Running")]);
+        assert_eq!(summary(&c, true, None), "Paused");
+        assert_eq!(summary(&c, false, None), "Migrating");
+    }
+
+    #[test]
+    fn then_the_phase_the_rollout_step_ready_or_why_not() {
+        let c = conditions(&[
+            (PROGRESSING, true, "RollingOut"),
+            (READY, true, "Available"),
+        ]);
+        assert_eq!(
+            summary(&c, false, Some("Backfilling 61%")),
+            "Backfilling 61%"
+        );
+        assert_eq!(summary(&c, false, Some("Live")), "RollingOut");
+        let c = conditions(&[(READY, true, "Available")]);
+        assert_eq!(summary(&c, false, None), "Ready");
+        let c = conditions(&[(READY, false, "WaitingForPods")]);
+        assert_eq!(summary(&c, false, None), "WaitingForPods");
+        assert_eq!(summary(&[], false, None), "Pending");
+    }
+
+    #[test]
+    fn lag_is_short() {
+        assert_eq!([42, 185, 7_200].map(format_lag), ["42s", "3m5s", "2h0m"]);
+    }
+}

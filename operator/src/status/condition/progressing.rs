@@ -71,3 +71,87 @@ pub fn catch_up_messages(perspectives: &[PerspectiveStatus]) -> Vec<String> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use perspective_worker::progress::Progress;
+
+    use super::*;
+    use crate::migration_job::JobState;
+    use crate::status::facts::fixture;
+    use crate::status::Observed;
+
+    fn progressing(o: &Observed) -> (bool, String, String) {
+        let d = desired(&Facts::of(o));
+        (d.status, d.reason, d.message)
+    }
+
+    fn backfilling() -> PerspectiveStatus {
+        PerspectiveStatus {
+            name: "totals".into(),
+            phase: Phase::Backfilling,
+            progress: None::<Progress>,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn under_way_a_migration_then_a_rollout_then_a_catch_up() {
+        let mut o = fixture::observed();
+        o.job = Some(JobState::Running);
+        assert_eq!(
+            progressing(&o),
+            (
+                true,
+                "MigrationRunning".into(),
+                "migration Job shop-migrate-mh".into()
+            )
+        );
+        o.job = Some(JobState::Succeeded);
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 3, false));
+        assert_eq!(progressing(&o).1, "RollingOut");
+        o.database = Some(Ok(fixture::database(3, vec![backfilling()])));
+        assert_eq!(
+            progressing(&o).2,
+            "worker pods are not all running the current template; totals backfilling"
+        );
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 3, true));
+        assert_eq!(
+            progressing(&o),
+            (true, "CatchingUp".into(), "totals backfilling".into())
+        );
+        o.database = Some(Ok(fixture::database(3, vec![])));
+        assert_eq!(
+            progressing(&o),
+            (
+                false,
+                "Complete".into(),
+                "the current spec is rolled out".into()
+            )
+        );
+    }
+
+    #[test]
+    fn stalled_paused_or_waiting_for_the_secret() {
+        let mut o = fixture::migrated(3);
+        o.paused = true;
+        assert_eq!(
+            progressing(&o),
+            (false, "Paused".into(), "reconciliation is paused".into())
+        );
+        o.secret_problem = Some("no Secret".into());
+        assert_eq!(
+            progressing(&o),
+            (
+                false,
+                "SecretMissing".into(),
+                "waiting for the database Secret (checked every 3 s)".into()
+            )
+        );
+        o.problems = vec!["spec.a: x".into()];
+        assert_eq!(
+            progressing(&o),
+            (false, "Stalled".into(), "waiting for a spec change".into())
+        );
+    }
+}

@@ -74,7 +74,100 @@ pub fn min_available(desired: i32) -> i32 {
 
 #[cfg(test)]
 mod tests {
+    use k8s_openapi::jiff::Timestamp;
+
     use super::*;
+    use crate::migration_job::JobState;
+    use crate::status::condition::merge;
+    use crate::status::facts::fixture;
+    use crate::status::Observed;
+
+    fn ready(o: &Observed, was_ready: bool) -> Desired {
+        let previous = merge(
+            &[],
+            &[Desired::new(READY, was_ready, "Earlier", "")],
+            Some(1),
+            Timestamp::UNIX_EPOCH,
+        );
+        desired(&Facts::of(o), &previous)
+    }
+
+    #[test]
+    fn available_when_migrated_rolled_out_and_registered() {
+        let mut o = fixture::migrated(3);
+        let r = ready(&o, false);
+        assert_eq!((r.status, r.reason.as_str()), (true, "Available"));
+        assert_eq!(r.message, "3/3 worker pods ready");
+        o.database = Some(Ok(fixture::database(3, vec![])));
+        assert_eq!(
+            ready(&o, false).message,
+            "3/3 worker pods ready, 3 workers registered"
+        );
+        o.database = Some(Ok(fixture::database(2, vec![])));
+        let waiting = ready(&o, false);
+        assert_eq!(
+            (waiting.status, waiting.reason.as_str()),
+            (false, "WaitingForWorkers")
+        );
+    }
+
+    #[test]
+    fn problems_make_it_unready_whatever_the_pods() {
+        let mut o = fixture::migrated(3);
+        o.job = Some(JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: "m".into(),
+            at: None,
+        });
+        assert_eq!(ready(&o, true).reason, "MigrationFailed");
+        o.rejected = Some("x".into());
+        assert_eq!(ready(&o, true).reason, "ChildRejected");
+        o.secret_problem = Some("x".into());
+        assert_eq!(ready(&o, true).reason, "SecretMissing");
+        o.problems = vec!["spec.a: x".into()];
+        let r = ready(&o, true);
+        assert_eq!((r.status, r.reason.as_str()), (false, "InvalidSpec"));
+    }
+
+    #[test]
+    fn a_ready_deployment_stays_ready_while_enough_pods_are() {
+        let mut o = fixture::migrated(2);
+        let kept = ready(&o, true);
+        assert_eq!(
+            (kept.status, kept.reason.as_str()),
+            (true, "MinimumAvailable")
+        );
+        assert_eq!(kept.message, "2/3 worker pods ready; 2/3 worker pods ready");
+        let first = ready(&o, false);
+        assert_eq!(
+            (first.status, first.reason.as_str()),
+            (false, "WaitingForPods")
+        );
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 1, true));
+        assert_eq!(ready(&o, true).reason, "WaitingForPods");
+    }
+
+    #[test]
+    fn a_new_target_keeps_a_ready_deployment_ready_and_says_what_waits() {
+        let mut o = fixture::observed();
+        o.job = Some(JobState::Running);
+        o.statefulset = Some(fixture::statefulset("old", "ch", 3, true));
+        let r = ready(&o, true);
+        assert_eq!((r.status, r.reason.as_str()), (true, "MinimumAvailable"));
+        assert_eq!(
+            r.message,
+            "3/3 worker pods ready; waiting for migration Job shop-migrate-mh"
+        );
+        o.paused = true;
+        o.job = None;
+        let paused = ready(&o, true);
+        assert!(
+            paused.message.starts_with("spec.paused is true"),
+            "{}",
+            paused.message
+        );
+        assert_eq!(ready(&o, false).reason, "Paused");
+    }
 
     #[test]
     fn one_pod_may_be_replaced_at_a_time_but_never_the_last() {
