@@ -118,20 +118,10 @@ impl Step<'_> {
             Timestamp::now(),
             self.ctx.options.migration_retry_base,
         );
-        let job_name = &self.r.target.job_name;
         match next {
             Next::Create => {
                 let job = job.expect("built when there was no Job");
-                let job = self.apply(job).await?;
-                info!(namespace = %self.r.namespace, name = %self.r.name, job = %job_name, "migration Job created");
-                let note = format!("created migration Job {job_name}");
-                self.announce(
-                    EventType::Normal,
-                    "MigrationStarted",
-                    note,
-                    job.object_ref(&()),
-                )
-                .await;
+                self.create_job(job).await?;
                 outcome.job = Some(JobState::Running);
             }
             Next::Failed {
@@ -140,34 +130,19 @@ impl Step<'_> {
                 retry,
             } => {
                 outcome.failures = failures;
-                let count = outcome.failures.count;
                 if newly_counted {
-                    let message = match &outcome.job {
-                        Some(JobState::Failed { message, .. }) => message.as_str(),
-                        _ => "",
-                    };
-                    let note =
-                        format!("migration Job {job_name} failed (failure {count}): {message}");
-                    self.announce(EventType::Warning, "MigrationFailed", note, self.job_ref())
-                        .await;
+                    self.announce_failure(outcome).await;
                 }
                 match retry {
                     Retry::Now => {
-                        // Same target, same name: the retry is the Job created anew.
-                        let jobs: Api<Job> = self.api();
-                        jobs.delete(job_name, &background()).await?;
-                        let note = format!(
-                            "deleted failed migration Job {job_name} to run it again (failure {count})"
-                        );
-                        self.announce(EventType::Normal, "MigrationRetrying", note, self.job_ref())
-                            .await;
+                        self.rerun(outcome.failures.count).await?;
                         outcome.requeue = Duration::from_secs(1);
                     }
                     Retry::In(wait) => outcome.requeue = outcome.requeue.min(wait),
                 }
             }
             Next::Succeeded { announce: true } => {
-                let note = format!("migration Job {job_name} completed");
+                let note = format!("migration Job {} completed", self.r.target.job_name);
                 self.announce(
                     EventType::Normal,
                     "MigrationSucceeded",
@@ -178,6 +153,49 @@ impl Step<'_> {
             }
             Next::Succeeded { announce: false } | Next::Wait => {}
         }
+        Ok(())
+    }
+
+    /// Creates the current target's migration Job.
+    async fn create_job(&self, job: Job) -> Result<(), Error> {
+        let job_name = &self.r.target.job_name;
+        let job = self.apply(job).await?;
+        info!(namespace = %self.r.namespace, name = %self.r.name, job = %job_name, "migration Job created");
+        let note = format!("created migration Job {job_name}");
+        self.announce(
+            EventType::Normal,
+            "MigrationStarted",
+            note,
+            job.object_ref(&()),
+        )
+        .await;
+        Ok(())
+    }
+
+    /// A Warning Event about the failure `outcome` counted last, with the Job's message.
+    async fn announce_failure(&self, outcome: &Outcome) {
+        let message = match &outcome.job {
+            Some(JobState::Failed { message, .. }) => message.as_str(),
+            _ => "",
+        };
+        let note = format!(
+            "migration Job {} failed (failure {}): {message}",
+            self.r.target.job_name, outcome.failures.count
+        );
+        self.announce(EventType::Warning, "MigrationFailed", note, self.job_ref())
+            .await;
+    }
+
+    /// Deletes the failed Job so that it runs again: same target, same name, created anew by
+    /// the next reconcile.
+    async fn rerun(&self, failures: i32) -> Result<(), Error> {
+        let job_name = &self.r.target.job_name;
+        let jobs: Api<Job> = self.api();
+        jobs.delete(job_name, &background()).await?;
+        let note =
+            format!("deleted failed migration Job {job_name} to run it again (failure {failures})");
+        self.announce(EventType::Normal, "MigrationRetrying", note, self.job_ref())
+            .await;
         Ok(())
     }
 
