@@ -6,7 +6,7 @@
 //!   [`rollout`]: how far the StatefulSet is and the step still to come
 //! - [`condition`]: one builder per condition (`Ready`, `Degraded`, `MigrationsApplied`,
 //!   `Progressing`, `ReconciliationPaused`) and the merge that keeps transition times
-//! - [`summary`]: the words of the printer columns (`Status`, `Phase`, `Lag`)
+//! - [`summary`](mod@summary): the words of the printer columns (`Status`, `Phase`, `Lag`)
 //! - [`compute`] (here): the conditions, the replica counts and the database's figures together
 
 pub mod condition;
