@@ -6,14 +6,16 @@
 //! - [`labels`]: names, labels and selectors of the children
 //! - builders of the desired children, pure functions: [`config_map`], [`migration_job`],
 //!   [`workers`] (StatefulSet, headless Service, PodDisruptionBudget), with [`pod`] shared
-//! - [`reconcile`]: the pipeline validate → build → server-side apply → status
-//! - [`status`] and [`conditions`]: status computed from observations, condition transitions
+//! - [`reconcile`]: the pipeline, one module per step: resolve → dereference → validate → build
+//!   → apply (server-side apply; the migration retry a pure decision) → update_status
+//! - [`status`]: status computed from observations, one builder per condition
+//!   (`status::condition::{ready, degraded, migrations_applied, progressing, …}`), the printer
+//!   columns' words (`status::summary`), condition transitions
 //! - [`lag`]: lag / dead letters read from the deployment's database (`store::status`, read-only)
 //! - [`events`]: Kubernetes Events about a deployment, each with the text of what happened
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
 //! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 
-pub mod conditions;
 pub mod config_map;
 pub mod controller;
 pub mod crd;

@@ -243,7 +243,7 @@ mod tests {
     use kube::runtime::{reflector, watcher};
 
     use super::*;
-    use crate::conditions;
+    use crate::status::condition as conditions;
 
     fn condition(type_: &str, status: &str) -> Condition {
         Condition {

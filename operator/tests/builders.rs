@@ -2,11 +2,11 @@
 
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetStatus};
 use k8s_openapi::jiff::Timestamp;
-use perspective_operator::conditions;
 use perspective_operator::crd::{
     PerspectiveDeploymentSpec, PerspectiveDeploymentStatus, PerspectivePhase,
 };
 use perspective_operator::migration_job::{self, JobState};
+use perspective_operator::status::condition as conditions;
 use perspective_operator::status::{compute, Observed};
 use perspective_operator::{config_map, labels, validate, workers};
 use perspective_worker::store::catchup::progress::{Phase, Progress};

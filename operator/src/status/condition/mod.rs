@@ -1,6 +1,17 @@
 //! Status conditions, following the Kubernetes API conventions: one entry per type (a list-map
 //! keyed by `type`), each with `observedGeneration`, a CamelCase reason, a message, and a
 //! `lastTransitionTime` that moves only when the condition's status changes.
+//!
+//! One pure builder per condition type, each deciding its [`Desired`] value from the
+//! [`Facts`](super::facts::Facts): [`ready`], [`degraded`], [`migrations_applied`],
+//! [`progressing`], [`reconciliation_paused`]; [`merge`] (here) turns them into the list,
+//! keeping transition times.
+
+pub mod degraded;
+pub mod migrations_applied;
+pub mod progressing;
+pub mod ready;
+pub mod reconciliation_paused;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;

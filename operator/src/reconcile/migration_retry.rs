@@ -1,0 +1,260 @@
+//! What to do about the current target's migration Job, decided without IO: create it when
+//! there is none, announce its success once, and when it failed, count the failure once and
+//! run it again (the same name, created anew) after [`migration_job::retry_delay`] from when
+//! it failed. Failures are counted per target: a new target starts from zero.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::crd::PerspectiveDeploymentStatus;
+use crate::migration_job::{self, JobState, MigrationTarget};
+
+/// The failures of the current target's Job so far, as the status records them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Failures {
+    pub count: i32,
+    /// When the last counted failure happened (the Job's `Failed` condition).
+    pub last: Option<Time>,
+}
+
+impl Failures {
+    /// The failures `previous` recorded, when they are `target`'s; none for a new target.
+    pub fn carried(previous: &PerspectiveDeploymentStatus, target: &MigrationTarget) -> Failures {
+        if previous.migration_job.as_deref() == Some(target.job_name.as_str()) {
+            Failures {
+                count: previous.migration_failures,
+                last: previous.last_migration_failure.clone(),
+            }
+        } else {
+            Failures::default()
+        }
+    }
+}
+
+/// The next step for the current target's Job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// No Job exists for the target: create it.
+    Create,
+    /// It is running: wait for it.
+    Wait,
+    /// It succeeded; `announce`: for the first time for this target (the status has not
+    /// recorded the target as migrated).
+    Succeeded { announce: bool },
+    /// It failed: the failures with this one counted, whether it was newly counted (announce
+    /// it), and when to run it again.
+    Failed {
+        failures: Failures,
+        newly_counted: bool,
+        retry: Retry,
+    },
+}
+
+/// When a failed Job runs again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Now: delete the failed Job so the next reconcile creates it anew.
+    Now,
+    /// After this long.
+    In(Duration),
+}
+
+/// The next step, given the Job's state, the failures recorded so far, the hash the status
+/// records as migrated, the time and the retry delay's base.
+pub fn next(
+    job: Option<&JobState>,
+    failures: &Failures,
+    target: &MigrationTarget,
+    migrated_hash: Option<&str>,
+    now: Timestamp,
+    base: Duration,
+) -> Next {
+    match job {
+        None => Next::Create,
+        Some(JobState::Running) => Next::Wait,
+        Some(JobState::Succeeded) => Next::Succeeded {
+            announce: migrated_hash != Some(target.hash.as_str()),
+        },
+        Some(JobState::Failed { at, .. }) => failed(*at, failures, now, base),
+    }
+}
+
+/// A Job that failed at `at` (unknown: taken as `now`): each failure is counted once (a new
+/// failure time, or none counted yet), and retried `retry_delay(count)` after it happened.
+fn failed(at: Option<Timestamp>, failures: &Failures, now: Timestamp, base: Duration) -> Next {
+    let at_time = at.map(Time);
+    let newly_counted = failures.last != at_time || failures.count == 0;
+    let failures = if newly_counted {
+        Failures {
+            count: failures.count + 1,
+            last: at_time,
+        }
+    } else {
+        failures.clone()
+    };
+    let delay = migration_job::retry_delay(failures.count, base);
+    let retry_at = at.unwrap_or(now).as_second() + delay.as_secs() as i64;
+    let wait = Duration::from_secs(u64::try_from(retry_at - now.as_second()).unwrap_or(0));
+    Next::Failed {
+        failures,
+        newly_counted,
+        retry: if wait.is_zero() {
+            Retry::Now
+        } else {
+            Retry::In(wait)
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: Duration = Duration::from_secs(30);
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(secs).unwrap()
+    }
+
+    fn target() -> MigrationTarget {
+        MigrationTarget {
+            hash: "abc".into(),
+            job_name: "shop-migrate-abc".into(),
+        }
+    }
+
+    fn failed_at(secs: Option<i64>) -> JobState {
+        JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: "m".into(),
+            at: secs.map(at),
+        }
+    }
+
+    fn failures(count: i32, last: Option<i64>) -> Failures {
+        Failures {
+            count,
+            last: last.map(|s| Time(at(s))),
+        }
+    }
+
+    fn decide(job: Option<&JobState>, so_far: &Failures, now: i64) -> Next {
+        next(job, so_far, &target(), None, at(now), BASE)
+    }
+
+    #[test]
+    fn a_missing_job_is_created_and_a_running_one_waited_for() {
+        assert_eq!(decide(None, &Failures::default(), 100), Next::Create);
+        assert_eq!(
+            decide(Some(&JobState::Running), &failures(2, Some(10)), 100),
+            Next::Wait
+        );
+    }
+
+    #[test]
+    fn success_is_announced_once_per_target() {
+        let t = target();
+        let ok = Some(&JobState::Succeeded);
+        let none = Failures::default();
+        let first = next(ok, &none, &t, Some("older"), at(1), BASE);
+        assert_eq!(first, Next::Succeeded { announce: true });
+        let unknown = next(ok, &none, &t, None, at(1), BASE);
+        assert_eq!(unknown, Next::Succeeded { announce: true });
+        let again = next(ok, &none, &t, Some("abc"), at(1), BASE);
+        assert_eq!(again, Next::Succeeded { announce: false });
+    }
+
+    #[test]
+    fn a_new_failure_is_counted_and_retried_after_the_base_delay() {
+        let job = failed_at(Some(1_000));
+        assert_eq!(
+            decide(Some(&job), &Failures::default(), 1_010),
+            Next::Failed {
+                failures: failures(1, Some(1_000)),
+                newly_counted: true,
+                retry: Retry::In(Duration::from_secs(20)),
+            }
+        );
+    }
+
+    #[test]
+    fn a_failure_already_counted_is_not_counted_again() {
+        let job = failed_at(Some(1_000));
+        let Next::Failed {
+            failures: f,
+            newly_counted,
+            retry,
+        } = decide(Some(&job), &failures(1, Some(1_000)), 1_025)
+        else {
+            panic!("not failed")
+        };
+        assert_eq!(f, failures(1, Some(1_000)));
+        assert!(!newly_counted);
+        assert_eq!(retry, Retry::In(Duration::from_secs(5)));
+    }
+
+    #[test]
+    fn the_retry_is_due_once_the_delay_has_passed() {
+        let job = failed_at(Some(1_000));
+        let so_far = failures(1, Some(1_000));
+        for now in [1_030, 1_031, 5_000] {
+            let Next::Failed { retry, .. } = decide(Some(&job), &so_far, now) else {
+                panic!("not failed")
+            };
+            assert_eq!(retry, Retry::Now, "at {now}");
+        }
+    }
+
+    #[test]
+    fn a_later_failure_of_the_recreated_job_doubles_the_delay() {
+        // The first run failed at 1 000 and was retried; the new Job failed at 2 000.
+        let job = failed_at(Some(2_000));
+        assert_eq!(
+            decide(Some(&job), &failures(1, Some(1_000)), 2_000),
+            Next::Failed {
+                failures: failures(2, Some(2_000)),
+                newly_counted: true,
+                retry: Retry::In(Duration::from_secs(60)),
+            }
+        );
+    }
+
+    #[test]
+    fn a_failure_without_a_time_is_counted_once_and_waits_from_now() {
+        let job = failed_at(None);
+        let first = decide(Some(&job), &Failures::default(), 500);
+        assert_eq!(
+            first,
+            Next::Failed {
+                failures: failures(1, None),
+                newly_counted: true,
+                retry: Retry::In(BASE),
+            }
+        );
+        let Next::Failed { newly_counted, .. } = decide(Some(&job), &failures(1, None), 900) else {
+            panic!("not failed")
+        };
+        assert!(!newly_counted);
+    }
+
+    #[test]
+    fn failures_carry_over_only_for_the_same_target() {
+        let previous = PerspectiveDeploymentStatus {
+            migration_job: Some("shop-migrate-abc".into()),
+            migration_failures: 3,
+            last_migration_failure: Some(Time(at(7))),
+            ..Default::default()
+        };
+        assert_eq!(
+            Failures::carried(&previous, &target()),
+            failures(3, Some(7))
+        );
+        let other = MigrationTarget {
+            hash: "def".into(),
+            job_name: "shop-migrate-def".into(),
+        };
+        assert_eq!(Failures::carried(&previous, &other), Failures::default());
+    }
+}

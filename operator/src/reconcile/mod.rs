@@ -1,0 +1,113 @@
+//! The reconcile pipeline of one `PerspectiveDeployment`, one step per module:
+//!
+//! 1. [`resolve`] the spec (image, config and its hash, migration target) — pure;
+//! 2. [`dereference`] what it refers to and what exists: the database Secret, the current
+//!    migration Job, the worker StatefulSet;
+//! 3. [`validate`] — the spec and the Secret; an invalid spec changes no child and is reported
+//!    as `Degraded`, never as an error loop, and nothing changes while `spec.paused` is set;
+//! 4. [`build`] the desired children with the pure builders;
+//! 5. [`apply`] them with server-side apply, gated: the StatefulSet takes a new template only
+//!    after that template's migration Job succeeded; a failed Job is retried as
+//!    [`migration_retry`] decides (pure);
+//! 6. [`update_status`]: compute and write the status ([`crate::status::compute`]), with lag
+//!    read from the database, and Events on change.
+//!
+//! [`context`] holds what all reconciles share, [`error`] why one could not finish.
+
+pub mod apply;
+pub mod build;
+pub mod context;
+pub mod dereference;
+pub mod error;
+pub mod migration_retry;
+pub mod resolve;
+pub mod update_status;
+pub mod validate;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use tracing::warn;
+
+use crate::crd::PerspectiveDeployment;
+use apply::Outcome;
+pub use context::{Context, Options};
+use dereference::Found;
+pub use error::{describe, one_line, Error};
+use migration_retry::Failures;
+use resolve::Resolved;
+
+/// Reconciles one deployment; the controller calls this for every change and on requeue.
+pub async fn reconcile(pd: Arc<PerspectiveDeployment>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let started = Instant::now();
+    let result = reconcile_inner(&pd, &ctx).await;
+    ctx.metrics
+        .observe_reconcile(started.elapsed(), result.as_ref().err().map(Error::reason));
+    result
+}
+
+/// What the controller does after a failed reconcile: log (the one line about it), retry soon.
+pub fn error_policy(pd: Arc<PerspectiveDeployment>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(
+        namespace = pd.namespace().unwrap_or_default(),
+        name = pd.name_any(),
+        error = %error,
+        "reconcile failed; retrying in 5 s"
+    );
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// The pipeline: resolve → dereference → validate → build → apply → update_status.
+async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Action, Error> {
+    let namespace = pd
+        .namespace()
+        .ok_or(Error::MissingField("metadata.namespace"))?;
+    if pd.meta().deletion_timestamp.is_some() {
+        // Children go with the owner references; the database schema stays (documented).
+        ctx.lag
+            .forget(&format!("{namespace}/{}", pd.name_any()))
+            .await;
+        return Ok(Action::await_change());
+    }
+    let previous = pd.status.clone().unwrap_or_default();
+    let resolved = Resolved::new(pd, &namespace, &ctx.options);
+    let found = dereference::dereference(&ctx.client, pd, &resolved).await?;
+    let validated = validate::validate(pd, &resolved, &found, &ctx.options);
+
+    let Found {
+        database_url,
+        job,
+        statefulset,
+        ..
+    } = found;
+    let mut outcome = Outcome {
+        job,
+        statefulset,
+        failures: Failures::carried(&previous, &resolved.target),
+        requeue: validated.requeue_within(ctx.options.status_interval),
+        rejected: None,
+    };
+    if validated.may_apply() {
+        let children = build::children(
+            &pd.spec,
+            &resolved,
+            outcome.job.as_ref(),
+            outcome.statefulset.as_ref(),
+        );
+        apply::apply(ctx, pd, &resolved, &previous, children, &mut outcome).await?;
+    }
+    let requeue = outcome.requeue;
+    update_status::update_status(
+        ctx,
+        pd,
+        &resolved,
+        &previous,
+        database_url.as_deref(),
+        validated,
+        outcome,
+    )
+    .await?;
+    Ok(Action::requeue(requeue))
+}

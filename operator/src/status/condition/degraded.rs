@@ -1,0 +1,104 @@
+//! `Degraded`: something needs a look — the first of: an invalid spec, a missing Secret, a
+//! refused child, a failed migration, an unreachable database, failing events.
+
+use super::{Desired, DEGRADED};
+use crate::migration_job::JobState;
+use crate::status::facts::Facts;
+
+/// `True` with the reason of the first problem found, else `False` (`AsExpected`).
+pub fn desired(f: &Facts) -> Desired {
+    let o = f.observed;
+    let degraded = |reason: &str, message: String| Desired::new(DEGRADED, true, reason, message);
+    if f.invalid {
+        degraded("InvalidSpec", o.problems.join("; "))
+    } else if let Some(problem) = &o.secret_problem {
+        degraded("SecretMissing", problem.clone())
+    } else if let Some(message) = f.rejected {
+        degraded("ChildRejected", message.to_owned())
+    } else if let Some(JobState::Failed {
+        reason, message, ..
+    }) = &o.job
+    {
+        degraded("MigrationFailed", format!("{reason}: {message}"))
+    } else if let Some(e) = f.database_error {
+        degraded(
+            "DatabaseUnreachable",
+            format!("cannot read status from the database: {e}"),
+        )
+    } else if f.dead_letters > 0 || f.failed_streams > 0 {
+        degraded(
+            "EventsFailing",
+            format!(
+                "{} dead letter(s) waiting for replay, {} stream(s) retrying after a failure",
+                f.dead_letters, f.failed_streams
+            ),
+        )
+    } else {
+        Desired::new(DEGRADED, false, "AsExpected", "")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use perspective_worker::store::status::PerspectiveStatus;
+
+    use super::*;
+    use crate::status::facts::fixture;
+    use crate::status::Observed;
+
+    fn reason(o: &Observed) -> (bool, String) {
+        let d = desired(&Facts::of(o));
+        (d.status, d.reason)
+    }
+
+    #[test]
+    fn a_healthy_deployment_is_as_expected() {
+        assert_eq!(reason(&fixture::migrated(3)), (false, "AsExpected".into()));
+    }
+
+    #[test]
+    fn the_first_problem_found_is_the_reason() {
+        let mut o = fixture::migrated(3);
+        o.database = Some(Ok(fixture::database(
+            3,
+            vec![PerspectiveStatus {
+                name: "a".into(),
+                dead_letters: 2,
+                failed_streams: 1,
+                ..Default::default()
+            }],
+        )));
+        let failing = desired(&Facts::of(&o));
+        assert_eq!(failing.reason, "EventsFailing");
+        assert_eq!(
+            failing.message,
+            "2 dead letter(s) waiting for replay, 1 stream(s) retrying after a failure"
+        );
+        o.database = Some(Err("connection refused".into()));
+        assert_eq!(reason(&o), (true, "DatabaseUnreachable".into()));
+        o.job = Some(JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: "m".into(),
+            at: None,
+        });
+        let failed = desired(&Facts::of(&o));
+        assert_eq!(failed.reason, "MigrationFailed");
+        assert_eq!(failed.message, "BackoffLimitExceeded: m");
+        o.rejected = Some("Job x rejected".into());
+        assert_eq!(reason(&o), (true, "ChildRejected".into()));
+        o.secret_problem = Some("no Secret".into());
+        assert_eq!(reason(&o), (true, "SecretMissing".into()));
+        o.problems = vec!["spec.a: x".into(), "spec.b: y".into()];
+        let invalid = desired(&Facts::of(&o));
+        assert_eq!(invalid.reason, "InvalidSpec");
+        assert_eq!(invalid.message, "spec.a: x; spec.b: y");
+    }
+
+    #[test]
+    fn an_unreadable_database_counts_only_once_migrated() {
+        let mut o = fixture::observed();
+        o.job = Some(JobState::Running);
+        o.database = Some(Err("connection refused".into()));
+        assert_eq!(reason(&o), (false, "AsExpected".into()));
+    }
+}

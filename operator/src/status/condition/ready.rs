@@ -1,0 +1,176 @@
+//! `Ready`: the data plane serves — the current spec migrated, its pods ready and its workers
+//! registered; a deployment that was ready stays ready (`MinimumAvailable`) while a later spec
+//! migrates or rolls out, as long as enough of its pods are.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+use super::{is_true, Desired, READY};
+use crate::status::facts::Facts;
+
+/// `Ready` from the facts and the previous conditions (was it ready?).
+pub fn desired(f: &Facts, previous: &[Condition]) -> Desired {
+    let o = f.observed;
+    let r = &f.rollout;
+    let not_ready = |reason: &str, message: &str| Desired::new(READY, false, reason, message);
+    if f.invalid {
+        return not_ready("InvalidSpec", "the spec is invalid (see Degraded)");
+    }
+    if f.secret_missing {
+        return not_ready(
+            "SecretMissing",
+            "the database Secret cannot be read (see Degraded)",
+        );
+    }
+    if f.rejected.is_some() {
+        return not_ready(
+            "ChildRejected",
+            "the API server refused a child object (see Degraded)",
+        );
+    }
+    if f.failed {
+        return not_ready(
+            "MigrationFailed",
+            "the migration failed (see MigrationsApplied)",
+        );
+    }
+    let Some(step) = &f.step else {
+        let message = match f.db {
+            Some(d) => format!(
+                "{}/{} worker pods ready, {} workers registered",
+                r.ready, o.desired_replicas, d.live_instances
+            ),
+            None => format!("{}/{} worker pods ready", r.ready, o.desired_replicas),
+        };
+        return Desired::new(READY, true, "Available", message);
+    };
+    // A later spec migrating or rolling out (a new perspective, a version bump), or a pod
+    // restarting: the running workers keep applying events, so a deployment that was ready
+    // stays ready while enough of them are (Progressing says what is under way).
+    let was_ready = is_true(previous, READY);
+    if was_ready && r.exists && r.ready >= min_available(o.desired_replicas) {
+        let message = if o.paused {
+            // The count the spec asks for waits for the unpause: the step says so.
+            step.message.clone()
+        } else {
+            format!(
+                "{}/{} worker pods ready; {}",
+                r.ready, o.desired_replicas, step.message
+            )
+        };
+        return Desired::new(READY, true, "MinimumAvailable", message);
+    }
+    Desired::new(READY, false, step.reason, step.message.clone())
+}
+
+/// Ready pods a ready deployment needs to stay ready while pods are replaced: one fewer than
+/// desired (the disruption budget's one at a time), but at least one.
+pub fn min_available(desired: i32) -> i32 {
+    if desired <= 1 {
+        desired
+    } else {
+        desired - 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::jiff::Timestamp;
+
+    use super::*;
+    use crate::migration_job::JobState;
+    use crate::status::condition::merge;
+    use crate::status::facts::fixture;
+    use crate::status::Observed;
+
+    fn ready(o: &Observed, was_ready: bool) -> Desired {
+        let previous = merge(
+            &[],
+            &[Desired::new(READY, was_ready, "Earlier", "")],
+            Some(1),
+            Timestamp::UNIX_EPOCH,
+        );
+        desired(&Facts::of(o), &previous)
+    }
+
+    #[test]
+    fn available_when_migrated_rolled_out_and_registered() {
+        let mut o = fixture::migrated(3);
+        let r = ready(&o, false);
+        assert_eq!((r.status, r.reason.as_str()), (true, "Available"));
+        assert_eq!(r.message, "3/3 worker pods ready");
+        o.database = Some(Ok(fixture::database(3, vec![])));
+        assert_eq!(
+            ready(&o, false).message,
+            "3/3 worker pods ready, 3 workers registered"
+        );
+        o.database = Some(Ok(fixture::database(2, vec![])));
+        let waiting = ready(&o, false);
+        assert_eq!(
+            (waiting.status, waiting.reason.as_str()),
+            (false, "WaitingForWorkers")
+        );
+    }
+
+    #[test]
+    fn problems_make_it_unready_whatever_the_pods() {
+        let mut o = fixture::migrated(3);
+        o.job = Some(JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: "m".into(),
+            at: None,
+        });
+        assert_eq!(ready(&o, true).reason, "MigrationFailed");
+        o.rejected = Some("x".into());
+        assert_eq!(ready(&o, true).reason, "ChildRejected");
+        o.secret_problem = Some("x".into());
+        assert_eq!(ready(&o, true).reason, "SecretMissing");
+        o.problems = vec!["spec.a: x".into()];
+        let r = ready(&o, true);
+        assert_eq!((r.status, r.reason.as_str()), (false, "InvalidSpec"));
+    }
+
+    #[test]
+    fn a_ready_deployment_stays_ready_while_enough_pods_are() {
+        let mut o = fixture::migrated(2);
+        let kept = ready(&o, true);
+        assert_eq!(
+            (kept.status, kept.reason.as_str()),
+            (true, "MinimumAvailable")
+        );
+        assert_eq!(kept.message, "2/3 worker pods ready; 2/3 worker pods ready");
+        let first = ready(&o, false);
+        assert_eq!(
+            (first.status, first.reason.as_str()),
+            (false, "WaitingForPods")
+        );
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 1, true));
+        assert_eq!(ready(&o, true).reason, "WaitingForPods");
+    }
+
+    #[test]
+    fn a_new_target_keeps_a_ready_deployment_ready_and_says_what_waits() {
+        let mut o = fixture::observed();
+        o.job = Some(JobState::Running);
+        o.statefulset = Some(fixture::statefulset("old", "ch", 3, true));
+        let r = ready(&o, true);
+        assert_eq!((r.status, r.reason.as_str()), (true, "MinimumAvailable"));
+        assert_eq!(
+            r.message,
+            "3/3 worker pods ready; waiting for migration Job shop-migrate-mh"
+        );
+        o.paused = true;
+        o.job = None;
+        let paused = ready(&o, true);
+        assert!(
+            paused.message.starts_with("spec.paused is true"),
+            "{}",
+            paused.message
+        );
+        assert_eq!(ready(&o, false).reason, "Paused");
+    }
+
+    #[test]
+    fn one_pod_may_be_replaced_at_a_time_but_never_the_last() {
+        assert_eq!([0, 1, 2, 3, 5].map(min_available), [0, 1, 1, 2, 4]);
+    }
+}

@@ -1,0 +1,183 @@
+//! A deployment's status, computed from what the reconciler observed: pure functions, so every
+//! combination of spec problems, migration state, StatefulSet progress and database lag is
+//! unit-tested without a cluster.
+//!
+//! - [`observed`]: the input ([`Observed`]); [`facts`]: what follows from it, worked out once;
+//!   [`rollout`]: how far the StatefulSet is and the step still to come
+//! - [`condition`]: one builder per condition (`Ready`, `Degraded`, `MigrationsApplied`,
+//!   `Progressing`, `ReconciliationPaused`) and the merge that keeps transition times
+//! - [`summary`](mod@summary): the words of the printer columns (`Status`, `Phase`, `Lag`)
+//! - [`compute`] (here): the conditions, the replica counts and the database's figures together
+
+pub mod condition;
+pub mod facts;
+pub mod observed;
+pub mod rollout;
+pub mod summary;
+
+use k8s_openapi::jiff::Timestamp;
+use perspective_worker::store::status::Status as DbStatus;
+
+use crate::crd::{PerspectiveDeploymentStatus, PerspectiveLag, PerspectiveProgress};
+use crate::labels;
+use condition::{degraded, merge, migrations_applied, progressing, ready, reconciliation_paused};
+use facts::Facts;
+pub use observed::{Observed, SECRET_RECHECK};
+pub use summary::{format_lag, phase_summary, summary};
+
+/// The new status: `previous` updated with what was observed at `now`.
+pub fn compute(
+    previous: &PerspectiveDeploymentStatus,
+    o: &Observed,
+    now: Timestamp,
+) -> PerspectiveDeploymentStatus {
+    let f = Facts::of(o);
+    let desired: Vec<_> = [
+        Some(reconciliation_paused::desired(&f)),
+        migrations_applied::desired(&f),
+        Some(degraded::desired(&f)),
+        Some(ready::desired(&f, &previous.conditions)),
+        Some(progressing::desired(&f)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+
+    let mut status = previous.clone();
+    status.observed_generation = o.generation;
+    status.conditions = merge(&previous.conditions, &desired, o.generation, now);
+    status.replicas = f.rollout.replicas;
+    status.ready_replicas = f.rollout.ready;
+    status.replicas_summary = Some(format!("{}/{}", f.rollout.ready, o.desired_replicas));
+    status.selector = Some(labels::selector_string(&labels::worker_selector(
+        &o.instance,
+    )));
+    if !f.blocked {
+        status.migration_job = Some(o.target.job_name.clone());
+        status.migration_failures = o.migration_failures;
+        if f.migrated {
+            status.migrated_hash = Some(o.target.hash.clone());
+        }
+    }
+    if let Some(db) = f.db {
+        database_figures(&mut status, db, f.dead_letters);
+    }
+    status.summary = Some(summary(
+        &status.conditions,
+        o.paused,
+        status.phase.as_deref(),
+    ));
+    status
+}
+
+/// The database's figures in `status`: per perspective, and the totals of the columns.
+fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dead_letters: i64) {
+    status.perspectives = db
+        .perspectives
+        .iter()
+        .map(|p| PerspectiveLag {
+            name: p.name.clone(),
+            pending_events: p.pending_events,
+            oldest_pending_seconds: p.oldest_pending_seconds.map(|s| s.floor() as i64),
+            failed_streams: p.failed_streams,
+            dead_letters: p.dead_letters,
+            phase: p.phase.into(),
+            progress: p.progress.as_ref().map(PerspectiveProgress::from),
+        })
+        .collect();
+    status.phase = Some(phase_summary(&status.perspectives));
+    status.pending_events = Some(db.perspectives.iter().map(|p| p.pending_events).sum());
+    let oldest = db
+        .perspectives
+        .iter()
+        .filter_map(|p| p.oldest_pending_seconds)
+        .fold(0.0_f64, f64::max)
+        .floor() as i64;
+    status.oldest_pending_seconds = Some(oldest);
+    status.lag = Some(format_lag(oldest));
+    status.dead_letters = Some(dead_letters);
+    status.live_instances = Some(db.live_instances);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use condition::progressing::catch_up_messages;
+    use perspective_worker::progress::Phase;
+    use perspective_worker::progress::Progress;
+    use perspective_worker::store::status::PerspectiveStatus;
+
+    fn catching_up(name: &str, phase: Phase, percent: f64) -> PerspectiveStatus {
+        PerspectiveStatus {
+            name: name.into(),
+            phase,
+            progress: Some(Progress {
+                step: "applying".into(),
+                streams_done: 6_100,
+                streams_total: 10_000,
+                events_total: 1_000,
+                events_remaining: 1_000 - (percent * 10.0) as i64,
+                percent,
+                eta_seconds: Some(40.0),
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn lag(p: &PerspectiveStatus) -> PerspectiveLag {
+        PerspectiveLag {
+            name: p.name.clone(),
+            phase: p.phase.into(),
+            progress: p.progress.as_ref().map(PerspectiveProgress::from),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn live_perspectives_have_nothing_to_report() {
+        let live = PerspectiveStatus {
+            name: "a".into(),
+            ..Default::default()
+        };
+        assert!(catch_up_messages(std::slice::from_ref(&live)).is_empty());
+        assert_eq!(phase_summary(&[lag(&live)]), "Live");
+        assert_eq!(phase_summary(&[]), "Live");
+    }
+
+    #[test]
+    fn each_catching_up_perspective_gets_a_line_and_a_column_entry() {
+        let ps = [
+            PerspectiveStatus {
+                name: "a".into(),
+                ..Default::default()
+            },
+            catching_up("order_totals", Phase::Backfilling, 61.7),
+            catching_up("carts", Phase::Rebuilding, 5.0),
+        ];
+        assert_eq!(
+            catch_up_messages(&ps),
+            [
+                "order_totals backfilling: 61% (617/1 000 events, 6 100/10 000 streams), about 40 s left",
+                "carts rebuilding: 5% (50/1 000 events, 6 100/10 000 streams), about 40 s left",
+            ]
+        );
+        let lags: Vec<PerspectiveLag> = ps.iter().map(lag).collect();
+        assert_eq!(lags[1].progress.as_ref().unwrap().percent, 61);
+        assert_eq!(lags[1].progress.as_ref().unwrap().eta_seconds, Some(40));
+        assert_eq!(phase_summary(&lags), "Backfilling 61%, Rebuilding 5%");
+    }
+
+    #[test]
+    fn a_phase_without_figures_is_still_named() {
+        let p = PerspectiveStatus {
+            name: "carts".into(),
+            phase: Phase::Rebuilding,
+            ..Default::default()
+        };
+        assert_eq!(
+            catch_up_messages(std::slice::from_ref(&p)),
+            ["carts rebuilding"]
+        );
+        assert_eq!(phase_summary(&[lag(&p)]), "Rebuilding");
+    }
+}

@@ -1,0 +1,38 @@
+//! What the reconciler observed, the one input of [`super::compute`].
+
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use perspective_worker::store::status::Status as DbStatus;
+
+use crate::migration_job::{JobState, MigrationTarget};
+
+/// How soon a deployment whose Secret is missing is looked at again (the reconciler requeues
+/// it so, and `Progressing` says so): recreating the Secret should recover it in seconds,
+/// without a watch on Secrets (which would need `list`/`watch` on all of them in the namespace).
+pub const SECRET_RECHECK: Duration = Duration::from_secs(3);
+
+/// Everything the status is computed from.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// The deployment's name.
+    pub instance: String,
+    pub generation: Option<i64>,
+    pub paused: bool,
+    /// Spec problems, each naming its field; non-empty means nothing was changed.
+    pub problems: Vec<String>,
+    /// Why the database Secret could not be read (missing, or without the key); nothing was
+    /// changed either, and it is looked at again within [`SECRET_RECHECK`].
+    pub secret_problem: Option<String>,
+    /// A child object the API server refused, with its message.
+    pub rejected: Option<String>,
+    pub target: MigrationTarget,
+    pub config_hash: String,
+    /// The current target's Job, if it exists.
+    pub job: Option<JobState>,
+    pub migration_failures: i32,
+    pub statefulset: Option<StatefulSet>,
+    pub desired_replicas: i32,
+    /// The database's view, when it was read (`Err` says why it could not be).
+    pub database: Option<Result<DbStatus, String>>,
+}
