@@ -103,8 +103,8 @@ fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dea
 mod tests {
     use super::*;
     use condition::progressing::catch_up_messages;
-    use perspective_worker::progress::Phase;
-    use perspective_worker::progress::Progress;
+    use perspective_worker::store::catchup::progress::Phase;
+    use perspective_worker::store::catchup::progress::Progress;
     use perspective_worker::store::status::PerspectiveStatus;
 
     fn catching_up(name: &str, phase: Phase, percent: f64) -> PerspectiveStatus {

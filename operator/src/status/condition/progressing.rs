@@ -1,7 +1,7 @@
 //! `Progressing`: whether something is under way — a migration, a rollout step, perspectives
 //! catching up — or why nothing is (stalled, paused, waiting for the Secret, complete).
 
-use perspective_worker::progress::Phase;
+use perspective_worker::store::catchup::progress::Phase;
 use perspective_worker::store::status::PerspectiveStatus;
 
 use super::{Desired, PROGRESSING};
@@ -74,7 +74,7 @@ pub fn catch_up_messages(perspectives: &[PerspectiveStatus]) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
-    use perspective_worker::progress::Progress;
+    use perspective_worker::store::catchup::progress::Progress;
 
     use super::*;
     use crate::migration_job::JobState;
