@@ -303,8 +303,7 @@ mod tests {
             sql.contains("p_contiguous boolean DEFAULT false, p_stop_at timestamptz DEFAULT NULL)")
         );
         assert_eq!(
-            sql.matches("EXCEPTION WHEN OTHERS OR query_canceled THEN")
-                .count(),
+            sql.matches("WHEN OTHERS OR query_canceled THEN").count(),
             2,
             "{sql}"
         );
@@ -320,6 +319,35 @@ mod tests {
         assert!(sql.contains(
             "IF v_cancelled IS NULL AND v_i > v_start AND clock_timestamp() >= p_stop_at THEN"
         ));
+    }
+
+    /// apply_body.sql and slow_path.sql: a lock conflict (deadlock, serialization failure, lock
+    /// timeout) is caught before the failure handlers, records nothing, skips the slow path
+    /// and is returned; a replay (p_force) raises it.
+    #[test]
+    fn a_lock_conflict_is_returned_not_recorded() {
+        let sql = create_apply_function("s", &commit_ordered());
+        assert!(sql.contains("o_applied_event_ids uuid[], o_contended_sqlstate text"));
+        assert_eq!(
+            sql.matches(
+                "EXCEPTION WHEN deadlock_detected OR serialization_failure OR lock_not_available THEN"
+            )
+            .count(),
+            2,
+            "{sql}"
+        );
+        assert!(
+            sql.contains(
+                "lock_not_available THEN\n    IF p_force THEN\n      RAISE;\n    END IF;\n"
+            ),
+            "{sql}"
+        );
+        assert!(sql.contains("IF NOT v_ok AND NOT v_rewound AND v_contended IS NULL THEN"));
+        assert!(sql.contains("EXIT WHEN v_failed IS NOT NULL OR v_contended IS NOT NULL;"));
+        assert!(
+            sql.contains("v_completed, v_applied_ids, v_contended;"),
+            "{sql}"
+        );
     }
 
     /// A failing event waits base × 2^(failures − 1): the drain path counts this failure, a

@@ -3,6 +3,12 @@
     rewind_detect.sql and rewind_reset.sql (ordering eventId only), apply_event.sql (one event),
     slow_path.sql (failure isolation; a handler cancelled by the statement timeout fails its
     event), notify_applied.sql (lifecycle), instant_completion.sql.
+    Contention — a deadlock, serialization failure or lock timeout while applying, raised
+    because other appliers hold rows this group's handlers write — is transient, not a failure:
+    the subtransaction that met it is rolled back (releasing the locks it took), nothing is
+    recorded on the work rows or the cursor (no error, attempts or backoff), what the slow path
+    had already applied stays, and o_contended_sqlstate says so: the caller retries the rest
+    soon. (With p_force, a dead-letter replay, it is raised like any error.)
     Slots: schema, perspective, event_id_order, handled_types, uses, handlers, reset,
     cursor_completed and cursor_failed (status flags), applied_channel, retry_delay (the backoff
     after this failure, see store::failure::retry_delay_sql). #}
@@ -55,10 +61,12 @@ DECLARE
   v_running    integer;
   v_cancelled  integer;
   v_cancel_err text;
+  -- The SQLSTATE of the lock conflict that stopped the apply (see the header), if any.
+  v_contended  text;
 BEGIN
   IF v_n = 0 THEN
     RETURN QUERY SELECT 0, NULL::bigint, NULL::bigint, NULL::text, '{}'::bigint[], false, '{}'::uuid[],
-                        '{}'::uuid[];
+                        '{}'::uuid[], NULL::text;
     RETURN;
   END IF;
 
@@ -150,7 +158,17 @@ BEGIN
       v_applied := v_end - v_start + 1;
       v_last_i := v_end;
     END IF;
-  EXCEPTION WHEN OTHERS OR query_canceled THEN
+  EXCEPTION WHEN deadlock_detected OR serialization_failure OR lock_not_available THEN
+    IF p_force THEN
+      RAISE;
+    END IF;
+    -- Contention: nothing of the group is applied or recorded, and the slow path does not run
+    -- (replaying event by event would only meet the same locks).
+    v_ok := false;
+    v_contended := SQLSTATE;
+    v_set_user := NULL;
+    v_set_tenant := NULL;
+  WHEN OTHERS OR query_canceled THEN
     IF p_force THEN
       RAISE;
     END IF;
@@ -223,5 +241,5 @@ BEGIN
 
   RETURN QUERY SELECT v_applied, v_new_last,
                       CASE WHEN v_failed IS NULL THEN NULL ELSE a_work_ids[v_failed] END,
-                      v_err, v_done, v_rewound AND v_ok, v_completed, v_applied_ids;
+                      v_err, v_done, v_rewound AND v_ok, v_completed, v_applied_ids, v_contended;
 END

@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v24";
+const FORMAT_VERSION: &str = "apply-v25";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
@@ -142,8 +142,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v24",
-                "cb2b77ae9fa879e3c62c02a09541e7d9d575f045d0f6b57bea8e02c46b0193a0"
+                "apply-v25",
+                "2503e9ae77db1ad60addec9926f52886aa2d503adc2c38e8f676ac050f124fc9"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -7,6 +7,14 @@ use crate::config::{Ordering, PerspectiveConfig};
 use crate::store::failure::retry_delay_sql;
 use crate::store::names::cursor_status;
 
+/// How long a `wh_drain` call waits for a lock before it gives the pair up as contended
+/// (55P03, retried soon, not a failure): far below PostgreSQL's `deadlock_timeout` (1 s by
+/// default), so a call never sits in a lock cycle holding the rows of the pairs it applied
+/// until the server notices — under cross-stream contention that second per cycle, with every
+/// other applier queued behind the call, was most of the time. A shorter `lock_timeout` of the
+/// role or database is kept.
+pub const LOCK_TIMEOUT_MS: u32 = 100;
+
 /// `CREATE OR REPLACE FUNCTION <schema>.wh_drain(...)`, dispatching to the apply function of
 /// each of `perspectives` (see `drain.sql`), preceded by the drop of an older shape.
 pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -> String {
@@ -41,6 +49,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             compiled_perspectives,
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
+            lock_timeout_ms => LOCK_TIMEOUT_MS,
             // The head row's failure count after this failure: its attempts plus this one.
             retry_delay => retry_delay_sql("p_retry_base_ms", "p_retry_max_ms", "w.attempts + 1"),
         },

@@ -10,6 +10,17 @@
     a serialization failure) undoes that pair only, and is recorded on it like a failing
     handler (the pair's head row: error, attempts, backoff; the cursor Failed), so the other
     pairs of the call commit and the failing one is retried with backoff, then dead-lettered.
+    Contention is the exception: a deadlock, serialization failure or lock timeout (other
+    appliers hold rows the pair's handlers write, taken in another order) undoes the pair's
+    subtransaction, releasing its locks, and records nothing (no error, attempts, backoff or
+    Failed cursor, so never a dead letter); the pair is returned with o_contended_sqlstate and
+    o_more, and the worker drains it again after a short delay. What the apply function's slow
+    path applied before meeting it stays (see apply_body.sql). The call then applies no further
+    pair (they are returned not reached, with o_more) and commits: it holds the rows of the pairs
+    it applied until then, and going on would make it wait for, and conflict with, the other
+    appliers again while holding them (each deadlock costs the waiters deadlock_timeout). For
+    the same reason the call waits at most lock_timeout_ms for any lock (a shorter lock_timeout
+    of the session is kept): a longer wait is given up as contention.
     Shallow pairs (few pending rows, none failed or leased, no rewind) are applied set-based
     first, all of them in one subtransaction: one statement each for the window, the cursor
     locks, the cursor moves and the completion, and one loop over all their events per
@@ -19,11 +30,12 @@
     ones is wasted on deep pairs, which otherwise run exactly the per-pair path. If anything in
     it fails, it is undone and its pairs take the per-pair path below, which isolates the
     failure (a handler cancelled by the statement timeout is recorded on its row directly: its
-    timer is spent).
+    timer is spent); contention there is no exception (nothing is recorded by the fallback
+    itself, and the per-pair path treats contention as above).
     Slots: schema, perspectives (name, function, batch), event_id_perspectives (names of the
     perspectives ordered by event id, whose windows are checked for a rewind) and
     event_id_ordering (whether there are any), compiled_perspectives (all names), cursor_completed,
-    cursor_failed, retry_delay (the backoff after a failure of the head row, see
+    cursor_failed, lock_timeout_ms, retry_delay (the backoff after a failure of the head row, see
     store::failure::retry_delay_sql). #}
 {#- Whether the pair has due work past `version` (one index probe). #}
 {% macro due_after(version) -%}
@@ -65,7 +77,7 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
   {%- endif %}
 {%- endmacro %}
 {% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer" %}
-{% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[]" %}
+{% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[], o_contended_sqlstate text" %}
 {% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
 CREATE OR REPLACE FUNCTION {{ schema }}.wh_drain(
     p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
@@ -139,6 +151,8 @@ DECLARE
   v_cancel_err text;
   v_partial  boolean := false;
   v_jit      text;
+  -- A pair met a lock conflict: no further pair is applied in this call (see the header).
+  v_conflict boolean := false;
 BEGIN
   -- The listed streams this instance holds: one primary-key probe per stream. (Given both
   -- conditions, the planner would pick the owner index and filter every stream this instance
@@ -149,6 +163,11 @@ BEGIN
          WHERE a.stream_id = x.stream_id) = p_instance_id;
   IF v_owned IS NULL THEN
     RETURN;
+  END IF;
+  -- Contention (see the header): no lock wait longer than this, for the rest of the call.
+  IF (SELECT s.setting::bigint FROM pg_settings s WHERE s.name = 'lock_timeout')
+       NOT BETWEEN 1 AND {{ lock_timeout_ms }} THEN
+    PERFORM set_config('lock_timeout', '{{ lock_timeout_ms }}ms', true);
   END IF;
   IF v_shallow_rows = 0 THEN
     -- Deep streams expected: every pair takes the per-pair path. Listing the pairs is costed
@@ -368,7 +387,7 @@ BEGIN
              f_ids[x.f:x.f + x.a - 1], '{}'::bigint[],
              CASE WHEN x.a > 0 THEN f_versions[x.f:x.f + x.n - 1] ELSE '{}' END,
              CASE WHEN x.a > 0 THEN f_created[x.f:x.f + x.n - 1] ELSE '{}' END,
-             false, '{}'::uuid[], x.m, '{}'::uuid[]
+             false, '{}'::uuid[], x.m, '{}'::uuid[], NULL::text
       FROM unnest(s_streams, s_names, s_last, s_from, s_n, s_applied, s_more) AS x(s, p, l, f, n, a, m);
   ELSIF v_cancel_i IS NOT NULL THEN
     -- A handler was cancelled (the statement timeout, or shutdown): everything above is undone,
@@ -395,7 +414,7 @@ BEGIN
     RETURN QUERY
       SELECT s_streams[v_k], s_names[v_k], s_n[v_k], 0, coalesce(s_last[v_k], 0), v_failed, v_cancel_err,
              '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[],
-             false, '{}'::uuid[];
+             false, '{}'::uuid[], NULL::text;
   END IF;
 
   FOR r IN
@@ -407,11 +426,11 @@ BEGIN
     WHERE v_fallback AND (v_cancel_i IS NULL OR x.k <> v_k)
     ORDER BY 1, 2
   LOOP
-    IF v_budget <= 0 OR clock_timestamp() >= v_stop_at THEN
+    IF v_budget <= 0 OR clock_timestamp() >= v_stop_at OR v_conflict THEN
       -- Not reached in this call: say so, so the worker comes back for it.
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
                           '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true,
-                          '{}'::uuid[];
+                          '{}'::uuid[], NULL::text;
       CONTINUE;
     END IF;
     v_ids := NULL;
@@ -459,7 +478,7 @@ BEGIN
         {{ retire("", late=true) }}
         RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, v_last, NULL::bigint, NULL::text,
                             '{}'::bigint[], v_dead, v_window, v_created, false, '{}'::uuid[],
-                            {{ due_after("v_last") }}, '{}'::uuid[];
+                            {{ due_after("v_last") }}, '{}'::uuid[], NULL::text;
         CONTINUE;
       END IF;
       v_budget := v_budget - array_length(v_ids, 1);
@@ -471,13 +490,26 @@ BEGIN
       ELSE
         CONTINUE;
       END IF;
+      v_conflict := o.o_contended_sqlstate IS NOT NULL;
+      IF o.o_contended_sqlstate IS NOT NULL AND o.o_applied = 0 THEN
+        -- Contention before anything applied: undo the whole pair (its cursor lock too), below.
+        RAISE EXCEPTION 'lock conflict while applying' USING ERRCODE = o.o_contended_sqlstate;
+      END IF;
       {{ retire("\n        AND NOT (w.event_work_id = ANY (o.o_done_work_ids))") }}
       -- A new statement, so a new snapshot: also sees rows appended while this call ran.
-      v_more := {{ due_after("coalesce(o.o_last_version, v_last)") }};
+      -- (After contention the rest is due again at once.)
+      v_more := o.o_contended_sqlstate IS NOT NULL OR {{ due_after("coalesce(o.o_last_version, v_last)") }};
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, array_length(v_ids, 1), o.o_applied, o.o_last_version,
                           o.o_failed_work_id, o.o_error, o.o_done_work_ids, v_dead, v_window, v_created, o.o_rewound,
-                          o.o_completed_event_ids, v_more, o.o_applied_event_ids;
-    EXCEPTION WHEN OTHERS OR query_canceled THEN
+                          o.o_completed_event_ids, v_more, o.o_applied_event_ids, o.o_contended_sqlstate;
+    EXCEPTION WHEN deadlock_detected OR serialization_failure OR lock_not_available THEN
+      -- Contention: everything this pair did in this call is undone and its locks released.
+      -- Nothing is recorded; the pair is due again at once (more), for the worker to retry soon.
+      v_conflict := true;
+      RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
+                          '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true,
+                          '{}'::uuid[], SQLSTATE::text;
+    WHEN OTHERS OR query_canceled THEN
       -- Everything this pair did in this call is undone. Record the failure on its head row
       -- (the lowest pending version above the cursor: the row that keeps the pair from
       -- advancing), the way a failing handler is recorded.
@@ -507,7 +539,7 @@ BEGIN
       END;
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, coalesce(array_length(v_ids, 1), 0), 0,
                           r.last_version, v_failed, v_err, '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[],
-                          false, '{}'::uuid[], false, '{}'::uuid[];
+                          false, '{}'::uuid[], false, '{}'::uuid[], NULL::text;
     END;
   END LOOP;
 

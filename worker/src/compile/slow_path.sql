@@ -1,9 +1,10 @@
 {#- Failure isolation: the fast path failed, so the group is replayed event by event, each in its
     own subtransaction, to commit the good prefix and stop at the failing event (v_failed,
-    v_err). A rewind's replay is all or nothing and never comes here. Slots: those of
-    apply_event.sql. #}
+    v_err), or at an event that meets contention (v_contended: not a failure, nothing recorded;
+    the prefix stays). A rewind's replay is all or nothing and never comes here, nor does a
+    fast path stopped by contention. Slots: those of apply_event.sql. #}
   -- Slow path: event by event, to keep the good prefix and isolate the failing event.
-  IF NOT v_ok AND NOT v_rewound THEN
+  IF NOT v_ok AND NOT v_rewound AND v_contended IS NULL THEN
     v_applied := 0;
     v_last_i := NULL;
     FOR v_i IN v_start..v_end LOOP
@@ -22,13 +23,17 @@
 {% filter indent(2, true) %}
 {% include "apply_event.sql" %}
 {% endfilter +%}
-      EXCEPTION WHEN OTHERS OR query_canceled THEN
+      EXCEPTION WHEN deadlock_detected OR serialization_failure OR lock_not_available THEN
+        v_contended := SQLSTATE;
+        v_set_user := NULL;
+        v_set_tenant := NULL;
+      WHEN OTHERS OR query_canceled THEN
         v_failed := v_i;
         v_err := SQLERRM;
         v_set_user := NULL;
         v_set_tenant := NULL;
       END;
-      EXIT WHEN v_failed IS NOT NULL;
+      EXIT WHEN v_failed IS NOT NULL OR v_contended IS NOT NULL;
       v_applied := v_applied + 1;
       v_last_i := v_i;
     END LOOP;

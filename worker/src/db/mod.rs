@@ -55,3 +55,80 @@ pub fn sqlstate(err: &sqlx::Error) -> Option<String> {
         .and_then(|e| e.code())
         .map(|c| c.into_owned())
 }
+
+/// SQLSTATEs of lock conflicts between appliers: deadlock detected (40P01), serialization
+/// failure (40001), lock not available / lock timeout (55P03). They say nothing about the event
+/// being applied: the same apply succeeds once the other transaction is done, so the engine
+/// retries them promptly instead of counting a failure.
+pub const CONTENTION_SQLSTATES: [&str; 3] = ["40P01", "40001", "55P03"];
+
+/// Whether `sqlstate` is a lock conflict (see [`CONTENTION_SQLSTATES`]).
+pub fn is_contention_sqlstate(sqlstate: &str) -> bool {
+    CONTENTION_SQLSTATES.contains(&sqlstate)
+}
+
+/// The SQLSTATE of `err` if it is a lock conflict (see [`CONTENTION_SQLSTATES`]).
+pub fn contention(err: &sqlx::Error) -> Option<String> {
+    sqlstate(err).filter(|s| is_contention_sqlstate(s))
+}
+
+/// A lock conflict the server reported in a function's result rather than raised (a compiled
+/// apply function returns it in `o_contended_sqlstate`), as a database error with that
+/// SQLSTATE, for callers that expect conflicts as errors.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct LockConflict {
+    pub sqlstate: String,
+    pub message: String,
+}
+
+impl sqlx::error::DatabaseError for LockConflict {
+    fn message(&self) -> &str {
+        &self.message
+    }
+
+    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+        Some(std::borrow::Cow::Borrowed(&self.sqlstate))
+    }
+
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+
+    fn kind(&self) -> sqlx::error::ErrorKind {
+        sqlx::error::ErrorKind::Other
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_conflicts_are_told_apart_by_sqlstate() {
+        for code in ["40P01", "40001", "55P03"] {
+            let err: sqlx::Error = LockConflict {
+                sqlstate: code.into(),
+                message: "conflict".into(),
+            }
+            .into();
+            assert_eq!(contention(&err).as_deref(), Some(code));
+            assert_eq!(describe_error(&err, None), "conflict");
+        }
+        let other: sqlx::Error = LockConflict {
+            sqlstate: "23505".into(),
+            message: "duplicate".into(),
+        }
+        .into();
+        assert_eq!(contention(&other), None);
+        assert_eq!(contention(&sqlx::Error::RowNotFound), None);
+    }
+}

@@ -8,7 +8,7 @@ use crate::contract::{ApplyMode, ApplyOutcome, Group};
 
 /// `{function}` is the perspective's apply function name (a generated identifier).
 const CALL_APPLY_FUNCTION: &str = "SELECT o_applied, o_last_version, o_failed_work_id, o_error, \
-    o_done_work_ids, o_rewound, o_completed_event_ids, o_applied_event_ids \
+    o_done_work_ids, o_rewound, o_completed_event_ids, o_applied_event_ids, o_contended_sqlstate \
     FROM {schema}.{function}($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
 /// Failure backoff and lifecycle flags passed to every apply call.
@@ -20,7 +20,11 @@ pub struct ApplyArgs {
 }
 
 /// Apply `group` through `function` in `schema` on `conn` (its own transaction unless `conn` is
-/// inside one).
+/// inside one). A lock conflict with another applier (the function reports it rather than
+/// recording a failure, see `compile`) comes back as an error with its SQLSTATE
+/// ([`crate::db::LockConflict`]), for the caller to retry: nothing was recorded, and what the
+/// function applied before it (committed with the call) is at or below the cursor, so the retry
+/// skips it and reports its rows done.
 pub async fn call_apply_function(
     conn: &mut PgConnection,
     schema: &str,
@@ -44,6 +48,16 @@ pub async fn call_apply_function(
         .bind(args.notify_applied && !mode.force)
         .fetch_one(&mut *conn)
         .await?;
+    if let Some(sqlstate) = row.get::<Option<String>, _>(8) {
+        return Err(crate::db::LockConflict {
+            sqlstate,
+            message: format!(
+                "lock conflict with another applier of {} (retried)",
+                group.perspective
+            ),
+        }
+        .into());
+    }
     let failed_id: Option<i64> = row.get(2);
     let error: Option<String> = row.get(3);
     Ok(ApplyOutcome {

@@ -123,6 +123,11 @@ pub struct PairOutcome {
     /// Events this call applied, in order (PostPerspective due).
     #[sqlx(rename = "o_applied_event_ids")]
     pub applied_event_ids: Vec<Uuid>,
+    /// The pair met a lock conflict with another applier (its SQLSTATE: deadlock, serialization
+    /// failure, lock timeout): not a failure, nothing recorded; what is left is due again
+    /// (`more`), to be retried soon.
+    #[sqlx(rename = "o_contended_sqlstate")]
+    pub contended_sqlstate: Option<String>,
 }
 
 /// The arguments of one claim-and-fetch call.
