@@ -35,6 +35,14 @@ pub enum HookEvent {
         event_work_id: i64,
         error: String,
     },
+    /// Applying one (stream, perspective) met a lock conflict with another applier (deadlock,
+    /// serialization failure, lock timeout: `sqlstate`) and is retried soon: not a failure,
+    /// nothing recorded. `stream_id` None and `perspective` "*": a whole `wh_drain` call.
+    ContentionRetried {
+        perspective: String,
+        stream_id: Option<Uuid>,
+        sqlstate: String,
+    },
     /// Work rows were moved to the dead letters.
     DeadLettered {
         perspective: String,

@@ -57,6 +57,11 @@ pub struct WorkerMetrics {
     pub dead_letters: IntCounterVec,
     /// `perspective_failures_total{perspective}`: failed apply attempts.
     pub failures: IntCounterVec,
+    /// `perspective_contention_retries_total{perspective,sqlstate}`: applies of a (stream,
+    /// perspective) or custom-runner group stopped by a lock conflict with another applier
+    /// (deadlock 40P01, serialization failure 40001, lock timeout 55P03) and retried soon, not
+    /// counted as failures. `perspective="*"`: a whole `wh_drain` call.
+    pub contention_retries: IntCounterVec,
     /// `perspective_rewinds_total`: perspective cursors rewound for late events.
     pub rewinds: IntCounter,
     /// `perspective_apply_latency_seconds`: append → applied, one observation per event and
@@ -107,6 +112,7 @@ impl WorkerMetrics {
             lag_seconds: lag_seconds(&r),
             dead_letters: dead_letters(&r),
             failures: failures(&r),
+            contention_retries: contention_retries(&r),
             rewinds: rewinds(&r),
             apply_latency: apply_latency(&r),
             notify_wakeups: notify_wakeups(&r),
@@ -288,6 +294,16 @@ fn failures(r: &Registrar) -> IntCounterVec {
     )
 }
 
+fn contention_retries(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_contention_retries_total",
+        "Applies stopped by a lock conflict with another applier (deadlock, serialization \
+         failure, lock timeout: by SQLSTATE) and retried soon; not failures. perspective=\"*\": \
+         a whole wh_drain call.",
+        &[PERSPECTIVE, "sqlstate"],
+    )
+}
+
 fn rewinds(r: &Registrar) -> IntCounter {
     r.counter(
         "perspective_rewinds_total",
@@ -398,6 +414,7 @@ mod tests {
         "perspective_lag_seconds",
         "perspective_dead_letters_total",
         "perspective_failures_total",
+        "perspective_contention_retries_total",
         "perspective_rewinds_total",
         "perspective_apply_latency_seconds",
         "perspective_notify_wakeups_total",
@@ -424,6 +441,9 @@ mod tests {
         m.lag_seconds.with_label_values(&["orders"]).set(2.5);
         m.dead_letters.with_label_values(&["orders"]).inc();
         m.failures.with_label_values(&["orders"]).inc();
+        m.contention_retries
+            .with_label_values(&["orders", "40P01"])
+            .inc();
         m.rewinds.inc();
         m.apply_latency.observe(0.04);
         m.notify_wakeups.inc();
@@ -457,6 +477,9 @@ mod tests {
         assert!(text.contains(r#"perspective_pending_events{perspective="orders"} 7"#));
         assert!(text.contains(r#"perspective_lag_seconds{perspective="orders"} 2.5"#));
         assert!(text.contains("perspective_listener_connected 1"));
+        assert!(text.contains(
+            r#"perspective_contention_retries_total{perspective="orders",sqlstate="40P01"} 1"#
+        ));
         assert!(text.contains(r#"perspective_phase{perspective="orders",phase="Backfilling"} 1"#));
         assert!(text.contains(r#"perspective_phase{perspective="orders",phase="Live"} 0"#));
         assert!(text.contains(r#"perspective_catchup_remaining_events{perspective="orders"} 400"#));

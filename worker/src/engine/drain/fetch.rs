@@ -1,7 +1,10 @@
 //! Draining for a custom [`PerspectiveRunner`](crate::contract::PerspectiveRunner): claim and
 //! fetch the rows (leased), drop poison and recently applied ones, group them per (stream,
 //! perspective) and apply the groups in parallel, each pair under its in-process mutex. A
-//! runner's failure is recorded like a failing SQL handler's.
+//! runner's failure is recorded like a failing SQL handler's; a lock conflict with another
+//! applier (a `RunnerError::Database` with a contention SQLSTATE) is not a failure: nothing is
+//! recorded, and the stream is drained again after a short delay (its rows stay leased to this
+//! instance meanwhile, so the retry counts no further attempt).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -12,12 +15,12 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use super::report::{
-    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed, report_rewound,
-    seconds_since,
+    pair_outcome, pair_span, report_applied, report_contended, report_dead_lettered, report_failed,
+    report_rewound, seconds_since,
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
-use crate::contract::{ApplyMode, ApplyOutcome, Group, WorkItem};
+use crate::contract::{ApplyMode, ApplyOutcome, Group, RunnerError, WorkItem};
 use crate::engine::lifecycle;
 use crate::store::drain::FetchArgs;
 use crate::store::failure::Failure;
@@ -68,6 +71,13 @@ pub(super) async fn fetch_and_apply(ctx: &Drainer, streams: &[Uuid]) -> Round {
     let items = match fetched {
         Ok(items) => items,
         Err(e) => {
+            if let Some(sqlstate) = crate::db::contention(&e) {
+                report_contended(&ctx.shared, "*", None, &sqlstate);
+                return Round {
+                    contended: streams.iter().copied().collect(),
+                    ..Round::default()
+                };
+            }
             tracing::warn!(error = %crate::db::describe_error(&e, None), "claim_and_fetch failed");
             return Round::default();
         }
@@ -84,7 +94,10 @@ pub(super) async fn fetch_and_apply(ctx: &Drainer, streams: &[Uuid]) -> Round {
         .map(|(s, _)| *s)
         .collect();
     if items.is_empty() {
-        return Round { applied: 0, busy };
+        return Round {
+            busy,
+            ..Round::default()
+        };
     }
 
     let items = dead_letter_filter(ctx, items).await;
@@ -93,8 +106,12 @@ pub(super) async fn fetch_and_apply(ctx: &Drainer, streams: &[Uuid]) -> Round {
         items,
         ctx.shared.config.worker.perspective_batch_size as usize,
     );
-    let applied = apply_groups(ctx, groups).await;
-    Round { applied, busy }
+    let (applied, contended) = apply_groups(ctx, groups).await;
+    Round {
+        applied,
+        busy,
+        contended,
+    }
 }
 /// Rows already tried `maxPerspectiveEventAttempts` times (a lease counts as a try, so a worker
 /// that died mid-apply counts too) go to the dead letters before they are tried again; if moving
@@ -181,18 +198,26 @@ fn group(items: Vec<WorkItem>, batch_size: usize) -> Vec<Vec<Group>> {
         .collect()
 }
 /// Apply the pairs in parallel (up to `maxConcurrentPerspectives`), the chunks of one pair in
-/// order. Returns events applied.
-async fn apply_groups(ctx: &Drainer, pairs: Vec<Vec<Group>>) -> u64 {
+/// order. Returns events applied and the streams whose apply met a lock conflict.
+async fn apply_groups(ctx: &Drainer, pairs: Vec<Vec<Group>>) -> (u64, HashSet<Uuid>) {
     let limit = ctx.shared.config.worker.max_concurrent_perspectives.max(1) as usize;
     futures::stream::iter(pairs)
         .map(|chunks| apply_pair(ctx, chunks))
         .buffer_unordered(limit)
-        .fold(0u64, |acc, n| async move { acc + n })
+        .fold(
+            (0u64, HashSet::new()),
+            |(acc, mut contended), (n, stream)| async move {
+                contended.extend(stream);
+                (acc + n, contended)
+            },
+        )
         .await
 }
-async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>) -> u64 {
+/// Apply one pair's chunks in order, up to a failure or a lock conflict. Returns events
+/// applied and, if a lock conflict stopped it, the stream.
+async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>) -> (u64, Option<Uuid>) {
     let Some(first) = chunks.first() else {
-        return 0;
+        return (0, None);
     };
     let gate = ctx.gates.get(first.stream_id, &first.perspective);
     let held = gate.clone().lock_owned().await;
@@ -202,6 +227,7 @@ async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>) -> u64 {
         force: false,
     };
     let mut applied = 0u64;
+    let mut contended = None;
     for group in &chunks {
         let versions = group
             .items
@@ -209,9 +235,19 @@ async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>) -> u64 {
             .zip(group.items.last())
             .map(|(a, b)| (a.stream_version, b.stream_version));
         let span = pair_span(&group.perspective, group.stream_id, versions);
-        let (n, failed) = async {
+        let (n, stop) = async {
             match apply_group(ctx, group, mode).await {
-                Applied::Ok { applied, failed } => (applied, failed),
+                Applied::Ok { applied, failed } => (applied, failed.then_some(Stop::Failed)),
+                // Nothing recorded: the stream comes back after a short delay.
+                Applied::Contended(sqlstate) => {
+                    report_contended(
+                        &ctx.shared,
+                        &group.perspective,
+                        Some(group.stream_id),
+                        &sqlstate,
+                    );
+                    (0, Some(Stop::Contended))
+                }
                 // Nothing of the group committed. Like the SQL apply functions' slow path, apply
                 // it one event at a time: the good prefix commits and the failure is pinned on
                 // the event that causes it (not on an innocent first event).
@@ -220,27 +256,50 @@ async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>) -> u64 {
                 }
                 Applied::Err(error) => {
                     fail_group(ctx, group, &error).await;
-                    (0, true)
+                    (0, Some(Stop::Failed))
                 }
             }
         }
         .instrument(span.clone())
         .await;
-        span.record("outcome", pair_outcome(n, failed, false, false));
+        span.record(
+            "outcome",
+            pair_outcome(
+                n,
+                stop == Some(Stop::Failed),
+                false,
+                false,
+                stop == Some(Stop::Contended),
+            ),
+        );
         span.in_scope(|| tracing::debug!(rows = group.items.len(), applied = n, "pair drained"));
         applied += n;
-        if failed {
+        if stop == Some(Stop::Contended) {
+            contended = Some(group.stream_id);
+        }
+        if stop.is_some() {
             break;
         }
     }
     drop(held);
     ctx.gates.release(first.stream_id, &first.perspective, gate);
-    applied
+    (applied, contended)
+}
+/// Why a pair's chunks stopped before the last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// An event failed (recorded).
+    Failed,
+    /// A lock conflict with another applier (nothing recorded).
+    Contended,
 }
 /// What applying one group through the runner did.
 enum Applied {
     /// Committed; `failed`: the runner reported an event it could not apply.
     Ok { applied: u64, failed: bool },
+    /// A lock conflict with another applier (this SQLSTATE): nothing recorded. (What the
+    /// runner committed before it is at or below the cursor: the retry skips it.)
+    Contended(String),
     /// Nothing committed.
     Err(String),
 }
@@ -252,6 +311,9 @@ async fn apply_group(ctx: &Drainer, group: &Group, mode: ApplyMode) -> Applied {
     .await;
     let o = match outcome {
         Ok(o) => o,
+        Err(RunnerError::Database(e)) if crate::db::contention(&e).is_some() => {
+            return Applied::Contended(crate::db::contention(&e).unwrap_or_default())
+        }
         Err(e) => return Applied::Err(e.to_string()),
     };
     record_outcome(ctx, group, &o, mode);
@@ -275,9 +337,9 @@ async fn apply_group(ctx: &Drainer, group: &Group, mode: ApplyMode) -> Applied {
         failed: o.failed.is_some(),
     }
 }
-/// Apply `group` as single-event groups, in order, up to the first failure. Returns (events
-/// applied, whether one failed).
-async fn apply_one_by_one(ctx: &Drainer, group: &Group, mode: ApplyMode) -> (u64, bool) {
+/// Apply `group` as single-event groups, in order, up to the first failure or lock conflict.
+/// Returns events applied and why it stopped early.
+async fn apply_one_by_one(ctx: &Drainer, group: &Group, mode: ApplyMode) -> (u64, Option<Stop>) {
     let mut applied = 0;
     for item in &group.items {
         let single = Group {
@@ -289,16 +351,25 @@ async fn apply_one_by_one(ctx: &Drainer, group: &Group, mode: ApplyMode) -> (u64
             Applied::Ok { applied: n, failed } => {
                 applied += n;
                 if failed {
-                    return (applied, true);
+                    return (applied, Some(Stop::Failed));
                 }
+            }
+            Applied::Contended(sqlstate) => {
+                report_contended(
+                    &ctx.shared,
+                    &group.perspective,
+                    Some(group.stream_id),
+                    &sqlstate,
+                );
+                return (applied, Some(Stop::Contended));
             }
             Applied::Err(error) => {
                 fail_group(ctx, &single, &error).await;
-                return (applied, true);
+                return (applied, Some(Stop::Failed));
             }
         }
     }
-    (applied, false)
+    (applied, None)
 }
 /// The runner refused `group` (nothing committed): its first event carries the failure.
 async fn fail_group(ctx: &Drainer, group: &Group, error: &str) {

@@ -2,9 +2,11 @@
 //! drain each batch — in the database through `wh_drain` for compiled SQL perspectives
 //! (`server`), or by claiming and fetching rows for a custom runner (`fetch`) — re-fetching
 //! each stream while it keeps producing work. `report` turns outcomes into metrics, hooks and
-//! logs.
+//! logs; `contention` brings back, after a short delay, the streams whose apply met a lock
+//! conflict with another applier.
 
 pub mod completion;
+mod contention;
 mod fetch;
 pub mod queue;
 mod report;
@@ -52,6 +54,8 @@ pub(crate) struct Drainer {
     completions: CompletionQueue,
     /// Streams that may be drained, out to the settler.
     settle_tx: mpsc::UnboundedSender<Uuid>,
+    /// The retry delay after lock conflicts between appliers.
+    contention: contention::ContentionBackoff,
 }
 
 impl Drainer {
@@ -73,6 +77,7 @@ impl Drainer {
             observed_depth: std::sync::atomic::AtomicU64::new(NO_DEPTH),
             completions,
             settle_tx,
+            contention: Default::default(),
         }
     }
 
@@ -279,23 +284,34 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
     let max_iterations = ctx.shared.config.worker.drain_loop_max_iterations.max(1);
     while !current.is_empty() && iterations < max_iterations {
         iterations += 1;
-        let Round { applied, busy } = drain_once(ctx, &current).await;
+        let Round {
+            applied,
+            busy,
+            contended,
+        } = drain_once(ctx, &current).await;
         applied_total += applied;
-        // A stream signalled again while we drained it gets another pass.
+        // A stream signalled again while we drained it gets another pass; one whose apply met a
+        // lock conflict comes back after a short delay (`contention`), not in this loop.
         let mut next: Vec<Uuid> = busy;
         for s in ctx.queue.take_reruns(&mine) {
             if !next.contains(&s) {
                 next.push(s);
             }
         }
+        next.retain(|s| !contended.contains(s));
         // Streams we stop looking at may be drained: try to retire them (see `settle`). Those
         // with completions queued are settled by the flush worker once they are deleted
         // (retiring before would fail and only bring them back here).
-        for s in current
-            .iter()
-            .filter(|s| !next.contains(s) && !ctx.completions.awaiting_flush(s))
-        {
+        for s in current.iter().filter(|s| {
+            !next.contains(s) && !contended.contains(s) && !ctx.completions.awaiting_flush(s)
+        }) {
             let _ = ctx.settle_tx.send(*s);
+        }
+        if contended.is_empty() {
+            ctx.contention.calm();
+        } else {
+            let delay = ctx.contention.next_delay();
+            contention::retry_later(&ctx.queue, &ctx.shared.shutdown, contended, delay);
         }
         current = next;
     }
@@ -328,6 +344,9 @@ struct Round {
     applied: u64,
     /// Streams worth re-fetching.
     busy: Vec<Uuid>,
+    /// Streams whose apply met a lock conflict with another applier (nothing recorded): to be
+    /// drained again after a short delay.
+    contended: HashSet<Uuid>,
 }
 /// One drain round for `streams`.
 async fn drain_once(ctx: &Drainer, streams: &[Uuid]) -> Round {

@@ -46,6 +46,28 @@ pub(super) fn report_failed(
         error: error.to_string(),
     });
 }
+/// Metrics, hook and log for an apply stopped by a lock conflict with another applier
+/// (`sqlstate`): retried soon, not a failure. Logged at debug: under contention it happens
+/// many times a second, and the metric counts it. `stream_id` None: a whole `wh_drain` call
+/// (`perspective` "*").
+pub(super) fn report_contended(
+    ctx: &Shared,
+    perspective: &str,
+    stream_id: Option<Uuid>,
+    sqlstate: &str,
+) {
+    tracing::debug!(perspective, stream_id = ?stream_id, sqlstate,
+                    "lock conflict with another applier; retrying soon");
+    ctx.metrics
+        .contention_retries
+        .with_label_values(&[perspective, sqlstate])
+        .inc();
+    ctx.hooks.emit(HookEvent::ContentionRetried {
+        perspective: perspective.to_string(),
+        stream_id,
+        sqlstate: sqlstate.to_string(),
+    });
+}
 /// Metrics, hook and log for work rows moved to the dead letters.
 pub(super) fn report_dead_lettered(
     ctx: &Shared,
@@ -87,8 +109,11 @@ pub(super) fn pair_outcome(
     failed: bool,
     dead_lettered: bool,
     rewound: bool,
+    contended: bool,
 ) -> &'static str {
-    if dead_lettered {
+    if contended {
+        "contended"
+    } else if dead_lettered {
         "dead_lettered"
     } else if failed {
         "failed"

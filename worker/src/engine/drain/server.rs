@@ -6,8 +6,8 @@ use std::collections::{BTreeMap, HashSet};
 use uuid::Uuid;
 
 use super::report::{
-    pair_outcome, pair_span, report_applied, report_dead_lettered, report_failed, report_rewound,
-    seconds_since,
+    pair_outcome, pair_span, report_applied, report_contended, report_dead_lettered, report_failed,
+    report_rewound, seconds_since,
 };
 use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
 use crate::config::CompletionStrategy;
@@ -22,6 +22,15 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
     let outcomes = match outcomes {
         Ok(o) => o,
         Err(e) => {
+            if let Some(sqlstate) = crate::db::contention(&e) {
+                // A lock conflict outside every pair's subtransaction: the whole call is undone
+                // and nothing was recorded; all of it comes back after a short delay.
+                report_contended(&ctx.shared, "*", None, &sqlstate);
+                return Round {
+                    contended: streams.iter().copied().collect(),
+                    ..Round::default()
+                };
+            }
             tracing::warn!(error = %crate::db::describe_error(&e, None), "wh_drain failed");
             return Round::default();
         }
@@ -29,12 +38,16 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
     let mut applied = 0u64;
     let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
     let mut more: HashSet<Uuid> = HashSet::new();
+    let mut contended: HashSet<Uuid> = HashSet::new();
     let now = chrono::Utc::now();
     let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
     for o in &outcomes {
         *rows_per_stream.entry(o.stream_id).or_default() += o.rows as i64;
         if o.more {
             more.insert(o.stream_id);
+        }
+        if o.contended_sqlstate.is_some() {
+            contended.insert(o.stream_id);
         }
         applied += o.applied.max(0) as u64;
         report_pair(ctx, o, now, instant, &mut completed);
@@ -50,6 +63,7 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         streams_with_work = rows_per_stream.len(),
         rows = rows_per_stream.values().sum::<i64>(),
         streams_with_more = more.len(),
+        streams_contended = contended.len(),
         "wh_drain round"
     );
     // The drain loop's rule (a stream that yielded at least drainLoopRefetchMinBatch rows is
@@ -64,7 +78,11 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
         })
         .copied()
         .collect();
-    Round { applied, busy }
+    Round {
+        applied,
+        busy,
+        contended,
+    }
 }
 
 /// The arguments of one `wh_drain` call for `streams` streams.
@@ -110,6 +128,7 @@ fn report_pair(
         o.failed_work_id.is_some(),
         !o.dead_lettered.is_empty(),
         o.rewound,
+        o.contended_sqlstate.is_some(),
     );
     let span = pair_span(perspective, o.stream_id, versions);
     span.record("outcome", outcome);
@@ -122,6 +141,9 @@ fn report_pair(
     );
     if o.rewound {
         report_rewound(&ctx.shared, perspective, o.stream_id);
+    }
+    if let Some(sqlstate) = o.contended_sqlstate.as_deref() {
+        report_contended(&ctx.shared, perspective, Some(o.stream_id), sqlstate);
     }
     lifecycle::post_perspective(&ctx.shared, perspective, o.stream_id, &o.applied_event_ids);
     completed.extend(o.completed_event_ids.iter().map(|e| (o.stream_id, *e)));
