@@ -71,7 +71,11 @@ pub struct ApplyOutcome {
 
 /// Why a runner could not apply a group. Either way nothing of the group committed, and the
 /// engine treats it like a failing SQL handler: the group's first event records the error, is
-/// retried with backoff, and is dead-lettered after `maxPerspectiveEventAttempts`.
+/// retried with backoff, and is dead-lettered after `maxPerspectiveEventAttempts`. Except a
+/// lock conflict with another applier — a [`RunnerError::Database`] whose SQLSTATE is one of
+/// [`crate::db::CONTENTION_SQLSTATES`] (deadlock, serialization failure, lock timeout): nothing
+/// is recorded and the group is applied again after a short delay (what the runner committed
+/// before it must be at or below the cursor, which the retry skips).
 #[derive(Debug, thiserror::Error)]
 pub enum RunnerError {
     /// The database refused a statement (or the connection broke).
