@@ -34,7 +34,7 @@ pub mod yaml_limits;
 
 pub use claim_options::ClaimWorkerOptions;
 pub use names::{MAX_EVENT_TYPE_LEN, MAX_PERSPECTIVE_NAME_LEN, MAX_SCHEMA_LEN, SCHEMA_PATTERN};
-pub use perspective::{Ordering, PerspectiveConfig};
+pub use perspective::{Ordering, PerspectiveConfig, Sequencing};
 pub use validate::{ConfigError, Problem};
 pub use worker_options::{
     CompletionStrategy, DrainBatcherOptions, RetryOptions, WorkerOptions, DRAIN_ROWS_PER_FETCH,

@@ -29,6 +29,13 @@ pub struct PerspectiveConfig {
     /// Order of applying a stream's events: commit (default) or eventId (rewinds on late events).
     #[serde(default)]
     pub ordering: Ordering,
+    /// Which events may apply concurrently: stream (default: streams in parallel, each in order), key (events with the same sequencingKey never concurrently) or serial (one applier at a time, many events per transaction). Choose key or serial when handlers write rows that many streams share.
+    #[serde(default)]
+    pub sequencing: Sequencing,
+    /// With sequencing: key, an SQL expression over the event's parameters naming the rows the handlers share, e.g. :data->>'customer'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 4096))]
+    pub sequencing_key: Option<String>,
     /// Idempotent DDL run by migrate with the schema on the search_path; cannot use :parameters.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub setup: Option<String>,
@@ -57,7 +64,53 @@ pub enum Ordering {
     EventId,
 }
 
+/// Which of a perspective's events may be applied at the same time (DESIGN §12.2). Per-stream
+/// order and exactly-once hold in every mode; the mode decides how appliers share the rows
+/// that many streams write.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Sequencing {
+    /// Streams apply in parallel, each in order: for rows owned by one stream.
+    #[default]
+    Stream,
+    /// Events with the same `sequencingKey` never apply concurrently: for rows owned by the key
+    /// (one row per customer, per day).
+    Key,
+    /// One applier at a time, many events per transaction: for rows every event writes (a
+    /// global counter, a dashboard).
+    Serial,
+}
+
+impl Sequencing {
+    /// The name used in the config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Sequencing::Stream => "stream",
+            Sequencing::Key => "key",
+            Sequencing::Serial => "serial",
+        }
+    }
+}
+
 impl PerspectiveConfig {
+    /// The `sequencingKey` expression, lexed.
+    ///
+    /// # Panics
+    /// If the key does not lex; call only on a config that passed validation.
+    pub fn compiled_sequencing_key(&self) -> Option<ParsedStatement> {
+        self.sequencing_key.as_deref().map(|sql| {
+            let mut statements = sql_params::parse_statements(sql)
+                .unwrap_or_else(|e| panic!("sequencingKey of {} is not validated: {e}", self.name));
+            assert_eq!(
+                statements.len(),
+                1,
+                "sequencingKey of {} is not validated",
+                self.name
+            );
+            statements.remove(0)
+        })
+    }
+
     /// The event types this perspective handles, in config order.
     pub fn event_types(&self) -> impl Iterator<Item = &str> {
         self.handlers.keys().map(String::as_str)
@@ -172,5 +225,71 @@ perspectives:
             .map(|(event_type, statements)| (event_type, statements[0].to_positional().0))
             .collect();
         assert_eq!(compiled[1], ("Alpha".to_owned(), "SELECT 2".to_owned()));
+    }
+
+    #[test]
+    fn sequencing_defaults_to_stream_and_accepts_key_and_serial() {
+        assert_eq!(
+            parse(MINIMAL).unwrap().perspectives[0].sequencing,
+            Sequencing::Stream
+        );
+        let serial = MINIMAL.replace("    handlers:", "    sequencing: serial\n    handlers:");
+        assert_eq!(
+            parse(&serial).unwrap().perspectives[0].sequencing,
+            Sequencing::Serial
+        );
+        let key = MINIMAL.replace(
+            "    handlers:",
+            "    sequencing: key\n    sequencingKey: \":data->>'customer'\"\n    handlers:",
+        );
+        let p = &parse(&key).unwrap().perspectives[0];
+        assert_eq!(p.sequencing, Sequencing::Key);
+        assert_eq!(
+            p.compiled_sequencing_key()
+                .unwrap()
+                .render_with(|p| format!("<{}>", p.name())),
+            "<data>->>'customer'"
+        );
+    }
+
+    #[test]
+    fn a_sequencing_key_goes_with_sequencing_key_only_and_is_one_expression() {
+        let with = |lines: &str| {
+            parse(&MINIMAL.replace("    handlers:", &format!("{lines}\n    handlers:")))
+        };
+        let err = with("    sequencing: key").unwrap_err().to_string();
+        assert!(
+            err.contains(".sequencingKey: sequencing: key needs a sequencingKey"),
+            "{err}"
+        );
+        let err = with("    sequencingKey: :data->>'c'")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sequencingKey is used only with sequencing: key (this perspective has sequencing: stream)"),
+            "{err}"
+        );
+        let err = with("    sequencing: serial\n    sequencingKey: :data->>'c'")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("(this perspective has sequencing: serial)"),
+            "{err}"
+        );
+        for bad in [
+            "\"SELECT 1\"",
+            "\":data->>'a'; :data->>'b'\"",
+            "\":data->>'a';\"",
+            "\"'unterminated\"",
+        ] {
+            let err = with(&format!("    sequencing: key\n    sequencingKey: {bad}"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(".sequencingKey: "), "{bad}: {err}");
+        }
+        let err = with("    sequencing: sideways").unwrap_err().to_string();
+        assert!(err.contains("sideways"), "{err}");
+        // A semicolon inside a literal is part of the expression.
+        with("    sequencing: key\n    sequencingKey: \"coalesce(:data->>'a', ';')\"").unwrap();
     }
 }

@@ -12,7 +12,7 @@ use super::claim_options::ClaimWorkerOptions;
 use super::names::{
     check_event_type, check_identifier, check_schema_name, MAX_PERSPECTIVE_NAME_LEN,
 };
-use super::perspective::{Ordering, PerspectiveConfig};
+use super::perspective::{Ordering, PerspectiveConfig, Sequencing};
 use super::sql_params;
 use super::worker_options::{WorkerOptions, MAX_HANDLER_TIMEOUT_MILLISECONDS};
 use super::Config;
@@ -151,6 +151,7 @@ fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mu
             "ordering: eventId needs a reset: a late event rewinds the stream (reset, then replay in event-id order)",
         ));
     }
+    check_sequencing(perspective, label, problems);
     if perspective.handlers.is_empty() {
         problems.push(Problem::new(
             format!("{label}.handlers"),
@@ -306,6 +307,58 @@ fn check_apply_sql(sql: &str, what: &str, path: &str, problems: &mut Vec<Problem
         }
     }
 }
+
+/// The longest `sequencingKey` accepted (it is compiled into `wh_drain`).
+pub const MAX_SEQUENCING_KEY_LEN: usize = 4096;
+
+/// `sequencingKey` is required by `sequencing: key`, used by nothing else, and one expression.
+fn check_sequencing(perspective: &PerspectiveConfig, label: &str, problems: &mut Vec<Problem>) {
+    let path = format!("{label}.sequencingKey");
+    let key = match (perspective.sequencing, perspective.sequencing_key.as_deref()) {
+        (Sequencing::Key, Some(key)) => key,
+        (Sequencing::Key, None) => {
+            return problems.push(Problem::new(
+                path,
+                "sequencing: key needs a sequencingKey, an SQL expression over the event's parameters (e.g. :data->>'customer')",
+            ))
+        }
+        (mode, Some(_)) => {
+            return problems.push(Problem::new(
+                path,
+                format!(
+                    "sequencingKey is used only with sequencing: key (this perspective has sequencing: {})",
+                    mode.as_str()
+                ),
+            ))
+        }
+        (_, None) => return,
+    };
+    if key.len() > MAX_SEQUENCING_KEY_LEN {
+        return problems.push(Problem::new(
+            path,
+            format!("longer than {MAX_SEQUENCING_KEY_LEN} bytes"),
+        ));
+    }
+    let statements = match sql_params::parse_statements(key) {
+        Ok(statements) => statements,
+        Err(e) => return problems.push(Problem::new(path, e.to_string())),
+    };
+    let statement_keyword = statements
+        .first()
+        .and_then(|s| s.leading_keyword())
+        .filter(|k| EXPRESSION_IS_A_STATEMENT.contains(&k.as_str()));
+    if statements.len() != 1 || key.trim_end().ends_with(';') || statement_keyword.is_some() {
+        problems.push(Problem::new(
+            path,
+            "sequencingKey must be one SQL expression (e.g. :data->>'customer' or (SELECT …)), not a statement or a list of them",
+        ));
+    }
+}
+
+/// Leading keywords that make a statement, which a `sequencingKey` expression cannot start with.
+const EXPRESSION_IS_A_STATEMENT: [&str; 10] = [
+    "select", "insert", "update", "delete", "with", "values", "merge", "create", "drop", "perform",
+];
 
 fn perspective_label(index: usize, name: &str) -> String {
     if name.is_empty() {
