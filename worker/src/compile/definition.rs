@@ -6,10 +6,10 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v25";
+const FORMAT_VERSION: &str = "apply-v26";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
-/// version, schema, name, version, ordering, setup, reset and handlers. Options that are passed to the
+/// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
 /// functions as arguments at run time (completion strategy, retry backoff, …) are not in it.
 ///
 /// `migrate` records it per perspective, `run` refuses to start when a recorded hash differs
@@ -29,7 +29,12 @@ pub fn definition_hash(schema: &str, perspective: &PerspectiveConfig) -> String 
         Ordering::Commit => b"commit",
         Ordering::EventId => b"eventId",
     });
-    for optional in [&perspective.setup, &perspective.reset] {
+    field(perspective.sequencing.as_str().as_bytes());
+    for optional in [
+        &perspective.sequencing_key,
+        &perspective.setup,
+        &perspective.reset,
+    ] {
         match optional {
             None => field(b"none"),
             Some(sql) => {
@@ -87,7 +92,7 @@ mod tests {
         let hash = |p: &PerspectiveConfig| definition_hash("shop", p);
         assert_eq!(hash(base), hash(&base.clone()));
         assert_ne!(definition_hash("other", base), hash(base), "schema");
-        let edits: [Edit; 8] = [
+        let edits: [Edit; 10] = [
             ("handler", |p| {
                 let first = p.handlers.keys().next().unwrap().clone();
                 p.handlers.insert(first, "SELECT 1".into());
@@ -99,6 +104,12 @@ mod tests {
             ("no setup", |p| p.setup = None),
             ("reset", |p| p.reset = Some("SELECT 2".into())),
             ("empty reset", |p| p.reset = Some(String::new())),
+            ("sequencing", |p| {
+                p.sequencing = crate::config::Sequencing::Serial
+            }),
+            ("sequencing key", |p| {
+                p.sequencing_key = Some(":data->>'c'".into())
+            }),
         ];
         for (what, edit) in edits {
             let mut p = base.clone();
@@ -142,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v25",
-                "2503e9ae77db1ad60addec9926f52886aa2d503adc2c38e8f676ac050f124fc9"
+                "apply-v26",
+                "c7bc5e4b5ee24210de3216427e0d2404b0ed34827193ff61893beb4c90d9991d"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

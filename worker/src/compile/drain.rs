@@ -2,8 +2,9 @@
 
 use minijinja::{context, Value};
 
+use super::sequencing::lock_slots;
 use super::{apply_function_name, batch_function_name, quote_literal, render};
-use crate::config::{Ordering, PerspectiveConfig};
+use crate::config::{Ordering, PerspectiveConfig, Sequencing};
 use crate::store::failure::retry_delay_sql;
 use crate::store::names::cursor_status;
 
@@ -14,6 +15,10 @@ use crate::store::names::cursor_status;
 /// other applier queued behind the call, was most of the time. A shorter `lock_timeout` of the
 /// role or database is kept.
 pub const LOCK_TIMEOUT_MS: u32 = 100;
+
+/// How long a sequenced call waits in line for its keys' locks when the worker has no handler
+/// timeout (with one, half of it).
+pub const SEQUENCED_WAIT_MS: u32 = 15_000;
 
 /// `CREATE OR REPLACE FUNCTION <schema>.wh_drain(...)`, dispatching to the apply function of
 /// each of `perspectives` (see `drain.sql`), preceded by the drop of an older shape.
@@ -29,6 +34,11 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
     let event_id_ordering = perspectives.iter().any(|p| p.ordering == Ordering::EventId);
     let event_id_perspectives = names(&|p| p.ordering == Ordering::EventId);
     let compiled_perspectives = names(&|_| true);
+    let sequenced_names = names(&|p| p.sequencing != Sequencing::Stream);
+    let sequenced: Vec<Value> = perspectives
+        .iter()
+        .filter_map(|p| lock_slots(schema, p))
+        .collect();
     let perspectives: Vec<Value> = perspectives
         .iter()
         .map(|p| {
@@ -36,6 +46,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
                 name => &p.name,
                 function => apply_function_name(&p.name),
                 batch => batch_function_name(&p.name),
+                lock => lock_slots(schema, p),
             }
         })
         .collect();
@@ -47,6 +58,9 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             event_id_perspectives,
             event_id_ordering,
             compiled_perspectives,
+            sequenced,
+            sequenced_names,
+            default_wait_ms => SEQUENCED_WAIT_MS,
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
             lock_timeout_ms => LOCK_TIMEOUT_MS,
@@ -143,5 +157,59 @@ perspectives:
             commit_only.contains("NULL::uuid AS prev_event"),
             "{commit_only}"
         );
+    }
+
+    /// A sequenced perspective's pairs wait in line for their keys' locks before anything is
+    /// applied, and take a key that arrived since only if it is free; stream ones take none.
+    #[test]
+    fn sequenced_perspectives_lock_their_keys_first_and_check_them_before_applying() {
+        let yaml = "schema: s
+perspectives:
+  - name: a
+    handlers:
+      A: SELECT 1
+  - name: by_key
+    sequencing: key
+    sequencingKey: \":data->>'customer'\"
+    handlers:
+      A: SELECT 1
+  - name: one
+    sequencing: serial
+    handlers:
+      A: SELECT 1
+";
+        let config = Config::from_yaml_str(yaml, "t").unwrap();
+        let sql = create_drain_function("s", &config.perspectives);
+        assert!(sql.contains("p_sequenced boolean DEFAULT NULL)"), "{sql}");
+        assert!(sql
+            .contains("(s.perspective_name = ANY (ARRAY['by_key', 'one']::text[])) = p_sequenced"));
+        let wait = sql
+            .find("PERFORM pg_advisory_xact_lock(k.class, k.slot)")
+            .expect("the wait in line");
+        assert!(
+            wait < sql.find("WITH pair AS").unwrap(),
+            "locks come before any row is read for applying"
+        );
+        assert!(sql.contains("SELECT hashtext('s.by_key') AS class, (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) AS slot"), "{sql}");
+        assert!(
+            sql.contains("UNION ALL SELECT hashtext('s.one') AS class, 0 AS slot"),
+            "{sql}"
+        );
+        // The check before each apply, in both paths, for the sequenced perspectives only.
+        assert_eq!(
+            sql.matches("NOT pg_try_advisory_xact_lock(hashtext('s.by_key')")
+                .count(),
+            2
+        );
+        assert_eq!(
+            sql.matches("NOT pg_try_advisory_xact_lock(hashtext('s.one'), 0)")
+                .count(),
+            2
+        );
+        assert!(!sql.contains("hashtext('s.a')"));
+        // Without sequenced perspectives there is no wait at all.
+        let plain = create_drain_function("s", &config.perspectives[..1]);
+        assert!(!plain.contains("pg_advisory_xact_lock"), "{plain}");
+        assert!(plain.contains("= ANY (ARRAY[]::text[])) = p_sequenced"));
     }
 }

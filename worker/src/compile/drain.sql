@@ -32,7 +32,16 @@
     failure (a handler cancelled by the statement timeout is recorded on its row directly: its
     timer is spent); contention there is no exception (nothing is recorded by the fallback
     itself, and the per-pair path treats contention as above).
-    Slots: schema, perspectives (name, function, batch), event_id_perspectives (names of the
+    Sequencing (DESIGN §12.2, sequencing.rs): p_sequenced NULL applies every perspective; false
+    only those with sequencing: stream; true only those with sequencing: key or serial. A true
+    call first waits in line, before it holds any row, for the advisory locks of the keys of
+    every pending row of its pairs (serial: one lock for the perspective), all of them in one
+    sorted order, so appliers of the same keys queue instead of meeting in lock cycles. A row
+    that arrived after that is applied only if its key's lock can be had at once (else the pair
+    is contention, 55P03, and retried): events with the same key are never applied concurrently.
+    The locks are transaction-scoped, so they are released when the call commits.
+    Slots: schema, perspectives (name, function, batch, lock: the sequenced ones' lock slot SQL),
+    sequenced (the sequenced perspectives: name, class, slot, from_store), sequenced_names, event_id_perspectives (names of the
     perspectives ordered by event id, whose windows are checked for a rewind) and
     event_id_ordering (whether there are any), compiled_perspectives (all names), cursor_completed,
     cursor_failed, lock_timeout_ms, retry_delay (the backoff after a failure of the head row, see
@@ -76,13 +85,14 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
     END IF;
   {%- endif %}
 {%- endmacro %}
-{% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer" %}
+{% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer, boolean" %}
 {% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[], o_contended_sqlstate text" %}
 {% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
 CREATE OR REPLACE FUNCTION {{ schema }}.wh_drain(
     p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
     p_instant boolean, p_debug boolean, p_retry_base_ms double precision, p_retry_max_ms double precision,
-    p_notify_applied boolean, p_max_attempts integer, p_handler_timeout_ms integer, p_shallow_rows integer)
+    p_notify_applied boolean, p_max_attempts integer, p_handler_timeout_ms integer, p_shallow_rows integer,
+    p_sequenced boolean DEFAULT NULL)
 RETURNS TABLE ({{ result }})
 LANGUAGE plpgsql AS $wh_drain$
 DECLARE
@@ -153,6 +163,7 @@ DECLARE
   v_jit      text;
   -- A pair met a lock conflict: no further pair is applied in this call (see the header).
   v_conflict boolean := false;
+  v_lock_timeout text;
 BEGIN
   -- The listed streams this instance holds: one primary-key probe per stream. (Given both
   -- conditions, the planner would pick the owner index and filter every stream this instance
@@ -169,6 +180,26 @@ BEGIN
        NOT BETWEEN 1 AND {{ lock_timeout_ms }} THEN
     PERFORM set_config('lock_timeout', '{{ lock_timeout_ms }}ms', true);
   END IF;
+{% if sequenced %}
+  IF p_sequenced IS NOT FALSE THEN
+    -- Wait in line for the keys of the sequenced pairs' pending rows (see the header): holding
+    -- no row yet, for at most half the handler timeout (the rest is for applying).
+    v_lock_timeout := current_setting('lock_timeout');
+    PERFORM set_config('lock_timeout', coalesce(p_handler_timeout_ms / 2, {{ default_wait_ms }})::text || 'ms', true);
+    PERFORM pg_advisory_xact_lock(k.class, k.slot)
+    FROM (SELECT DISTINCT y.class, y.slot FROM (
+  {% for p in sequenced %}
+      {{ "" if loop.first else "UNION ALL " }}SELECT {{ p.class }} AS class, {{ p.slot }} AS slot
+      FROM {{ schema }}.wh_perspective_events w
+    {% if p.from_store %}
+      JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
+    {% endif %}
+      WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
+  {% endfor %}
+    ) y ORDER BY 1, 2) k;
+    PERFORM set_config('lock_timeout', v_lock_timeout, true);
+  END IF;
+{% endif %}
   IF v_shallow_rows = 0 THEN
     -- Deep streams expected: every pair takes the per-pair path. Listing the pairs is costed
     -- like the set-based probe below (hundreds of guessed perspectives), past jit_above_cost:
@@ -181,7 +212,8 @@ BEGIN
     FROM (
       SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
       FROM unnest(v_owned) AS x(stream_id)
-      CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s) sub
+      CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s
+                  WHERE p_sequenced IS NULL OR (s.perspective_name = ANY ({{ sequenced_names }})) = p_sequenced) sub
       {{ cursor_of_pair("c.last_version") }}
       -- A backfill holds the perspective back on a stream until the stream's history is queued.
       WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
@@ -202,7 +234,9 @@ BEGIN
       CROSS JOIN (SELECT s.perspective_name,
                          EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
                                  WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
-                  FROM {{ schema }}.wh_perspective_subscriptions s GROUP BY s.perspective_name) sub
+                  FROM {{ schema }}.wh_perspective_subscriptions s
+                  WHERE p_sequenced IS NULL OR (s.perspective_name = ANY ({{ sequenced_names }})) = p_sequenced
+                  GROUP BY s.perspective_name) sub
       {{ cursor_of_pair("c.last_version, c.last_event_id, c.status, c.error, c.processed_at") }}
       -- A backfill holds the perspective back on a stream until the stream's history is queued
       -- (asked only while the perspective has a backfill job).
@@ -321,6 +355,12 @@ BEGIN
         END IF;
   {% for p in perspectives %}
         {{ "IF" if loop.first else "ELSIF" }} g_names[v_j] = {{ p.name|literal }} THEN
+    {% if p.lock %}
+          IF EXISTS (SELECT 1 FROM unnest(f_streams[g_from[v_j]:g_to[v_j]], f_versions[g_from[v_j]:g_to[v_j]]) AS x(s, v)
+                     {{ p.lock.join }} WHERE NOT pg_try_advisory_xact_lock({{ p.lock.class }}, {{ p.lock.slot }})) THEN
+            RAISE EXCEPTION 'a sequencing key of {{ p.name }} is held by another applier' USING ERRCODE = 'lock_not_available';
+          END IF;
+    {% endif %}
           SELECT * INTO b FROM {{ schema }}.{{ p.batch }}(f_streams[g_from[v_j]:g_to[v_j]],
                                 f_events[g_from[v_j]:g_to[v_j]], f_versions[g_from[v_j]:g_to[v_j]], v_stop_at);
   {% endfor %}
@@ -484,6 +524,12 @@ BEGIN
       v_budget := v_budget - array_length(v_ids, 1);
   {% for p in perspectives %}
       {{ "IF" if loop.first else "ELSIF" }} r.perspective_name = {{ p.name|literal }} THEN
+    {% if p.lock %}
+        IF EXISTS (SELECT 1 FROM (SELECT r.stream_id AS s, u.v FROM unnest(v_versions) AS u(v)) x
+                   {{ p.lock.join }} WHERE NOT pg_try_advisory_xact_lock({{ p.lock.class }}, {{ p.lock.slot }})) THEN
+          RAISE EXCEPTION 'a sequencing key of {{ p.name }} is held by another applier' USING ERRCODE = 'lock_not_available';
+        END IF;
+    {% endif %}
         SELECT * INTO o FROM {{ schema }}.{{ p.function }}(r.stream_id, v_ids, v_events, v_versions, p_instant, p_debug, false,
                                           p_retry_base_ms, p_retry_max_ms, p_notify_applied, true, true, v_stop_at);
   {% endfor %}

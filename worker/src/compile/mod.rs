@@ -44,6 +44,7 @@
 mod apply;
 mod definition;
 mod drain;
+mod sequencing;
 
 use std::sync::OnceLock;
 

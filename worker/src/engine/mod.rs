@@ -114,6 +114,13 @@ pub enum EngineError {
         "schema {schema} {problem}: run `perspective-worker migrate` to install this worker's engine functions"
     )]
     FunctionsOutdated { schema: String, problem: String },
+    #[error(
+        "perspective {perspective} has sequencing: {sequencing}, which only the compiled SQL handlers support: a custom runner applies streams in parallel (sequencing: stream); remove the runner or the sequencing"
+    )]
+    SequencingNeedsSqlHandlers {
+        perspective: String,
+        sequencing: &'static str,
+    },
 }
 
 /// What every task of one engine uses: who it is, where its schema is, where it reports, and
@@ -130,6 +137,27 @@ pub(crate) struct Shared {
 /// How long in-flight `wh_drain` calls may run on after shutdown before they are cancelled: well
 /// inside the pod's default 30 s termination grace period.
 const DRAIN_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// A custom runner applies the groups the worker fetches, stream by stream: it cannot keep
+/// the events of one key (or of the whole perspective) from applying concurrently.
+fn refuse_sequencing_with_a_custom_runner(options: &EngineOptions) -> Result<(), EngineError> {
+    let custom = options
+        .runner
+        .as_ref()
+        .is_some_and(|r| !r.server_side_drain());
+    match options
+        .config
+        .perspectives
+        .iter()
+        .find(|p| p.sequencing != crate::config::Sequencing::Stream)
+    {
+        Some(p) if custom => Err(EngineError::SequencingNeedsSqlHandlers {
+            perspective: p.name.clone(),
+            sequencing: p.sequencing.as_str(),
+        }),
+        _ => Ok(()),
+    }
+}
 
 /// A running engine.
 pub struct Engine {
@@ -148,6 +176,7 @@ impl Engine {
         shutdown: CancellationToken,
     ) -> Result<Engine, EngineError> {
         let config = options.config.clone();
+        refuse_sequencing_with_a_custom_runner(&options)?;
         let (store, listen_pool) = connect(&options).await?;
         verify_schema(&store, &config).await?;
         for p in &config.perspectives {

@@ -40,6 +40,10 @@ pub struct DrainArgs {
     /// Pairs with at most this many pending rows are applied set-based, all together; 0: none
     /// (deep streams expected, so no pair is probed for it).
     pub shallow_rows: i32,
+    /// Which perspectives the call applies, by sequencing: None all, `Some(false)` those with
+    /// `sequencing: stream`, `Some(true)` those with `key` or `serial` (which first wait in line
+    /// for their keys' locks, so they get a transaction of their own).
+    pub sequenced: Option<bool>,
 }
 
 /// The text of one `wh_drain` call, preceded by its statement timeout. Sent as one simple
@@ -59,7 +63,7 @@ pub(crate) fn drain_sql(schema: &str, streams: &[Uuid], args: &DrainArgs) -> Str
     let or_null = |v: Option<String>, ty: &str| v.unwrap_or_else(|| format!("NULL::{ty}"));
     sql.push_str(&format!(
         "SELECT * FROM {schema}.{marker}, '{{{streams}}}'::uuid[], {per_pair}, {max_rows}, {instant}, {debug}, \
-         {base}::float8, {max}::float8, {notify}, {attempts}, {timeout}, {shallow})",
+         {base}::float8, {max}::float8, {notify}, {attempts}, {timeout}, {shallow}{sequenced})",
         marker = drain_marker(args.instance_id),
         streams = streams.join(","),
         per_pair = args.per_pair,
@@ -72,6 +76,10 @@ pub(crate) fn drain_sql(schema: &str, streams: &[Uuid], args: &DrainArgs) -> Str
         attempts = or_null(args.max_attempts.map(|m| m.to_string()), "integer"),
         timeout = or_null(args.handler_timeout_ms.map(|t| t.to_string()), "integer"),
         shallow = args.shallow_rows,
+        sequenced = args
+            .sequenced
+            .map(|s| format!(", p_sequenced => {s}"))
+            .unwrap_or_default(),
     ));
     sql
 }
@@ -201,6 +209,7 @@ mod tests {
             max_attempts,
             handler_timeout_ms,
             shallow_rows: 16,
+            sequenced: None,
         }
     }
 
@@ -225,6 +234,18 @@ mod tests {
         assert!(
             unbounded.ends_with(", false, NULL::integer, NULL::integer, 16)"),
             "{unbounded}"
+        );
+        let sequenced = drain_sql(
+            "shop",
+            &[s],
+            &DrainArgs {
+                sequenced: Some(true),
+                ..args(None, None)
+            },
+        );
+        assert!(
+            sequenced.ends_with(", 16, p_sequenced => true)"),
+            "{sequenced}"
         );
     }
 }

@@ -10,38 +10,73 @@ use super::report::{
     report_rewound, seconds_since,
 };
 use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
-use crate::config::CompletionStrategy;
+use crate::config::{CompletionStrategy, Config, Sequencing};
 use crate::engine::lifecycle;
 use crate::store::drain::{DrainArgs, PairOutcome};
 
 /// One `wh_drain` round for `streams`, reported.
 pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
     let instant = ctx.shared.config.worker.completion_strategy == CompletionStrategy::Instant;
-    let args = drain_args(ctx, streams.len(), instant);
-    let outcomes = ctx.shared.store.drain(streams, args).await;
-    let outcomes = match outcomes {
-        Ok(o) => o,
-        Err(e) => {
-            if let Some(sqlstate) = crate::db::contention(&e) {
-                // A lock conflict outside every pair's subtransaction: the whole call is undone
-                // and nothing was recorded; all of it comes back after a short delay.
-                report_contended(&ctx.shared, "*", None, &sqlstate);
-                return Round {
-                    contended: streams.iter().copied().collect(),
-                    ..Round::default()
-                };
+    let mut outcomes = Vec::new();
+    let mut whole_call_contended = false;
+    for sequenced in calls(&ctx.shared.config) {
+        let args = DrainArgs {
+            sequenced,
+            ..drain_args(ctx, streams.len(), instant)
+        };
+        match ctx.shared.store.drain(streams, args).await {
+            Ok(o) => outcomes.extend(o),
+            Err(e) => {
+                if let Some(sqlstate) = crate::db::contention(&e) {
+                    // A lock conflict outside every pair's subtransaction (or a sequenced call's
+                    // wait in line ran out): that call is undone and nothing was recorded; its
+                    // streams come back after a short delay.
+                    report_contended(&ctx.shared, "*", None, &sqlstate);
+                    whole_call_contended = true;
+                } else {
+                    tracing::warn!(error = %crate::db::describe_error(&e, None), "wh_drain failed");
+                }
             }
-            tracing::warn!(error = %crate::db::describe_error(&e, None), "wh_drain failed");
-            return Round::default();
         }
-    };
+    }
+    let mut round = report_round(ctx, streams, &outcomes, instant).await;
+    if whole_call_contended {
+        round.contended.extend(streams.iter().copied());
+    }
+    round
+}
+
+/// The `wh_drain` calls of one round, by [`DrainArgs::sequenced`]: one for every perspective,
+/// unless stream-sequenced and key- or serial-sequenced perspectives are mixed: those apply in
+/// a transaction of their own, after the others, so that waiting in line for keys never holds
+/// back (or holds the rows of) the perspectives that need no wait.
+fn calls(config: &Config) -> Vec<Option<bool>> {
+    let sequenced = config
+        .perspectives
+        .iter()
+        .filter(|p| p.sequencing != Sequencing::Stream)
+        .count();
+    if sequenced == 0 || sequenced == config.perspectives.len() {
+        vec![None]
+    } else {
+        vec![Some(false), Some(true)]
+    }
+}
+
+/// Report what one round's calls did, pair by pair, and which streams to drain again.
+async fn report_round(
+    ctx: &Drainer,
+    streams: &[Uuid],
+    outcomes: &[PairOutcome],
+    instant: bool,
+) -> Round {
     let mut applied = 0u64;
     let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
     let mut more: HashSet<Uuid> = HashSet::new();
     let mut contended: HashSet<Uuid> = HashSet::new();
     let now = chrono::Utc::now();
     let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
-    for o in &outcomes {
+    for o in outcomes {
         *rows_per_stream.entry(o.stream_id).or_default() += o.rows as i64;
         if o.more {
             more.insert(o.stream_id);
@@ -104,6 +139,7 @@ fn drain_args(ctx: &Drainer, streams: usize, instant: bool) -> DrainArgs {
         max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
         handler_timeout_ms: w.handler_timeout_milliseconds,
         shallow_rows: shallow_rows(ctx.observed_depth(), perspectives),
+        sequenced: None,
     }
 }
 
