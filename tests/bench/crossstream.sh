@@ -17,7 +17,11 @@
 # whether every aggregate is exact. A set that does not drain within TIMEOUT seconds is
 # reported as such, with the figures so far.
 #
+# Sequencing (DESIGN §12.2) of the shared-row perspectives: CUSTOMER_SEQ (key: by
+# :data->>'customer', the default; serial; stream) and GLOBAL_SEQ (serial, the default; stream).
+#
 #   tests/bench/crossstream.sh            (make bench builds the release worker first)
+#   CUSTOMER_SEQ=stream GLOBAL_SEQ=stream tests/bench/crossstream.sh   (everything in parallel)
 #   STREAMS=3000 PER_STREAM=10 CUSTOMERS=100 ROUNDS=3 MODES="backlog live" tests/bench/crossstream.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +34,8 @@ WORKERS=${WORKERS:-3}
 PRODUCERS=${PRODUCERS:-4}
 TIMEOUT=${TIMEOUT:-90}
 MODES=${MODES:-backlog live}
+CUSTOMER_SEQ=${CUSTOMER_SEQ:-key}
+GLOBAL_SEQ=${GLOBAL_SEQ:-serial}
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
 [ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
 
@@ -50,6 +56,15 @@ now() { date +%s.%N; }
 EVENTS=$(( STREAMS * PER_STREAM ))
 SETS=(per-stream +customer +global)
 
+sequencing_yaml() { # mode
+  case $1 in
+    stream) ;;
+    serial) echo "    sequencing: serial" ;;
+    key) printf '    sequencing: key\n    sequencingKey: ":data->>'"'customer'\"\n" ;;
+    *) echo "unknown sequencing $1" >&2; exit 2 ;;
+  esac
+}
+
 perspective_yaml() { # name
   case $1 in
     orders) cat <<'Y'
@@ -61,8 +76,9 @@ perspective_yaml() { # name
         ON CONFLICT (order_id) DO UPDATE SET lines = o.lines + 1, total = o.total + excluded.total
 Y
     ;;
-    customer_stats) cat <<'Y'
+    customer_stats) cat <<Y
   - name: customer_stats
+$(sequencing_yaml "$CUSTOMER_SEQ")
     setup: CREATE TABLE IF NOT EXISTS customer_stats (customer text PRIMARY KEY, lines bigint NOT NULL, total numeric NOT NULL)
     handlers:
       OrderLine: |
@@ -70,8 +86,9 @@ Y
         ON CONFLICT (customer) DO UPDATE SET lines = c.lines + 1, total = c.total + excluded.total
 Y
     ;;
-    global_stats) cat <<'Y'
+    global_stats) cat <<Y
   - name: global_stats
+$(sequencing_yaml "$GLOBAL_SEQ")
     setup: CREATE TABLE IF NOT EXISTS global_stats (id int PRIMARY KEY, lines bigint NOT NULL)
     handlers:
       OrderLine: |

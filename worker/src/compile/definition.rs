@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v26";
+const FORMAT_VERSION: &str = "apply-v27";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v26",
-                "c7bc5e4b5ee24210de3216427e0d2404b0ed34827193ff61893beb4c90d9991d"
+                "apply-v27",
+                "80acc6c9c9f582c83588e5923a5bd951cbb5b6377d0786c9d7d78bb851888e93"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -6,7 +6,7 @@ use super::sequencing::lock_slots;
 use super::{apply_function_name, batch_function_name, quote_literal, render};
 use crate::config::{Ordering, PerspectiveConfig, Sequencing};
 use crate::store::failure::retry_delay_sql;
-use crate::store::names::cursor_status;
+use crate::store::names::{cursor_status, SEQUENCING_BUSY};
 
 /// How long a `wh_drain` call waits for a lock before it gives the pair up as contended
 /// (55P03, retried soon, not a failure): far below PostgreSQL's `deadlock_timeout` (1 s by
@@ -15,10 +15,6 @@ use crate::store::names::cursor_status;
 /// other applier queued behind the call, was most of the time. A shorter `lock_timeout` of the
 /// role or database is kept.
 pub const LOCK_TIMEOUT_MS: u32 = 100;
-
-/// How long a sequenced call waits in line for its keys' locks when the worker has no handler
-/// timeout (with one, half of it).
-pub const SEQUENCED_WAIT_MS: u32 = 15_000;
 
 /// `CREATE OR REPLACE FUNCTION <schema>.wh_drain(...)`, dispatching to the apply function of
 /// each of `perspectives` (see `drain.sql`), preceded by the drop of an older shape.
@@ -60,7 +56,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             compiled_perspectives,
             sequenced,
             sequenced_names,
-            default_wait_ms => SEQUENCED_WAIT_MS,
+            sequencing_busy => SEQUENCING_BUSY,
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
             lock_timeout_ms => LOCK_TIMEOUT_MS,
@@ -159,8 +155,8 @@ perspectives:
         );
     }
 
-    /// A sequenced perspective's pairs wait in line for their keys' locks before anything is
-    /// applied, and take a key that arrived since only if it is free; stream ones take none.
+    /// A sequenced perspective's pairs take their keys' locks (if free) before anything is
+    /// applied, and a key that arrived since only if it is free; stream ones take none.
     #[test]
     fn sequenced_perspectives_lock_their_keys_first_and_check_them_before_applying() {
         let yaml = "schema: s
@@ -183,16 +179,27 @@ perspectives:
         assert!(sql.contains("p_sequenced boolean DEFAULT NULL)"), "{sql}");
         assert!(sql
             .contains("(s.perspective_name = ANY (ARRAY['by_key', 'one']::text[])) = p_sequenced"));
-        let wait = sql
-            .find("PERFORM pg_advisory_xact_lock(k.class, k.slot)")
-            .expect("the wait in line");
+        let take = sql
+            .find("pg_try_advisory_xact_lock(k.class, k.slot) AS got")
+            .expect("the keys taken");
         assert!(
-            wait < sql.find("WITH pair AS").unwrap(),
-            "locks come before any row is read for applying"
+            take < sql.find("WITH pair AS").unwrap(),
+            "keys are taken before any row is read for applying"
         );
-        assert!(sql.contains("SELECT hashtext('s.by_key') AS class, (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) AS slot"), "{sql}");
+        assert_eq!(
+            sql.matches("NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))")
+                .count(),
+            2,
+            "busy pairs are left out of both listings"
+        );
         assert!(
-            sql.contains("UNION ALL SELECT hashtext('s.one') AS class, 0 AS slot"),
+            sql.contains("'{}'::uuid[], 'WH423'\n               FROM unnest(v_busy_streams, v_busy_names) AS busy(s, p)"),
+            "{sql}"
+        );
+        assert!(!sql.contains("pg_advisory_xact_lock("), "never waits for a key");
+        assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) AS slot"), "{sql}");
+        assert!(
+            sql.contains("UNION ALL SELECT w.stream_id, w.perspective_name, hashtext('s.one') AS class, 0 AS slot"),
             "{sql}"
         );
         // The check before each apply, in both paths, for the sequenced perspectives only.

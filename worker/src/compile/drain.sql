@@ -34,14 +34,18 @@
     itself, and the per-pair path treats contention as above).
     Sequencing (DESIGN §12.2, sequencing.rs): p_sequenced NULL applies every perspective; false
     only those with sequencing: stream; true only those with sequencing: key or serial. A true
-    call first waits in line, before it holds any row, for the advisory locks of the keys of
-    every pending row of its pairs (serial: one lock for the perspective), all of them in one
-    sorted order, so appliers of the same keys queue instead of meeting in lock cycles. A row
-    that arrived after that is applied only if its key's lock can be had at once (else the pair
-    is contention, 55P03, and retried): events with the same key are never applied concurrently.
-    The locks are transaction-scoped, so they are released when the call commits.
+    call first takes, in one sorted order and without waiting, the advisory lock of each key of
+    its pairs' pending rows (serial: one lock for the perspective) that no other applier holds;
+    a pair with a key another applier holds is busy: not applied, returned with o_more and
+    o_contended_sqlstate = sequencing_busy, for the worker to retry soon (it is no conflict:
+    not counted as one). Waiting in line instead kept every waiter's snapshot open, so nobody
+    could prune the versions of the shared rows the holder kept updating, and each update
+    walked more of them. A row that arrived after the keys were taken is applied only if its
+    key's lock can be had at once (else the pair is contention, 55P03): events with the same key
+    are never applied concurrently. The locks are transaction-scoped: released at commit.
     Slots: schema, perspectives (name, function, batch, lock: the sequenced ones' lock slot SQL),
-    sequenced (the sequenced perspectives: name, class, slot, from_store), sequenced_names, event_id_perspectives (names of the
+    sequenced (the sequenced perspectives: name, class, slot, from_store), sequenced_names,
+    sequencing_busy, event_id_perspectives (names of the
     perspectives ordered by event id, whose windows are checked for a rewind) and
     event_id_ordering (whether there are any), compiled_perspectives (all names), cursor_completed,
     cursor_failed, lock_timeout_ms, retry_delay (the backoff after a failure of the head row, see
@@ -163,7 +167,9 @@ DECLARE
   v_jit      text;
   -- A pair met a lock conflict: no further pair is applied in this call (see the header).
   v_conflict boolean := false;
-  v_lock_timeout text;
+  -- Sequenced pairs with a key another applier holds: not applied in this call.
+  v_busy_streams uuid[];
+  v_busy_names text[];
 BEGIN
   -- The listed streams this instance holds: one primary-key probe per stream. (Given both
   -- conditions, the planner would pick the owner index and filter every stream this instance
@@ -182,22 +188,24 @@ BEGIN
   END IF;
 {% if sequenced %}
   IF p_sequenced IS NOT FALSE THEN
-    -- Wait in line for the keys of the sequenced pairs' pending rows (see the header): holding
-    -- no row yet, for at most half the handler timeout (the rest is for applying).
-    v_lock_timeout := current_setting('lock_timeout');
-    PERFORM set_config('lock_timeout', coalesce(p_handler_timeout_ms / 2, {{ default_wait_ms }})::text || 'ms', true);
-    PERFORM pg_advisory_xact_lock(k.class, k.slot)
-    FROM (SELECT DISTINCT y.class, y.slot FROM (
+    -- The keys of the sequenced pairs' pending rows: each taken if free, in one sorted order
+    -- (see the header). A pair with a key another applier holds is busy: left out below.
+    WITH keyed AS MATERIALIZED (
   {% for p in sequenced %}
-      {{ "" if loop.first else "UNION ALL " }}SELECT {{ p.class }} AS class, {{ p.slot }} AS slot
+      {{ "" if loop.first else "UNION ALL " }}SELECT w.stream_id, w.perspective_name, {{ p.class }} AS class, {{ p.slot }} AS slot
       FROM {{ schema }}.wh_perspective_events w
     {% if p.from_store %}
       JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
     {% endif %}
       WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
   {% endfor %}
-    ) y ORDER BY 1, 2) k;
-    PERFORM set_config('lock_timeout', v_lock_timeout, true);
+    ), taken AS MATERIALIZED (
+      SELECT k.class, k.slot, pg_try_advisory_xact_lock(k.class, k.slot) AS got
+      FROM (SELECT DISTINCT y.class, y.slot FROM keyed y ORDER BY 1, 2) k
+    )
+    SELECT array_agg(busy.stream_id), array_agg(busy.perspective_name) INTO v_busy_streams, v_busy_names
+    FROM (SELECT DISTINCT y.stream_id, y.perspective_name FROM keyed y
+          JOIN taken t ON t.class = y.class AND t.slot = y.slot WHERE NOT t.got) busy;
   END IF;
 {% endif %}
   IF v_shallow_rows = 0 THEN
@@ -217,6 +225,7 @@ BEGIN
       {{ cursor_of_pair("c.last_version") }}
       -- A backfill holds the perspective back on a stream until the stream's history is queued.
       WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
+        AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
       ORDER BY 1, 2) y;
     PERFORM set_config('jit', v_jit, true);
   ELSE
@@ -241,6 +250,7 @@ BEGIN
       -- A backfill holds the perspective back on a stream until the stream's history is queued
       -- (asked only while the perspective has a backfill job).
       WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
+        AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
     ), pairs AS MATERIALIZED (
       SELECT p.*, w.*,
              w.n_all <= v_shallow_rows AND w.n_above > 0 AND w.plain
@@ -588,6 +598,11 @@ BEGIN
                           false, '{}'::uuid[], false, '{}'::uuid[], NULL::text;
     END;
   END LOOP;
+
+  -- Busy sequenced pairs (see the header): due again, for the worker to retry soon.
+  RETURN QUERY SELECT busy.s, busy.p::text, 0, 0, NULL::bigint, NULL::bigint, NULL::text, '{}'::bigint[], '{}'::bigint[],
+                      '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true, '{}'::uuid[], {{ sequencing_busy|literal }}
+               FROM unnest(v_busy_streams, v_busy_names) AS busy(s, p);
 
   -- Last, the rows of pairs that applied nothing (empty windows, dead-letter moves): retired without the
   -- pair's cursor lock, so never before a cursor lock this call still takes. A job chunk holds

@@ -62,6 +62,10 @@ pub struct WorkerMetrics {
     /// (deadlock 40P01, serialization failure 40001, lock timeout 55P03) and retried soon, not
     /// counted as failures. `perspective="*"`: a whole `wh_drain` call.
     pub contention_retries: IntCounterVec,
+    /// `perspective_sequencing_waits_total{perspective}`: (stream, perspective) pairs of a key-
+    /// or serial-sequenced perspective left for a later call because another applier was
+    /// applying one of their keys: their turn comes soon; not a conflict.
+    pub sequencing_waits: IntCounterVec,
     /// `perspective_rewinds_total`: perspective cursors rewound for late events.
     pub rewinds: IntCounter,
     /// `perspective_apply_latency_seconds`: append → applied, one observation per event and
@@ -113,6 +117,7 @@ impl WorkerMetrics {
             dead_letters: dead_letters(&r),
             failures: failures(&r),
             contention_retries: contention_retries(&r),
+            sequencing_waits: sequencing_waits(&r),
             rewinds: rewinds(&r),
             apply_latency: apply_latency(&r),
             notify_wakeups: notify_wakeups(&r),
@@ -157,6 +162,7 @@ impl WorkerMetrics {
         self.lag_seconds.with_label_values(&[perspective]);
         self.dead_letters.with_label_values(&[perspective]);
         self.failures.with_label_values(&[perspective]);
+        self.sequencing_waits.with_label_values(&[perspective]);
         self.set_catchup(perspective, Phase::Live, None);
     }
 
@@ -304,6 +310,15 @@ fn contention_retries(r: &Registrar) -> IntCounterVec {
     )
 }
 
+fn sequencing_waits(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_sequencing_waits_total",
+        "Pairs of a key- or serial-sequenced perspective left for a later call because another \
+         applier was applying one of their keys (their turn comes soon; not a conflict).",
+        &[PERSPECTIVE],
+    )
+}
+
 fn rewinds(r: &Registrar) -> IntCounter {
     r.counter(
         "perspective_rewinds_total",
@@ -415,6 +430,7 @@ mod tests {
         "perspective_dead_letters_total",
         "perspective_failures_total",
         "perspective_contention_retries_total",
+        "perspective_sequencing_waits_total",
         "perspective_rewinds_total",
         "perspective_apply_latency_seconds",
         "perspective_notify_wakeups_total",
@@ -444,6 +460,7 @@ mod tests {
         m.contention_retries
             .with_label_values(&["orders", "40P01"])
             .inc();
+        m.sequencing_waits.with_label_values(&["orders"]).inc();
         m.rewinds.inc();
         m.apply_latency.observe(0.04);
         m.notify_wakeups.inc();

@@ -23,6 +23,10 @@ pub const JOBS_PAYLOAD: &str = "jobs";
 
 /// Flags of `wh_perspective_cursors.status` (the seeds' PerspectiveProcessingStatus) that the
 /// worker writes or reads; statements spell them `{cursor_completed}` / `{cursor_failed}`.
+/// `wh_drain`'s `o_contended_sqlstate` for a pair of a key- or serial-sequenced perspective that
+/// was not applied because another applier held one of its keys (its turn comes; no conflict).
+pub const SEQUENCING_BUSY: &str = "WH423";
+
 pub mod cursor_status {
     /// The last apply succeeded.
     pub const COMPLETED: i16 = 2;
