@@ -121,3 +121,64 @@ async fn with_stream_sequencing_the_probe_sees_overlaps() {
         "overlaps seen (by_key {by_key}, global {global})"
     );
 }
+
+/// `examples/sequencing.yaml` (one perspective of each mode) migrates and, with two engines
+/// and orders of a few customers appended while they run, builds exact models.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_sequencing_example_builds_exact_models() {
+    let schema = unique_schema("seqex");
+    let example = include_str!("../../examples/sequencing.yaml")
+        .replace("schema: sales", &format!("schema: {schema}"));
+    let config = parse_config(&example);
+    migrate_config(&config).await;
+    let engines = [
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+    ];
+    let mut conn = connect().await;
+    // 60 orders over 6 customers, 5 lines each, in 5 transactions of 60 lines.
+    let orders: Vec<Uuid> = (0..60).map(|_| Uuid::now_v7()).collect();
+    for line in 0..5 {
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+             SELECT o, 'LineAdded', jsonb_build_object('customer', 'c' || (i % 6), 'price', i + $1)
+             FROM unnest($2::uuid[]) WITH ORDINALITY AS x(o, i) ORDER BY o"
+        ))
+        .bind(line as i64)
+        .bind(&orders)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    for e in engines {
+        e.stop().await;
+    }
+    let wrong = |sql: String| async move { scalar(&sql).await };
+    let per_order = wrong(format!(
+        "SELECT count(*) FROM (SELECT stream_id, count(*) n, sum((event_data->>'price')::numeric) t
+           FROM {schema}.wh_event_store GROUP BY 1) e FULL JOIN {schema}.order_lines o ON o.order_id = e.stream_id
+         WHERE o.lines IS DISTINCT FROM e.n OR o.total IS DISTINCT FROM e.t"
+    ))
+    .await;
+    let per_customer = wrong(format!(
+        "SELECT count(*) FROM (SELECT event_data->>'customer' c, count(*) n, sum((event_data->>'price')::numeric) t
+           FROM {schema}.wh_event_store GROUP BY 1) e FULL JOIN {schema}.customer_totals x ON x.customer = e.c
+         WHERE x.lines IS DISTINCT FROM e.n OR x.total IS DISTINCT FROM e.t"
+    ))
+    .await;
+    let dashboard = wrong(format!(
+        "SELECT count(*) FROM {schema}.sales_dashboard d,
+           (SELECT count(*) n, sum((event_data->>'price')::numeric) t FROM {schema}.wh_event_store) e
+         WHERE d.lines IS DISTINCT FROM e.n OR d.revenue IS DISTINCT FROM e.t"
+    ))
+    .await
+        + 1
+        - scalar(&format!("SELECT count(*) FROM {schema}.sales_dashboard")).await;
+    let customers = scalar(&format!("SELECT count(*) FROM {schema}.customer_totals")).await;
+    assert_eq!(
+        (per_order, per_customer, dashboard, customers),
+        (0, 0, 0, 6),
+        "(wrong order rows, wrong customer rows, wrong dashboard, customers)"
+    );
+}
