@@ -255,6 +255,12 @@ pub struct PerspectiveLag {
     /// While catching up: how far it is and the time left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<PerspectiveProgress>,
+    /// Lock conflicts between its appliers (deadlocks, serialization failures, lock waits over
+    /// 100 ms) over the last minute, summed over the live workers' heartbeats. Each is retried,
+    /// never failed; from 10 a minute the contention counts as persistent: `Degraded`
+    /// (`LockContention`) and a Warning Event name it (see the perspective's `sequencing`).
+    #[serde(default)]
+    pub lock_conflicts_per_minute: i64,
 }
 
 /// Where a perspective is in its life (the worker's [`perspective_worker::store::catchup::progress::Phase`]).

@@ -1903,3 +1903,135 @@ async fn only_allowed_images_run() {
     w.wait_condition("shop", "Degraded", "False", None).await;
     w.shutdown().await;
 }
+
+/// Issue 24: lock conflicts between appliers that persist are named: the figure the workers'
+/// heartbeats publish (`wh_service_instances.metadata`, summed over the live instances) in
+/// `status.perspectives[].lockConflictsPerMinute`, `Degraded=True` `LockContention` with a
+/// message naming the perspective and `sequencing`, and one Warning Event per change — not one
+/// per status refresh while the figure moves. Here a second "worker" heartbeats every second
+/// with the figures the test sets (the worker side is tested in worker/tests/contention.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn persistent_lock_contention_is_degraded_with_one_event_per_change() {
+    use k8s_openapi::api::events::v1::Event;
+    let w = World::new("contend", &[("op", &[])]).await;
+    w.apply(&pd_yaml("shop", &w.schema, 1, "v1", ""));
+    w.wait_condition("shop", "Ready", "True", None).await;
+
+    let metadata = std::sync::Arc::new(std::sync::Mutex::new(Value::Null));
+    let heartbeats = tokio_util::sync::CancellationToken::new();
+    let beating = {
+        let (metadata, stop) = (metadata.clone(), heartbeats.clone());
+        let sql = format!(
+            "SELECT {}.record_heartbeat($1, 'contended-worker', 'e2e', 1, $2)",
+            w.schema
+        );
+        let instance = uuid::Uuid::new_v4();
+        tokio::spawn(async move {
+            let mut conn = db().await;
+            while !stop.is_cancelled() {
+                let m = metadata.lock().unwrap().clone();
+                sqlx::query(&sql)
+                    .bind(instance)
+                    .bind(m)
+                    .execute(&mut conn)
+                    .await
+                    .unwrap();
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        })
+    };
+    let conflicts = |n: i64| {
+        *metadata.lock().unwrap() = serde_json::json!({
+            "contention": {"order_count": {"perMinute": n, "sqlstate": "55P03"}}
+        });
+    };
+    let events: Api<Event> = Api::namespaced(w.client.clone(), &w.ns);
+    let contention_events = || async {
+        let list: Vec<Event> = events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| {
+                e.reason.as_deref() == Some("LockContention")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("shop")
+            })
+            .collect();
+        anyhow::Ok(list)
+    };
+    let figure = |pd: &PerspectiveDeployment| {
+        pd.status.as_ref().and_then(|s| {
+            s.perspectives
+                .iter()
+                .find(|p| p.name == "order_count")
+                .map(|p| p.lock_conflicts_per_minute)
+        })
+    };
+    let wait_figure = |n: i64| {
+        let w = &w;
+        async move {
+            poll(&format!("lockConflictsPerMinute {n}"), LONG, || async {
+                let pd = w.pds().get("shop").await?;
+                Ok((figure(&pd) == Some(n)).then_some(pd))
+            })
+            .await
+            .unwrap()
+        }
+    };
+
+    // A few a minute: figures only.
+    conflicts(9);
+    let pd = wait_figure(9).await;
+    assert_eq!(condition(&pd, "Degraded").status, "False");
+    // Persistent: Degraded, the STATUS column and one Warning Event.
+    conflicts(40);
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("LockContention"))
+        .await;
+    let message = "order_count: 40 lock conflicts a minute between appliers; see sequencing";
+    assert_eq!(condition(&pd, "Degraded").message, message);
+    assert_eq!(figure(&pd), Some(40));
+    let st = pd.status.clone().unwrap();
+    assert_eq!(st.summary.as_deref(), Some("Degraded: LockContention"));
+    assert_eq!(condition(&pd, "Ready").status, "True", "it still serves");
+    let first = poll("a LockContention Event", LONG, || async {
+        let list = contention_events().await?;
+        Ok((!list.is_empty()).then_some(list))
+    })
+    .await
+    .unwrap();
+    assert_eq!(first.len(), 1);
+    assert_eq!(first[0].type_.as_deref(), Some("Warning"));
+    assert_eq!(first[0].note.as_deref(), Some(message));
+    // Another figure, still persistent: the message follows, no new Event.
+    conflicts(41);
+    let pd = wait_figure(41).await;
+    assert!(
+        condition(&pd, "Degraded")
+            .message
+            .starts_with("order_count: 41 lock conflicts"),
+        "{:?}",
+        condition(&pd, "Degraded")
+    );
+    let list = contention_events().await.unwrap();
+    assert_eq!(list.len(), 1, "one Event per change: {list:#?}");
+    assert!(list[0].series.is_none(), "{list:#?}");
+    // Calm: Degraded clears; back: a new Event.
+    conflicts(0);
+    w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
+        .await;
+    conflicts(25);
+    poll("a second LockContention Event", LONG, || async {
+        let list = contention_events().await?;
+        Ok((list.len() == 2).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    heartbeats.cancel();
+    beating.await.unwrap();
+    w.shutdown().await;
+}

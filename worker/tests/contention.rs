@@ -331,3 +331,212 @@ async fn a_lock_conflict_is_retried_promptly_and_never_recorded() {
     );
     engine.stop().await;
 }
+
+/// What the last heartbeat of `instance` recorded in `wh_service_instances.metadata`.
+async fn published(schema: &str, instance: Uuid) -> serde_json::Value {
+    let mut conn = connect().await;
+    sqlx::query_scalar(&format!(
+        "SELECT metadata FROM {schema}.wh_service_instances WHERE instance_id = $1"
+    ))
+    .bind(instance)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap()
+}
+
+/// Issue 24: contention that persists is named. Each instance's heartbeat publishes its lock
+/// conflicts of the last minute by perspective in `wh_service_instances.metadata` (beside the
+/// config's `instanceMetadata`), and `perspective-worker status` sums them over the live
+/// instances, with a hint naming `sequencing` from 10 a minute. The same workload as above,
+/// with a heartbeat every second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lock_conflicts_of_the_last_minute_are_in_the_heartbeat_and_in_status() {
+    let schema = unique_schema("contended");
+    let yaml = format!(
+        "{}  heartbeatIntervalSeconds: 1\n  instanceMetadata: {{ zone: eu-1 }}\n",
+        contention_yaml(&schema)
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let mut engines = Vec::new();
+    for _ in 0..3 {
+        engines.push(RunningEngine::start(&config).await);
+    }
+    let streams: Vec<Uuid> = (0..STREAMS).map(|_| Uuid::now_v7()).collect();
+    let started = tokio::time::Instant::now();
+    produce(&schema, &streams).await;
+    wait_until("every work row applied", Duration::from_secs(120), || {
+        let sql = format!("SELECT count(*) FROM {schema}.wh_perspective_events");
+        async move { scalar(&sql).await == 0 }
+    })
+    .await;
+    let took = started.elapsed();
+    // Each engine's conflicts of customer_stats, by SQLSTATE (its metric).
+    let counted: Vec<BTreeMap<String, u64>> = engines
+        .iter()
+        .map(|e| {
+            perspective_worker::db::CONTENTION_SQLSTATES
+                .iter()
+                .map(|s| {
+                    let n = e
+                        .metrics
+                        .contention_retries
+                        .with_label_values(&["customer_stats", s])
+                        .get();
+                    (s.to_string(), n)
+                })
+                .filter(|(_, n)| *n > 0)
+                .collect()
+        })
+        .collect();
+    let total: u64 = counted.iter().flat_map(|c| c.values()).sum();
+    assert!(total > 0, "the workload must make the appliers conflict");
+    // Every conflict is younger than a minute (unless the machine was very slow): each
+    // heartbeat after the last one publishes them all.
+    let exact = took < Duration::from_secs(40);
+    for (engine, counted) in engines.iter().zip(&counted) {
+        let want: u64 = counted.values().sum();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let metadata = loop {
+            let metadata = published(&schema, engine.instance_id).await;
+            let got = metadata["contention"]["customer_stats"]["perMinute"].as_u64();
+            let done = match got {
+                Some(got) if exact => got == want,
+                Some(got) => got > 0 && got <= want,
+                None => want == 0,
+            };
+            if done || tokio::time::Instant::now() > deadline {
+                break metadata;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(metadata["zone"], "eu-1", "the config's metadata is kept");
+        let entry = &metadata["contention"]["customer_stats"];
+        if want == 0 {
+            assert!(entry.is_null(), "{metadata}");
+            continue;
+        }
+        let got = entry["perMinute"].as_u64().unwrap_or_default();
+        if exact {
+            assert_eq!(got, want, "{metadata} vs {counted:?} after {took:?}");
+        } else {
+            assert!(got > 0 && got <= want, "{metadata} vs {counted:?}");
+        }
+        // The SQLSTATE most of them had.
+        let most = counted.values().max().unwrap();
+        let sqlstate = entry["sqlstate"].as_str().unwrap_or_default();
+        assert_eq!(
+            counted.get(sqlstate),
+            Some(most),
+            "{metadata} vs {counted:?}"
+        );
+    }
+
+    // `status` sums them over the live instances.
+    let path = std::env::temp_dir().join(format!("perspective-{schema}.yaml"));
+    std::fs::write(&path, &yaml).unwrap();
+    let status = |args: &[&str]| {
+        let out = worker_bin()
+            .arg("--config")
+            .arg(&path)
+            .arg("status")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let json: serde_json::Value = serde_json::from_str(&status(&["--json"])).unwrap();
+    let p = &json["perspectives"][0];
+    assert_eq!(p["name"], "customer_stats");
+    let per_minute = p["lockConflictsPerMinute"].as_u64().unwrap();
+    if exact {
+        assert_eq!(per_minute, total, "{json}");
+    } else {
+        assert!(per_minute > 0 && per_minute <= total, "{json}");
+    }
+    assert!(p["lockConflictSqlstate"].is_string(), "{json}");
+    let table = status(&[]);
+    assert!(table.contains("LOCK CONFLICTS/MIN"), "{table}");
+    let hint = format!(
+        "customer_stats: {per_minute} lock conflicts a minute between appliers; see sequencing"
+    );
+    let persistent = per_minute
+        >= perspective_worker::store::status::PERSISTENT_LOCK_CONFLICTS_PER_MINUTE as u64;
+    assert_eq!(
+        table.contains(&hint),
+        persistent,
+        "{per_minute} a minute: {table}"
+    );
+    eprintln!("{took:?}, {total} conflicts:\n{table}");
+    for e in engines {
+        e.stop().await;
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// `read_status` sums the published conflicts of the live instances only, per perspective, with
+/// the SQLSTATE of the instance that had the most; metadata of another shape (an old worker's,
+/// a hand-written one) counts as none rather than failing the status.
+#[tokio::test]
+async fn status_sums_the_conflicts_of_live_instances_and_ignores_other_shapes() {
+    let (schema, _) = migrated_schema("conflictsum").await;
+    let mut conn = connect().await;
+    let heartbeat = format!("SELECT {schema}.record_heartbeat($1, 'w', 'h', 1, $2::jsonb)");
+    for metadata in [
+        r#"{"zone": "a", "contention": {"alpha": {"perMinute": 30, "sqlstate": "55P03"}, "*": {"perMinute": 7, "sqlstate": "55P03"}}}"#,
+        r#"{"contention": {"alpha": {"perMinute": 12, "sqlstate": "40P01"}, "beta": {"perMinute": 2.6, "sqlstate": "40001"}}}"#,
+        r#"{"contention": {"alpha": {"perMinute": "many"}, "beta": 5}}"#,
+        r#"{"contention": "none"}"#,
+        r#"{"contention": {"alpha": {"perMinute": -4, "sqlstate": "55P03"}}}"#,
+    ] {
+        sqlx::query(&heartbeat)
+            .bind(Uuid::now_v7())
+            .bind(metadata)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    // A silent instance: no longer counted.
+    let silent = Uuid::now_v7();
+    sqlx::query(&heartbeat)
+        .bind(silent)
+        .bind(r#"{"contention": {"alpha": {"perMinute": 1000, "sqlstate": "40001"}}}"#)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_service_instances SET last_heartbeat_at = now() - interval '1 hour'
+         WHERE instance_id = $1"
+    ))
+    .bind(silent)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let st = perspective_worker::store::status::read_status(
+        &mut conn,
+        &schema,
+        &["alpha".into(), "beta".into()],
+        30.0,
+    )
+    .await
+    .unwrap();
+    let figures: Vec<(&str, i64, Option<&str>)> = st
+        .perspectives
+        .iter()
+        .map(|p| {
+            (
+                p.name.as_str(),
+                p.lock_conflicts_per_minute,
+                p.lock_conflict_sqlstate.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        figures,
+        [("alpha", 42, Some("55P03")), ("beta", 3, Some("40001"))]
+    );
+    assert_eq!(st.live_instances, 5);
+    assert!(st.perspectives[0].lock_contention());
+    assert!(!st.perspectives[1].lock_contention());
+}

@@ -1,11 +1,14 @@
 //! The status step: the database's view (once the schema exists), the status computed from
 //! everything observed ([`status::compute`]), a Warning Event when `Degraded` turns to a
-//! problem of the operator's part, and the status written when it changed.
+//! problem of the operator's part or a perspective's lock conflicts turn persistent, and the
+//! status written when it changed.
 
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::ResourceExt;
-use perspective_worker::store::status::Status as DbStatus;
+use perspective_worker::store::status::{
+    lock_contention_message, Status as DbStatus, PERSISTENT_LOCK_CONFLICTS_PER_MINUTE,
+};
 use serde_json::json;
 use tracing::warn;
 
@@ -54,6 +57,7 @@ pub async fn update_status(
     new_status.last_migration_failure = outcome.failures.last;
 
     report_degraded_change(ctx, pd, previous, &new_status).await;
+    report_lock_contention(ctx, pd, previous, &new_status).await;
     if new_status != *previous {
         let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
         pds.patch_status(
@@ -124,6 +128,56 @@ async fn report_degraded_change(
     ctx.publish(pd, event).await;
 }
 
+/// The Warning Event `LockContention`, when perspectives' lock conflicts turned persistent
+/// (at least [`PERSISTENT_LOCK_CONFLICTS_PER_MINUTE`] a minute) since the previous status: one
+/// line per such perspective. Once per change — not again while they stay persistent, however
+/// their count moves, but again if they calm down and come back.
+fn lock_contention_note(
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) -> Option<String> {
+    let persistent = |n: i64| n >= PERSISTENT_LOCK_CONFLICTS_PER_MINUTE;
+    let lines: Vec<String> = new
+        .perspectives
+        .iter()
+        .filter(|p| persistent(p.lock_conflicts_per_minute))
+        .filter(|p| {
+            !previous
+                .perspectives
+                .iter()
+                .any(|q| q.name == p.name && persistent(q.lock_conflicts_per_minute))
+        })
+        .map(|p| lock_contention_message(&p.name, p.lock_conflicts_per_minute))
+        .collect();
+    (!lines.is_empty()).then(|| lines.join("; "))
+}
+
+/// A Warning Event (and a log line) when a perspective's lock conflicts turn persistent (see
+/// [`lock_contention_note`]).
+async fn report_lock_contention(
+    ctx: &Context,
+    pd: &PerspectiveDeployment,
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) {
+    let Some(note) = lock_contention_note(previous, new) else {
+        return;
+    };
+    warn!(
+        namespace = pd.namespace().unwrap_or_default(),
+        name = %pd.name_any(),
+        contention = %note,
+        "lock conflicts between appliers persist"
+    );
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "LockContention",
+        note,
+        related: None,
+    };
+    ctx.publish(pd, event).await;
+}
+
 #[cfg(test)]
 mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -142,6 +196,46 @@ mod tests {
             }],
             ..Default::default()
         }
+    }
+
+    fn conflicts(figures: &[(&str, i64)]) -> PerspectiveDeploymentStatus {
+        PerspectiveDeploymentStatus {
+            perspectives: figures
+                .iter()
+                .map(|(name, n)| crate::crd::PerspectiveLag {
+                    name: (*name).into(),
+                    lock_conflicts_per_minute: *n,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn lock_contention_is_reported_once_per_change() {
+        let calm = conflicts(&[("customer_stats", 3), ("daily", 0)]);
+        let contended = conflicts(&[("customer_stats", 40), ("daily", 0)]);
+        assert_eq!(lock_contention_note(&calm, &calm), None);
+        assert_eq!(
+            lock_contention_note(&calm, &contended).as_deref(),
+            Some("customer_stats: 40 lock conflicts a minute between appliers; see sequencing")
+        );
+        // Still persistent, another count: nothing new.
+        let still = conflicts(&[("customer_stats", 12), ("daily", 9)]);
+        assert_eq!(lock_contention_note(&contended, &still), None);
+        // Another perspective joins: only it is named.
+        let both = conflicts(&[("customer_stats", 12), ("daily", 10)]);
+        assert_eq!(
+            lock_contention_note(&still, &both).as_deref(),
+            Some("daily: 10 lock conflicts a minute between appliers; see sequencing")
+        );
+        // Calm, then back: reported again; from a status without figures (first read) too.
+        assert_eq!(lock_contention_note(&both, &calm), None);
+        assert!(lock_contention_note(&calm, &contended).is_some());
+        assert!(
+            lock_contention_note(&PerspectiveDeploymentStatus::default(), &contended).is_some()
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! What follows from an [`Observed`], worked out once for all the condition builders.
 
-use perspective_worker::store::status::Status as DbStatus;
+use perspective_worker::store::status::{PerspectiveStatus, Status as DbStatus};
 
 use super::observed::Observed;
 use super::rollout::{self, Rollout, Step};
@@ -29,6 +29,10 @@ pub struct Facts<'a> {
     pub database_error: Option<&'a str>,
     pub dead_letters: i64,
     pub failed_streams: i64,
+    /// One line per perspective whose lock conflicts persist (see
+    /// [`PerspectiveStatus::lock_contention_message`]), e.g. "customer_stats: 40 lock conflicts
+    /// a minute between appliers; see sequencing".
+    pub lock_contention: Vec<String>,
     /// What is left before the current spec is rolled out ([`rollout::remaining_step`]).
     pub step: Option<Step>,
 }
@@ -48,7 +52,7 @@ impl<'a> Facts<'a> {
             Some(Err(e)) if migrated => Some(e.as_str()),
             _ => None,
         };
-        let sum = |field: fn(&perspective_worker::store::status::PerspectiveStatus) -> i64| {
+        let sum = |field: fn(&PerspectiveStatus) -> i64| {
             db.map_or(0, |s| s.perspectives.iter().map(field).sum())
         };
         Facts {
@@ -64,6 +68,12 @@ impl<'a> Facts<'a> {
             database_error,
             dead_letters: sum(|p| p.dead_letters),
             failed_streams: sum(|p| p.failed_streams),
+            lock_contention: db.map_or_else(Vec::new, |s| {
+                s.perspectives
+                    .iter()
+                    .filter_map(PerspectiveStatus::lock_contention_message)
+                    .collect()
+            }),
             step: rollout::remaining_step(o, &rollout, migrated, db),
         }
     }

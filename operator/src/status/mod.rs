@@ -83,6 +83,7 @@ fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dea
             dead_letters: p.dead_letters,
             phase: p.phase.into(),
             progress: p.progress.as_ref().map(PerspectiveProgress::from),
+            lock_conflicts_per_minute: p.lock_conflicts_per_minute,
         })
         .collect();
     status.phase = Some(phase_summary(&status.perspectives));

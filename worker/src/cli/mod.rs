@@ -97,7 +97,9 @@ enum Command {
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLettersCommand),
     /// Show per perspective its phase (Live, Backfilling, Rebuilding) with the progress of a
-    /// catch-up, pending work, oldest pending age, failed streams and dead letters.
+    /// catch-up, pending work, oldest pending age, failed streams, dead letters and lock
+    /// conflicts between appliers over the last minute (from the live workers' heartbeats;
+    /// from 10 a minute a hint names the perspective's `sequencing`).
     Status(status::StatusArgs),
 }
 

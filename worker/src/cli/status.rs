@@ -34,7 +34,10 @@ pub async fn execute(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A summary line, then one row per perspective.
+/// A summary line, then one row per perspective; below the table one line per catch-up in
+/// progress and one per perspective whose lock conflicts persist (at least
+/// [`PERSISTENT_LOCK_CONFLICTS_PER_MINUTE`](perspective_worker::store::status::PERSISTENT_LOCK_CONFLICTS_PER_MINUTE)
+/// a minute), naming the perspective's `sequencing` option.
 pub fn render(st: &Status) -> String {
     let mut table = Table::new(
         Style::Plain,
@@ -45,6 +48,7 @@ pub fn render(st: &Status) -> String {
             Column::right("OLDEST (s)").min_width(14),
             Column::right("FAILED STREAMS").min_width(14),
             Column::right("DEAD LETTERS").min_width(12),
+            Column::right("LOCK CONFLICTS/MIN").min_width(18),
         ],
     );
     for p in &st.perspectives {
@@ -65,18 +69,22 @@ pub fn render(st: &Status) -> String {
                 .map_or("-".to_string(), |s| format!("{s:.1}")),
             p.failed_streams.to_string(),
             p.dead_letters.to_string(),
+            p.lock_conflicts_per_minute.to_string(),
         ]);
     }
-    // Below the table, one line per catch-up in progress.
-    let catching_up: String = st
+    // Below the table, one line per catch-up in progress, then per persistent contention.
+    let catching_up = st.perspectives.iter().filter_map(|p| {
+        p.progress
+            .as_ref()
+            .map(|progress| progress.message(&p.name, p.phase))
+    });
+    let contended = st
         .perspectives
         .iter()
-        .filter_map(|p| {
-            Some(format!(
-                "{}\n",
-                p.progress.as_ref()?.message(&p.name, p.phase)
-            ))
-        })
+        .filter_map(|p| p.lock_contention_message());
+    let below: String = catching_up
+        .chain(contended)
+        .map(|line| format!("{line}\n"))
         .collect();
     format!(
         "schema {} (migration {}), {} live instance(s), {} active stream(s)\n{}{}",
@@ -86,7 +94,7 @@ pub fn render(st: &Status) -> String {
         st.live_instances,
         st.active_streams,
         table.render(),
-        catching_up
+        below
     )
 }
 
@@ -106,6 +114,8 @@ mod tests {
             dead_letters: 0,
             phase: Phase::Live,
             progress: None,
+            lock_conflicts_per_minute: 0,
+            lock_conflict_sqlstate: None,
         }
     }
 
@@ -124,9 +134,9 @@ mod tests {
         assert_eq!(
             render(&st),
             "schema shop (migration 2), 1 live instance(s), 4 active stream(s)\n\
-             PERSPECTIVE     PHASE     PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
-             customer_stats  Live            0               -               0             0\n\
-             order_summary   Live           12             3.0               0             0\n"
+             PERSPECTIVE     PHASE     PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS  LOCK CONFLICTS/MIN\n\
+             customer_stats  Live            0               -               0             0                   0\n\
+             order_summary   Live           12             3.0               0             0                   0\n"
         );
     }
 
@@ -147,9 +157,9 @@ mod tests {
         assert_eq!(
             render(&st),
             "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
-             PERSPECTIVE            PHASE     PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
-             a                      Live            0               -               0             0\n\
-             gone (not configured)  Live            1            10.0               0             2\n"
+             PERSPECTIVE            PHASE     PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS  LOCK CONFLICTS/MIN\n\
+             a                      Live            0               -               0             0                   0\n\
+             gone (not configured)  Live            1            10.0               0             2                   0\n"
         );
     }
 
@@ -176,9 +186,37 @@ mod tests {
         assert_eq!(
             render(&st),
             "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
-             PERSPECTIVE  PHASE               PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS\n\
-             totals       Backfilling 61%         390             2.0               0             0\n\
+             PERSPECTIVE  PHASE               PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS  LOCK CONFLICTS/MIN\n\
+             totals       Backfilling 61%         390             2.0               0             0                   0\n\
              totals backfilling: 61% (610/1 000 events, 6 100/10 000 streams), about 39 s left\n"
+        );
+    }
+
+    #[test]
+    fn persistent_lock_conflicts_get_a_hint_naming_sequencing() {
+        let contended = |name: &str, per_minute: i64| PerspectiveStatus {
+            lock_conflicts_per_minute: per_minute,
+            lock_conflict_sqlstate: Some("55P03".into()),
+            ..perspective(name, 0, None)
+        };
+        let st = Status {
+            schema: "s".into(),
+            perspectives: vec![
+                contended("customer_stats", 40),
+                contended("daily", 9),
+                contended("totals", 10),
+            ],
+            ..Status::default()
+        };
+        assert_eq!(
+            render(&st),
+            "schema s (migration none), 0 live instance(s), 0 active stream(s)\n\
+             PERSPECTIVE     PHASE     PENDING      OLDEST (s)  FAILED STREAMS  DEAD LETTERS  LOCK CONFLICTS/MIN\n\
+             customer_stats  Live            0               -               0             0                  40\n\
+             daily           Live            0               -               0             0                   9\n\
+             totals          Live            0               -               0             0                  10\n\
+             customer_stats: 40 lock conflicts a minute between appliers; see sequencing\n\
+             totals: 10 lock conflicts a minute between appliers; see sequencing\n"
         );
     }
 }

@@ -14,7 +14,9 @@ use super::names::{
 };
 use super::perspective::{Ordering, PerspectiveConfig, Sequencing};
 use super::sql_params;
-use super::worker_options::{WorkerOptions, MAX_HANDLER_TIMEOUT_MILLISECONDS};
+use super::worker_options::{
+    WorkerOptions, CONTENTION_METADATA_KEY, MAX_HANDLER_TIMEOUT_MILLISECONDS,
+};
 use super::Config;
 
 /// Statements that would end or split the worker's apply transaction.
@@ -217,6 +219,15 @@ fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
                 ),
             ));
         }
+    }
+    if worker
+        .instance_metadata
+        .contains_key(CONTENTION_METADATA_KEY)
+    {
+        problems.push(Problem::new(
+            format!("worker.instanceMetadata.{CONTENTION_METADATA_KEY}"),
+            "is reserved: each heartbeat records the lock conflicts of the last minute there",
+        ));
     }
     if worker.max_perspective_event_attempts == Some(0) {
         problems.push(Problem::new(
@@ -518,6 +529,11 @@ mod tests {
                 format!("{MINIMAL}worker:\n  heartbeatIntervalSeconds: 30\n"),
                 "worker.heartbeatIntervalSeconds",
                 "less than abandonStaleInstanceThresholdSeconds (30)",
+            ),
+            (
+                format!("{MINIMAL}worker:\n  instanceMetadata: {{ contention: low }}\n"),
+                "worker.instanceMetadata.contention",
+                "is reserved",
             ),
             (
                 format!("{MINIMAL}claimWorker:\n  pollingIntervalMilliseconds: 0\n"),

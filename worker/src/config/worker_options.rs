@@ -22,6 +22,11 @@ pub enum CompletionStrategy {
 /// `statement_timeout` (a 32-bit count of ms).
 pub const MAX_HANDLER_TIMEOUT_MILLISECONDS: u64 = 1_000_000_000;
 
+/// The key of an instance's metadata (`wh_service_instances.metadata`) under which its
+/// heartbeat publishes the lock conflicts of the last minute; `worker.instanceMetadata` may not
+/// use it.
+pub const CONTENTION_METADATA_KEY: &str = "contention";
+
 /// Options of the perspective worker (names and defaults follow PerspectiveWorkerOptions).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
@@ -75,7 +80,7 @@ pub struct WorkerOptions {
     pub handler_timeout_milliseconds: Option<u64>,
     /// Lifecycle stages: fire the PostPerspective hook once per event and perspective after it is applied, and once every subscribed perspective applied an event, NOTIFY `<schema>_applied` with its id (read-your-writes) and fire the PostAllPerspectives / PostLifecycle hooks, recorded in wh_lifecycle_completions (default false).
     pub notify_applied: bool,
-    /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty).
+    /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty). The key `contention` is the engine's: each heartbeat records there the lock conflicts between appliers of the last minute, by perspective.
     pub instance_metadata: BTreeMap<String, String>,
 }
 

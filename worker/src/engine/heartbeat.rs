@@ -1,16 +1,17 @@
-//! Heartbeats in `wh_service_instances`, abandoning instances that stopped heartbeating, and
-//! the pending-events and lag gauges.
+//! Heartbeats in `wh_service_instances` (with the lock conflicts of the last minute in the
+//! metadata, see [`super::contention_rate`]), abandoning instances that stopped heartbeating,
+//! and the pending-events and lag gauges.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Shared;
-use crate::store::instances::InstanceInfo;
+use crate::store::instances::{heartbeat_metadata, InstanceInfo};
 
 /// The heartbeat task.
 pub(crate) struct Heartbeat {
     shared: Arc<Shared>,
-    /// Who this instance is, as recorded with each heartbeat.
+    /// Who this instance is, as recorded with each heartbeat (the metadata is set at each).
     instance: InstanceInfo,
     /// When the pending-events gauges were last counted and how long that took.
     last_count: Option<(Instant, Duration)>,
@@ -40,8 +41,7 @@ impl Heartbeat {
             service_name: service_name.to_string(),
             host_name: std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()),
             process_id: std::process::id() as i32,
-            metadata: serde_json::to_value(&shared.config.worker.instance_metadata)
-                .unwrap_or_default(),
+            metadata: serde_json::Value::Null,
         };
         Heartbeat {
             shared,
@@ -53,6 +53,10 @@ impl Heartbeat {
     /// One heartbeat plus a stale-instance sweep. Returns how many instances were abandoned.
     pub(crate) async fn beat(&mut self) -> Result<i32, sqlx::Error> {
         let shared = &self.shared;
+        self.instance.metadata = heartbeat_metadata(
+            &shared.config.worker.instance_metadata,
+            &shared.contention.per_minute(),
+        );
         shared.store.record_heartbeat(&self.instance).await?;
         let abandoned = shared
             .store

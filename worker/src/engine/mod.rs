@@ -17,6 +17,7 @@
 //! - [`catchup`]: backfill and rebuild jobs: starting them, their chunks (shared with the other
 //!   instances), and their progress;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
+//!   [`contention_rate`]: the lock conflicts of the last minute each heartbeat publishes;
 //! - [`statistics`]: while busy, ANALYZE of the schema's tables that outgrew their planner
 //!   statistics (so cached plans of tables that grew from empty stop scanning them);
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
@@ -28,6 +29,7 @@
 
 pub mod catchup;
 pub mod claim;
+pub mod contention_rate;
 pub mod drain;
 pub mod heartbeat;
 pub mod hooks;
@@ -131,6 +133,8 @@ pub(crate) struct Shared {
     pub store: Store,
     pub hooks: Hooks,
     pub metrics: Arc<WorkerMetrics>,
+    /// Lock conflicts of the last minute, by perspective, for the heartbeat.
+    pub contention: contention_rate::ContentionRate,
     pub shutdown: CancellationToken,
 }
 
@@ -191,6 +195,7 @@ impl Engine {
             store,
             hooks: options.hooks.clone(),
             metrics: options.metrics.clone(),
+            contention: contention_rate::ContentionRate::default(),
             shutdown,
         });
         let readiness = options.readiness.clone();

@@ -1,5 +1,8 @@
 //! Liveness of worker instances in `wh_service_instances`.
 
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::Store;
@@ -7,6 +10,23 @@ use super::Store;
 const RECORD_HEARTBEAT: &str = "SELECT {schema}.record_heartbeat($1, $2, $3, $4, $5)";
 const CLEANUP_STALE_INSTANCES: &str = "SELECT {schema}.cleanup_stale_instances($1, $2)";
 const DEREGISTER_INSTANCE: &str = "SELECT {schema}.deregister_instance($1)";
+
+/// The key of `wh_service_instances.metadata` under which each heartbeat publishes the
+/// instance's lock conflicts with other appliers over the last minute, by perspective (only
+/// those that had any; `"*"`: whole `wh_drain` calls), e.g. `{"contention": {"customer_stats":
+/// {"perMinute": 40, "sqlstate": "55P03"}}}`. The other keys are the config's
+/// `worker.instanceMetadata`, which therefore may not use this one (validation says so).
+pub use crate::config::CONTENTION_METADATA_KEY;
+
+/// One perspective's lock conflicts over the last minute, as published in the metadata.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LockConflicts {
+    /// How many applies met one (each is retried).
+    pub per_minute: u64,
+    /// The SQLSTATE most of them had: 40P01, 40001 or 55P03.
+    pub sqlstate: String,
+}
 
 /// Who an instance is, as recorded with each heartbeat.
 #[derive(Debug, Clone)]
@@ -16,6 +36,25 @@ pub struct InstanceInfo {
     pub host_name: String,
     pub process_id: i32,
     pub metadata: serde_json::Value,
+}
+
+/// The metadata one heartbeat records: the config's `instance` key/values, plus
+/// [`CONTENTION_METADATA_KEY`] when `conflicts` has any.
+pub fn heartbeat_metadata(
+    instance: &BTreeMap<String, String>,
+    conflicts: &BTreeMap<String, LockConflicts>,
+) -> serde_json::Value {
+    let mut map: serde_json::Map<String, serde_json::Value> = instance
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+        .collect();
+    if !conflicts.is_empty() {
+        map.insert(
+            CONTENTION_METADATA_KEY.to_owned(),
+            serde_json::to_value(conflicts).unwrap_or_default(),
+        );
+    }
+    serde_json::Value::Object(map)
 }
 
 impl Store {
@@ -53,5 +92,33 @@ impl Store {
             .execute(self.pool())
             .await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_metadata_keeps_the_configs_keys_and_adds_the_conflicts_when_any() {
+        let zone = BTreeMap::from([("zone".to_owned(), "eu-1".to_owned())]);
+        assert_eq!(
+            heartbeat_metadata(&zone, &BTreeMap::new()),
+            serde_json::json!({"zone": "eu-1"})
+        );
+        let conflicts = BTreeMap::from([(
+            "customer_stats".to_owned(),
+            LockConflicts {
+                per_minute: 40,
+                sqlstate: "40P01".into(),
+            },
+        )]);
+        assert_eq!(
+            heartbeat_metadata(&zone, &conflicts),
+            serde_json::json!({
+                "zone": "eu-1",
+                "contention": {"customer_stats": {"perMinute": 40, "sqlstate": "40P01"}}
+            })
+        );
     }
 }

@@ -1,5 +1,5 @@
 //! Read-only status figures: how far behind each perspective is, whether it is catching up,
-//! what failed, who is alive.
+//! what failed, how often its appliers hit lock conflicts, who is alive.
 //! Used by `perspective-worker status`, the worker's pending gauge and the operator's status.
 
 use serde::Serialize;
@@ -7,6 +7,14 @@ use sqlx::postgres::PgConnection;
 use sqlx::Row;
 
 use crate::store::catchup::progress::{Phase, Progress};
+use crate::store::instances::CONTENTION_METADATA_KEY;
+
+/// Lock conflicts a minute between a perspective's appliers (summed over the live instances) at
+/// which the contention counts as persistent: `status` prints a hint naming `sequencing`, and
+/// the operator sets `Degraded` (`LockContention`) and sends a Warning Event. A few conflicts a
+/// minute cost little (each is retried within milliseconds); ten and more mean appliers keep
+/// queueing on the same rows.
+pub const PERSISTENT_LOCK_CONFLICTS_PER_MINUTE: i64 = 10;
 
 /// Status of one perspective.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -28,6 +36,32 @@ pub struct PerspectiveStatus {
     /// While catching up: streams done, events remaining, time left.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
+    /// Applies stopped by a lock conflict with another applier (and retried) over the last
+    /// minute, summed over the live instances' last heartbeats.
+    pub lock_conflicts_per_minute: i64,
+    /// The SQLSTATE most of those conflicts had (40P01, 40001, 55P03), when there were any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lock_conflict_sqlstate: Option<String>,
+}
+
+impl PerspectiveStatus {
+    /// Whether its lock conflicts persist: at least [`PERSISTENT_LOCK_CONFLICTS_PER_MINUTE`].
+    pub fn lock_contention(&self) -> bool {
+        self.lock_conflicts_per_minute >= PERSISTENT_LOCK_CONFLICTS_PER_MINUTE
+    }
+
+    /// What persistent lock contention means, e.g. "customer_stats: 40 lock conflicts a minute
+    /// between appliers; see sequencing"; None below the threshold.
+    pub fn lock_contention_message(&self) -> Option<String> {
+        self.lock_contention()
+            .then(|| lock_contention_message(&self.name, self.lock_conflicts_per_minute))
+    }
+}
+
+/// "NAME: N lock conflicts a minute between appliers; see sequencing" (the perspective's
+/// `sequencing` option decides which of its events may apply concurrently).
+pub fn lock_contention_message(perspective: &str, per_minute: i64) -> String {
+    format!("{perspective}: {per_minute} lock conflicts a minute between appliers; see sequencing")
 }
 
 /// Status of a deployment's schema.
@@ -73,6 +107,19 @@ const INSTANCES_AND_STREAMS: &str = "SELECT
        (SELECT count(*) FROM {schema}.wh_service_instances
         WHERE last_heartbeat_at > now() - make_interval(secs => $1)),
        (SELECT count(*) FROM {schema}.wh_active_streams)";
+/// Lock conflicts of the last minute per perspective, summed over the live instances'
+/// heartbeats (see [`CONTENTION_METADATA_KEY`]), with the SQLSTATE of the instance that had
+/// the most. Metadata of another shape counts as none.
+const LOCK_CONFLICTS: &str = "SELECT name, sum(n)::bigint, (array_agg(sqlstate ORDER BY n DESC))[1]
+     FROM (SELECT c.key AS name, left(c.value->>'sqlstate', 5) AS sqlstate,
+                  CASE WHEN jsonb_typeof(c.value->'perMinute') = 'number'
+                       THEN least(round((c.value->>'perMinute')::numeric), 1e12) END AS n
+           FROM {schema}.wh_service_instances i,
+                jsonb_each(CASE WHEN jsonb_typeof(i.metadata->$2) = 'object'
+                                THEN i.metadata->$2 ELSE '{}' END) AS c
+           WHERE i.last_heartbeat_at > now() - make_interval(secs => $1)) AS x
+     WHERE n >= 1
+     GROUP BY name";
 const PENDING_PER_PERSPECTIVE: &str = "SELECT perspective_name, count(*),
             extract(epoch FROM now() - min(created_at))::float8
      FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY perspective_name";
@@ -92,6 +139,12 @@ pub async fn read_status(
         .fetch_all(&mut *conn)
         .await?;
     let jobs = super::catchup::progress(&mut *conn, schema).await?;
+    let conflicts: Vec<(String, i64, Option<String>)> =
+        sqlx::query_as(&super::sql(schema, LOCK_CONFLICTS))
+            .bind(stale_after_seconds)
+            .bind(CONTENTION_METADATA_KEY)
+            .fetch_all(&mut *conn)
+            .await?;
     let perspectives = rows
         .iter()
         .map(|r| {
@@ -103,6 +156,10 @@ pub async fn read_status(
                 }
                 None => (Phase::Live, None),
             };
+            let (lock_conflicts_per_minute, lock_conflict_sqlstate) = conflicts
+                .iter()
+                .find(|(p, _, _)| *p == name)
+                .map_or((0, None), |(_, n, state)| (*n, state.clone()));
             PerspectiveStatus {
                 name,
                 configured: r.get(1),
@@ -112,6 +169,8 @@ pub async fn read_status(
                 dead_letters: r.get(5),
                 phase,
                 progress,
+                lock_conflicts_per_minute,
+                lock_conflict_sqlstate,
             }
         })
         .collect();

@@ -1,5 +1,6 @@
 //! `Degraded`: something needs a look — the first of: an invalid spec, a missing Secret, a
-//! refused child, a failed migration, an unreachable database, failing events.
+//! refused child, a failed migration, an unreachable database, failing events, persistent lock
+//! contention between appliers (the events still apply, slowly).
 
 use super::{Desired, DEGRADED};
 use crate::migration_job::JobState;
@@ -33,6 +34,8 @@ pub fn desired(f: &Facts) -> Desired {
                 f.dead_letters, f.failed_streams
             ),
         )
+    } else if !f.lock_contention.is_empty() {
+        degraded("LockContention", f.lock_contention.join("; "))
     } else {
         Desired::new(DEGRADED, false, "AsExpected", "")
     }
@@ -56,6 +59,38 @@ mod tests {
         assert_eq!(reason(&fixture::migrated(3)), (false, "AsExpected".into()));
     }
 
+    fn contended(name: &str, per_minute: i64) -> PerspectiveStatus {
+        PerspectiveStatus {
+            name: name.into(),
+            lock_conflicts_per_minute: per_minute,
+            lock_conflict_sqlstate: Some("55P03".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn persistent_lock_contention_is_named_per_perspective() {
+        let mut o = fixture::migrated(3);
+        o.database = Some(Ok(fixture::database(
+            3,
+            vec![
+                contended("customer_stats", 40),
+                contended("daily", 9),
+                contended("totals", 10),
+            ],
+        )));
+        let d = desired(&Facts::of(&o));
+        assert_eq!((d.status, d.reason.as_str()), (true, "LockContention"));
+        assert_eq!(
+            d.message,
+            "customer_stats: 40 lock conflicts a minute between appliers; see sequencing; \
+             totals: 10 lock conflicts a minute between appliers; see sequencing"
+        );
+        // A few conflicts a minute are no problem.
+        o.database = Some(Ok(fixture::database(3, vec![contended("daily", 9)])));
+        assert_eq!(reason(&o), (false, "AsExpected".into()));
+    }
+
     #[test]
     fn the_first_problem_found_is_the_reason() {
         let mut o = fixture::migrated(3);
@@ -65,7 +100,7 @@ mod tests {
                 name: "a".into(),
                 dead_letters: 2,
                 failed_streams: 1,
-                ..Default::default()
+                ..contended("a", 40)
             }],
         )));
         let failing = desired(&Facts::of(&o));

@@ -1,5 +1,6 @@
 //! `Progressing`: whether something is under way — a migration, a rollout step, perspectives
-//! catching up — or why nothing is (stalled, paused, waiting for the Secret, complete).
+//! catching up — or why nothing is (stalled, paused, waiting for the Secret, complete). While it
+//! is, persistent lock contention is named too (it slows what is under way).
 
 use perspective_worker::store::catchup::progress::Phase;
 use perspective_worker::store::status::PerspectiveStatus;
@@ -8,7 +9,8 @@ use super::{Desired, PROGRESSING};
 use crate::status::facts::Facts;
 use crate::status::observed::SECRET_RECHECK;
 
-/// `Progressing`, with one line per catching-up perspective appended while it is `True`.
+/// `Progressing`, with one line per catching-up perspective, then one per perspective whose
+/// lock conflicts persist, appended while it is `True`.
 pub fn desired(f: &Facts) -> Desired {
     let o = f.observed;
     let catching_up =
@@ -47,10 +49,11 @@ pub fn desired(f: &Facts) -> Desired {
             "the current spec is rolled out".to_owned(),
         )
     };
-    let message = if progressing && !catching_up.is_empty() {
+    let message = if progressing {
         std::iter::once(message)
             .filter(|m| !m.is_empty())
             .chain(catching_up)
+            .chain(f.lock_contention.iter().cloned())
             .collect::<Vec<_>>()
             .join("; ")
     } else {
@@ -121,6 +124,47 @@ mod tests {
             (true, "CatchingUp".into(), "totals backfilling".into())
         );
         o.database = Some(Ok(fixture::database(3, vec![])));
+        assert_eq!(
+            progressing(&o),
+            (
+                false,
+                "Complete".into(),
+                "the current spec is rolled out".into()
+            )
+        );
+    }
+
+    #[test]
+    fn while_progressing_persistent_lock_contention_is_named() {
+        let contended = PerspectiveStatus {
+            name: "customer_stats".into(),
+            lock_conflicts_per_minute: 40,
+            ..Default::default()
+        };
+        let mut o = fixture::migrated(3);
+        o.database = Some(Ok(fixture::database(
+            3,
+            vec![backfilling(), contended.clone()],
+        )));
+        assert_eq!(
+            progressing(&o),
+            (
+                true,
+                "CatchingUp".into(),
+                "totals backfilling; customer_stats: 40 lock conflicts a minute between \
+                 appliers; see sequencing"
+                    .into()
+            )
+        );
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 3, false));
+        assert_eq!(
+            progressing(&o).2,
+            "worker pods are not all running the current template; totals backfilling; \
+             customer_stats: 40 lock conflicts a minute between appliers; see sequencing"
+        );
+        // Nothing under way: Degraded names it, Progressing does not.
+        o.statefulset = Some(fixture::statefulset("mh", "ch", 3, true));
+        o.database = Some(Ok(fixture::database(3, vec![contended])));
         assert_eq!(
             progressing(&o),
             (

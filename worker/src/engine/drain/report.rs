@@ -48,8 +48,8 @@ pub(super) fn report_failed(
 }
 /// Metrics, hook and log for an apply stopped by a lock conflict with another applier
 /// (`sqlstate`): retried soon, not a failure. Logged at debug: under contention it happens
-/// many times a second, and the metric counts it. `stream_id` None: a whole `wh_drain` call
-/// (`perspective` "*").
+/// many times a second, and the metric counts it (and the last minute's rate, which the
+/// heartbeat publishes). `stream_id` None: a whole `wh_drain` call (`perspective` "*").
 pub(super) fn report_contended(
     ctx: &Shared,
     perspective: &str,
@@ -62,6 +62,7 @@ pub(super) fn report_contended(
         .contention_retries
         .with_label_values(&[perspective, sqlstate])
         .inc();
+    ctx.contention.record(perspective, sqlstate);
     ctx.hooks.emit(HookEvent::ContentionRetried {
         perspective: perspective.to_string(),
         stream_id,
