@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v27";
+const FORMAT_VERSION: &str = "apply-v28";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v27",
-                "29de7b1b6f36aeef17fa16042e43cc2e1e74c1e071032683990bd7acf8d3c6d3"
+                "apply-v28",
+                "d4598e8513962a1a431c0ae25d954c05c09f178861429c4b3ba2ae2b587257e1"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

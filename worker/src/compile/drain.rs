@@ -205,10 +205,12 @@ perspectives:
             "never waits for a key"
         );
         assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) AS slot"), "{sql}");
+        // A serial perspective takes its one lock without reading its rows first.
         assert!(
-            sql.contains("UNION ALL SELECT w.stream_id, w.perspective_name, hashtext('s.one') AS class, 0 AS slot"),
+            sql.contains("IF NOT pg_try_advisory_xact_lock(hashtext('s.one'), 0) THEN\n      v_busy_serial := v_busy_serial || 'one'::text;"),
             "{sql}"
         );
+        assert!(!sql.contains("hashtext('s.one') AS class"), "{sql}");
         // The check before each apply, in both paths, for the sequenced perspectives only.
         assert_eq!(
             sql.matches("NOT pg_try_advisory_xact_lock(hashtext('s.by_key')")
@@ -218,7 +220,8 @@ perspectives:
         assert_eq!(
             sql.matches("NOT pg_try_advisory_xact_lock(hashtext('s.one'), 0)")
                 .count(),
-            2
+            3,
+            "the lock up front and the check in both paths"
         );
         assert!(!sql.contains("hashtext('s.a')"));
         // Without sequenced perspectives there is no wait at all.

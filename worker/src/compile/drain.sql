@@ -170,6 +170,7 @@ DECLARE
   -- Sequenced pairs with a key another applier holds: not applied in this call.
   v_busy_streams uuid[];
   v_busy_names text[];
+  v_busy_serial text[] := '{}';
 BEGIN
   -- The listed streams this instance holds: one primary-key probe per stream. (Given both
   -- conditions, the planner would pick the owner index and filter every stream this instance
@@ -188,17 +189,22 @@ BEGIN
   END IF;
 {% if sequenced %}
   IF p_sequenced IS NOT FALSE THEN
-    -- The keys of the sequenced pairs' pending rows: each taken if free, in one sorted order
-    -- (see the header). A pair with a key another applier holds is busy: left out below.
+  {% for p in sequenced if not p.from_store %}
+    -- {{ p.name }} is serial: one lock; while another applier holds it, its pairs are busy.
+    IF NOT pg_try_advisory_xact_lock({{ p.class }}, {{ p.slot }}) THEN
+      v_busy_serial := v_busy_serial || {{ p.name|literal }}::text;
+    END IF;
+  {% endfor %}
+  {% if sequenced|selectattr("from_store")|list %}
+    -- The keys of the keyed pairs' pending rows: each taken if free, in one sorted order (see
+    -- the header). A pair with a key another applier holds is busy.
     WITH keyed AS MATERIALIZED (
-  {% for p in sequenced %}
+    {% for p in sequenced if p.from_store %}
       {{ "" if loop.first else "UNION ALL " }}SELECT w.stream_id, w.perspective_name, {{ p.class }} AS class, {{ p.slot }} AS slot
       FROM {{ schema }}.wh_perspective_events w
-    {% if p.from_store %}
       JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
-    {% endif %}
       WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
-  {% endfor %}
+    {% endfor %}
     ), taken AS MATERIALIZED (
       SELECT k.class, k.slot, pg_try_advisory_xact_lock(k.class, k.slot) AS got
       FROM (SELECT DISTINCT y.class, y.slot FROM keyed y ORDER BY 1, 2) k
@@ -206,6 +212,15 @@ BEGIN
     SELECT array_agg(busy.stream_id), array_agg(busy.perspective_name) INTO v_busy_streams, v_busy_names
     FROM (SELECT DISTINCT y.stream_id, y.perspective_name FROM keyed y
           JOIN taken t ON t.class = y.class AND t.slot = y.slot WHERE NOT t.got) busy;
+  {% endif %}
+    IF cardinality(v_busy_serial) > 0 THEN
+      -- The busy serial perspectives' pairs with pending rows: one index probe per pair.
+      SELECT coalesce(v_busy_streams, '{}') || array_agg(x.s), coalesce(v_busy_names, '{}') || array_agg(p.name)
+        INTO v_busy_streams, v_busy_names
+      FROM unnest(v_owned) AS x(s), unnest(v_busy_serial) AS p(name)
+      WHERE EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
+                    WHERE w.stream_id = x.s AND w.perspective_name = p.name AND w.processed_at IS NULL);
+    END IF;
   END IF;
 {% endif %}
   IF v_shallow_rows = 0 THEN
