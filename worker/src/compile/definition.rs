@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v28";
+const FORMAT_VERSION: &str = "apply-v29";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,7 +153,7 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v28",
+                "apply-v29",
                 "d4598e8513962a1a431c0ae25d954c05c09f178861429c4b3ba2ae2b587257e1"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
