@@ -2,9 +2,10 @@
 //! never apply concurrently; `serial`: one applier at a time. Per-stream order and exactly-once
 //! hold in every mode. Real PostgreSQL, several engines, events appended while they run.
 //!
-//! Each handler probes for concurrency itself: it takes a transaction-scoped advisory lock of
-//! its own (named by the schema) for the event's key with `pg_try_advisory_xact_lock`, which fails exactly when
-//! another, still open, transaction applied an event of the same key, and records the overlap.
+//! Each handler probes for concurrency itself ([`overlap_probe`]): it takes a transaction-scoped
+//! advisory lock of its own (named by the schema) for the event's key with
+//! `pg_try_advisory_xact_lock`, which fails when another transaction applied an event of the
+//! same key and is still running, and records the overlap.
 
 mod common;
 
@@ -22,9 +23,8 @@ const KEY: &str = "hashtext(:stream_id::text) & 7";
 /// (`global`), one row per stream (`per_stream`); each records the versions it applied per
 /// stream, and the two shared-row ones record every overlap their probe saw.
 fn sequencing_yaml(schema: &str, by_key: &str, global: &str) -> String {
-    // (Advisory locks are database-wide: the probe's are named by the schema, so tests running
-    // side by side do not see each other.)
     let perspective = |name: &str, sequencing: &str, row: &str| {
+        let overlap = overlap_probe(schema, row);
         format!(
             "  - name: {name}
 {sequencing}    setup: |
@@ -33,7 +33,7 @@ fn sequencing_yaml(schema: &str, by_key: &str, global: &str) -> String {
       CREATE TABLE IF NOT EXISTS overlap_log (perspective text NOT NULL, k int NOT NULL);
     handlers:
       A: >-
-        INSERT INTO overlap_log SELECT '{name}', {row} WHERE NOT pg_try_advisory_xact_lock(hashtext('probe {schema}'), {row});
+        INSERT INTO overlap_log SELECT '{name}', {row} WHERE {overlap};
         INSERT INTO {name}_rows AS r VALUES ({row}, 1) ON CONFLICT (k) DO UPDATE SET events = r.events + 1;
         INSERT INTO {name}_seen AS s VALUES (:stream_id, ARRAY[:stream_version])
         ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version

@@ -17,7 +17,7 @@ use sqlx::Connection;
 
 use crate::compile::{
     create_apply_function, create_batch_function, create_drain_function, definition_hash,
-    handlers_hash, runs_as_perform,
+    handlers_hash, runs_as_perform, sequencing_key_check,
 };
 use crate::config::sql_params::ParsedStatement;
 use crate::config::{Config, ConfigError, Problem};
@@ -436,9 +436,9 @@ async fn sync_subscriptions(
 }
 
 /// Run each perspective's `setup`, then prepare its `reset` and handler statements with the
-/// parameter types the runner binds, so a typo fails here rather than on the first event, then
-/// compile every perspective. Every problem is collected (each statement runs in its own
-/// savepoint) and reported together.
+/// parameter types the runner binds (and its `sequencingKey` over the event store), so a typo
+/// fails here rather than on the first event, then compile every perspective. Every problem is
+/// collected (each statement runs in its own savepoint) and reported together.
 async fn setup_and_prepare(
     conn: &mut PgConnection,
     config: &Config,
@@ -485,6 +485,17 @@ async fn setup_and_prepare(
                     path,
                     message: describe_error(&e, Some(&sql)),
                 }),
+            }
+        }
+        if let Some(sql) = sequencing_key_check(&config.schema, p) {
+            if let Err(e) = in_savepoint(conn, Step::Prepare(&sql, &[])).await? {
+                problems.push(Problem {
+                    path: at("sequencingKey"),
+                    message: format!(
+                        "does not compile over the event store: {}",
+                        describe_error(&e, None)
+                    ),
+                });
             }
         }
     }

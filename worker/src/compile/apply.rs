@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use minijinja::{context, Value};
 
+use super::sequencing::lock_slots;
 use super::{apply_function_name, batch_function_name, render};
 use crate::config::sql_params::{Param, ParsedStatement};
 use crate::config::{Ordering, PerspectiveConfig};
@@ -24,6 +25,7 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
             uses => uses(perspective),
             handlers => handlers(perspective),
             reset => reset(perspective),
+            lock => lock_slots(schema, perspective),
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
             applied_channel => applied_channel(schema),
@@ -236,6 +238,36 @@ mod tests {
         let commit = create_apply_function("s", &commit_ordered());
         assert!(!commit.contains("v_rewound := true;"));
         assert!(!commit.contains("ORDER BY e.event_id"));
+    }
+
+    /// rewind_detect.sql with sequencing: key: the replay takes the locks of the keys of every
+    /// event it applies again, or gives the pair up as contention; serial (whose one lock
+    /// wh_drain holds already) and stream take none.
+    #[test]
+    fn a_keyed_rewind_locks_the_keys_of_its_replay() {
+        let keyed = {
+            let mut p = event_id_ordered();
+            p.sequencing = crate::config::Sequencing::Key;
+            p.sequencing_key = Some(":data->>'c'".into());
+            p
+        };
+        let sql = create_apply_function("s", &keyed);
+        let replay = sql.find("v_last := 0;").expect("the replay's arrays");
+        let check = sql
+            .find("FROM (SELECT p_stream_id AS s, u.v FROM unnest(a_versions) AS u(v)) x")
+            .expect("the check of the replay's keys");
+        assert!(replay < check, "{sql}");
+        assert!(sql.contains("JOIN s.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v WHERE NOT pg_try_advisory_xact_lock(hashtext('s.p'), (hashtext(coalesce((e.event_data->>'c')::text, '')) & 63))"), "{sql}");
+        assert!(sql.contains("USING ERRCODE = 'lock_not_available'"));
+        let serial = {
+            let mut p = event_id_ordered();
+            p.sequencing = crate::config::Sequencing::Serial;
+            p
+        };
+        for p in [serial, event_id_ordered()] {
+            let sql = create_apply_function("s", &p);
+            assert!(!sql.contains("pg_try_advisory_xact_lock"), "{sql}");
+        }
     }
 
     /// rewind_reset.sql: the reset runs before the replay, under the triggering event's

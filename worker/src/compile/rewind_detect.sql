@@ -1,7 +1,11 @@
 {#- ordering: eventId. A group holding an event older (by id) than the last one applied, or out
     of id order, rewinds the stream: the event arrays are replaced by all of the stream's
     handled events up to the group's end, in event-id order, to be replayed from scratch in the
-    same transaction. Slots: schema, handled_types, uses. #}
+    same transaction. With sequencing: key, the replay applies earlier events again whose keys
+    wh_drain did not lock (it locks those of the pending rows): their locks are taken here, or,
+    while another applier holds one, the pair is given up as contention (55P03) and retried,
+    so that events of one key are never applied concurrently (see drain.sql).
+    Slots: schema, handled_types, uses, lock (sequencing.rs; none for sequencing: stream). #}
   IF NOT p_force THEN
     v_prev := v_last_event;
     FOR v_i IN 1..v_n LOOP
@@ -23,4 +27,10 @@
       AND e.event_type IN ({{ handled_types|map("literal")|join(", ") }});
     v_n := coalesce(array_length(a_event_ids, 1), 0);
     v_last := 0;
+{% if lock and lock.from_store %}
+    IF EXISTS (SELECT 1 FROM (SELECT p_stream_id AS s, u.v FROM unnest(a_versions) AS u(v)) x
+               {{ lock.join }} WHERE NOT pg_try_advisory_xact_lock({{ lock.class }}, {{ lock.slot }})) THEN
+      RAISE EXCEPTION 'a sequencing key of {{ perspective }} is held by another applier (rewind)' USING ERRCODE = 'lock_not_available';
+    END IF;
+{% endif %}
   END IF;

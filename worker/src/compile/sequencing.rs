@@ -27,17 +27,7 @@ pub fn lock_slots(schema: &str, perspective: &PerspectiveConfig) -> Option<Value
     let (slot, from_store) = match perspective.sequencing {
         Sequencing::Stream => return None,
         Sequencing::Serial => ("0".to_owned(), false),
-        Sequencing::Key => {
-            let key = perspective
-                .compiled_sequencing_key()
-                .expect("sequencing: key without a validated sequencingKey")
-                .render_with(event_column);
-            let slot = format!(
-                "(hashtext(coalesce(({key})::text, '')) & {})",
-                KEY_LOCK_SLOTS - 1
-            );
-            (slot, true)
-        }
+        Sequencing::Key => (key_slot(perspective), true),
     };
     let join = if from_store {
         format!("JOIN {schema}.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v")
@@ -45,6 +35,33 @@ pub fn lock_slots(schema: &str, perspective: &PerspectiveConfig) -> Option<Value
         String::new()
     };
     Some(context! { name => &perspective.name, class, slot, from_store, join })
+}
+
+/// The lock slot of an event row `e` of the store of a `key` perspective: its key, hashed and
+/// folded into [`KEY_LOCK_SLOTS`].
+fn key_slot(perspective: &PerspectiveConfig) -> String {
+    let key = perspective
+        .compiled_sequencing_key()
+        .expect("sequencing: key without a validated sequencingKey")
+        .render_with(event_column);
+    format!(
+        "(hashtext(coalesce(({key})::text, '')) & {})",
+        KEY_LOCK_SLOTS - 1
+    )
+}
+
+/// For a `key` perspective, a query that `migrate` prepares to prove its `sequencingKey`
+/// compiles against the event store (a misspelt function or column, a type error, a
+/// set-returning or aggregate function), as `wh_drain` uses it: over an event row `e`, in a
+/// WHERE clause. `wh_drain` itself would compile it only when first called, and fail every call.
+/// None for the other modes.
+pub fn sequencing_key_check(schema: &str, perspective: &PerspectiveConfig) -> Option<String> {
+    (perspective.sequencing == Sequencing::Key).then(|| {
+        format!(
+            "SELECT 1 FROM {schema}.wh_event_store e WHERE {} IS NULL LIMIT 0",
+            key_slot(perspective)
+        )
+    })
 }
 
 /// A handler parameter as the column of the store's event row `e` it is bound from.
@@ -110,6 +127,17 @@ mod tests {
         assert_eq!(lock.get_attr("slot").unwrap().to_string(), "0");
         assert!(!lock.get_attr("from_store").unwrap().is_true());
         assert!(lock_slots("s", &perspective("")).is_none());
+    }
+
+    #[test]
+    fn only_a_key_is_checked_over_the_event_store() {
+        let p = perspective("    sequencing: key\n    sequencingKey: \":data->>'customer'\"\n");
+        assert_eq!(
+            sequencing_key_check("s", &p).unwrap(),
+            "SELECT 1 FROM s.wh_event_store e WHERE (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) IS NULL LIMIT 0"
+        );
+        assert!(sequencing_key_check("s", &perspective("    sequencing: serial\n")).is_none());
+        assert!(sequencing_key_check("s", &perspective("")).is_none());
     }
 
     #[test]

@@ -336,3 +336,271 @@ pub async fn assert_exactly_once(schema: &str, expected_streams: usize) {
         assert_eq!(n as usize, expected_streams, "{p}: every stream has a row");
     }
 }
+
+/// A sequencing mode that puts events of different streams in line (DESIGN §12.2): the
+/// lifecycle tests of `key` and `serial` run once per mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sequenced {
+    Key,
+    Serial,
+}
+
+/// The key of the events of [`sequenced_perspective`]: the event's `k` when it has one, else
+/// one of 8 values shared by many streams.
+pub const SEQUENCING_KEY: &str = "coalesce(:data->>'k', (hashtext(:stream_id::text) & 7)::text)";
+/// [`SEQUENCING_KEY`] over a row `e` of the event store.
+pub const SEQUENCING_KEY_OF_STORED_EVENT: &str =
+    "coalesce(e.event_data->>'k', (hashtext(e.stream_id::text) & 7)::text)";
+
+impl Sequenced {
+    pub fn name(self) -> &'static str {
+        match self {
+            Sequenced::Key => "key",
+            Sequenced::Serial => "serial",
+        }
+    }
+
+    /// The perspective's `sequencing` lines.
+    pub fn yaml(self) -> String {
+        match self {
+            Sequenced::Key => {
+                format!("    sequencing: key\n    sequencingKey: \"{SEQUENCING_KEY}\"\n")
+            }
+            Sequenced::Serial => "    sequencing: serial\n".into(),
+        }
+    }
+
+    /// The slot of the concurrency probe: what must never be applied by two open transactions
+    /// at once (the key; for serial, anything).
+    fn probe(self) -> &'static str {
+        match self {
+            Sequenced::Key => {
+                "hashtext(coalesce(:data->>'k', (hashtext(:stream_id::text) & 7)::text))"
+            }
+            Sequenced::Serial => "0",
+        }
+    }
+}
+
+/// SQL true when another transaction, still running, applied an event whose probe `slot` is
+/// `slot` (an int expression): a handler's probe for concurrency. It takes a transaction-scoped
+/// advisory lock of its own for the slot (named by the schema: locks are database-wide) with
+/// `pg_try_advisory_xact_lock`, which fails while another transaction holds it. A committing
+/// transaction releases its locks one by one after it has ended, so an applier waiting for its
+/// sequencing lock may get that one and run before the probe's is released: a holder counts
+/// only while its transaction is still running (has a `backend_xid`; every applier has one,
+/// it writes its cursors first).
+pub fn overlap_probe(schema: &str, slot: &str) -> String {
+    one_line(&format!(
+        "CASE WHEN pg_try_advisory_xact_lock(hashtext('probe {schema}'), {slot}) THEN false
+         ELSE EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                      WHERE {held} AND a.backend_xid IS NOT NULL) END",
+        held = probe_lock_held(schema, slot),
+    ))
+}
+
+/// SQL naming the sessions that hold the probe lock of `slot` (see [`overlap_probe`]), to say
+/// who applied alongside.
+pub fn overlap_holders(schema: &str, slot: &str) -> String {
+    one_line(&format!(
+        "(SELECT string_agg(a.pid || ' xid ' || coalesce(a.backend_xid::text, '-') || ': ' || left(a.query, 160), ' | ')
+          FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid WHERE {held})",
+        held = probe_lock_held(schema, slot),
+    ))
+}
+
+/// `sql` on one line (it goes into YAML).
+fn one_line(sql: &str) -> String {
+    sql.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// SQL over `pg_locks l`: another session holds the probe lock of `slot`. (An advisory lock on
+/// two int4 keys shows as classid and objid, the keys as unsigned, and objsubid 2.)
+fn probe_lock_held(schema: &str, slot: &str) -> String {
+    one_line(&format!(
+        "l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.pid <> pg_backend_pid()
+         AND l.classid::int8 = (hashtext('probe {schema}')::int8 + 4294967296) % 4294967296
+         AND l.objid::int8 = (({slot})::int8 + 4294967296) % 4294967296"
+    ))
+}
+
+/// Perspective `agg`, sequenced by `mode`, with `lines` (e.g. `ordering`, `version`) added: one
+/// row per key shared by many streams (`agg_rows`), and per stream the versions, keys and labels
+/// (`:data->>'n'`) it applied, in order (`agg_seen`). Its `reset` takes a stream's share out of
+/// the shared rows. Each handler first probes for concurrency ([`overlap_probe`], keyed by the
+/// event's key; for serial, one slot) and records what it sees in `overlap_log`, with the
+/// appliers alongside.
+pub fn sequenced_perspective(schema: &str, mode: Sequenced, lines: &str) -> String {
+    let key = SEQUENCING_KEY;
+    let (overlap, holders) = (
+        overlap_probe(schema, mode.probe()),
+        overlap_holders(schema, mode.probe()),
+    );
+    format!(
+        "  - name: agg
+{sequencing}{lines}    setup: |
+      CREATE TABLE IF NOT EXISTS agg_rows (k text PRIMARY KEY, events bigint NOT NULL);
+      CREATE TABLE IF NOT EXISTS agg_seen (stream_id uuid PRIMARY KEY, versions bigint[] NOT NULL, keys text[] NOT NULL, labels text[] NOT NULL);
+      CREATE TABLE IF NOT EXISTS overlap_log (k text NOT NULL, stream_id uuid NOT NULL, stream_version bigint NOT NULL, holder text);
+    reset: |
+      UPDATE agg_rows r SET events = r.events - c.n
+      FROM (SELECT k, count(*) AS n FROM agg_seen, unnest(keys) AS k WHERE stream_id = :stream_id GROUP BY k) c
+      WHERE r.k = c.k;
+      DELETE FROM agg_seen WHERE stream_id = :stream_id
+    handlers:
+      A: >-
+        INSERT INTO overlap_log SELECT {key}, :stream_id, :stream_version, {holders} WHERE {overlap};
+        SELECT pg_sleep(coalesce((:data->>'sleep')::float8, 0));
+        INSERT INTO agg_rows AS r VALUES ({key}, 1) ON CONFLICT (k) DO UPDATE SET events = r.events + 1;
+        INSERT INTO agg_seen AS s VALUES (:stream_id, ARRAY[:stream_version], ARRAY[{key}], ARRAY[coalesce(:data->>'n', '')])
+        ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version, keys = s.keys || {key}, labels = s.labels || coalesce(:data->>'n', '')
+",
+        sequencing = mode.yaml(),
+    )
+}
+
+/// Perspective `plain` (`sequencing: stream`): the versions it applied per stream, in
+/// `plain_seen`.
+pub const PLAIN_PERSPECTIVE: &str = "  - name: plain
+    setup: CREATE TABLE IF NOT EXISTS plain_seen (stream_id uuid PRIMARY KEY, versions bigint[] NOT NULL)
+    handlers:
+      A: INSERT INTO plain_seen AS s VALUES (:stream_id, ARRAY[:stream_version]) ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version
+";
+
+/// A config of `perspectives` (from [`sequenced_perspective`], [`PLAIN_PERSPECTIVE`]) with
+/// `extra` (worker / claimWorker options) appended.
+pub fn sequenced_yaml(schema: &str, perspectives: &[&str], extra: &str) -> String {
+    format!(
+        "schema: {schema}\nperspectives:\n{}{extra}",
+        perspectives.concat()
+    )
+}
+
+/// `agg` (and `plain`, when `plain`) applied every event of the store exactly once, each stream
+/// in order (versions 1..n of `streams` streams); each shared row of `agg` counts exactly the
+/// events of its key; and no two transactions ever applied events of one key of `agg` at once.
+pub async fn assert_sequenced_exact(schema: &str, streams: usize, plain: bool) {
+    assert_sequenced_exact_in(schema, streams, plain, "e.stream_version").await
+}
+
+/// [`assert_sequenced_exact`], `agg` having applied each stream's events in the order of
+/// `order_by` (over a row `e` of the store; `e.event_id` for `ordering: eventId`).
+pub async fn assert_sequenced_exact_in(schema: &str, streams: usize, plain: bool, order_by: &str) {
+    let mut conn = connect().await;
+    let tables: &[(&str, &str)] = if plain {
+        &[("agg_seen", order_by), ("plain_seen", "e.stream_version")]
+    } else {
+        &[("agg_seen", order_by)]
+    };
+    for (table, order_by) in tables {
+        let (count, bad): (i64, Option<String>) = sqlx::query_as(&format!(
+            "SELECT count(*), min(s.stream_id::text || ' ' || s.versions::text) FILTER (
+                      WHERE s.versions <> ARRAY(SELECT e.stream_version FROM {schema}.wh_event_store e
+                                                WHERE e.stream_id = s.stream_id ORDER BY {order_by}))
+             FROM {schema}.{table} s"
+        ))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        assert_eq!(
+            (count as usize, bad),
+            (streams, None),
+            "{table}: (streams, a stream not applied exactly once in order)"
+        );
+    }
+    let wrong: Vec<(Option<String>, Option<i64>, Option<i64>)> = sqlx::query_as(&format!(
+        "SELECT coalesce(r.k, s.k), r.events, s.n
+         FROM {schema}.agg_rows r
+         FULL JOIN (SELECT {SEQUENCING_KEY_OF_STORED_EVENT} AS k, count(*) AS n
+                    FROM {schema}.wh_event_store e WHERE e.event_type = 'A' GROUP BY 1) s USING (k)
+         WHERE coalesce(r.events, 0) <> coalesce(s.n, 0)"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert!(
+        wrong.is_empty(),
+        "agg_rows: (key, events counted, events stored) {wrong:?}"
+    );
+    assert_no_overlap(schema).await;
+}
+
+/// No two transactions applied events of one key of `agg` at once (see
+/// [`sequenced_perspective`]).
+pub async fn assert_no_overlap(schema: &str) {
+    let mut conn = connect().await;
+    let overlaps: Vec<(String, uuid::Uuid, i64, Option<String>)> = sqlx::query_as(&format!(
+        "SELECT k, stream_id, stream_version, holder FROM {schema}.overlap_log"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert!(
+        overlaps.is_empty(),
+        "events applied while another transaction applied one of the same key (key, stream, version): {overlaps:?}"
+    );
+}
+
+/// Runs `$test(mode)` once per [`Sequenced`] mode, as tests `$test::key` and `$test::serial`
+/// (the test file declares `#[macro_use] mod common;`).
+#[allow(unused_macros)]
+macro_rules! in_both_modes {
+    ($($test:ident),* $(,)?) => {$(
+        mod $test {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn key() {
+                super::$test(super::Sequenced::Key).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn serial() {
+                super::$test(super::Sequenced::Serial).await
+            }
+        }
+    )*};
+}
+
+/// Append one event of type A to `stream` with `data`, and the event id `id` if given.
+pub async fn append_event(
+    schema: &str,
+    stream: uuid::Uuid,
+    id: Option<uuid::Uuid>,
+    data: serde_json::Value,
+) {
+    let mut conn = connect().await;
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (event_id, stream_id, event_type, event_data)
+         VALUES (coalesce($1, gen_random_uuid()), $2, 'A', $3)"
+    ))
+    .bind(id)
+    .bind(stream)
+    .bind(data)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+}
+
+/// What `agg` of [`sequenced_perspective`] recorded for `stream`: (versions, keys, labels).
+pub async fn agg_seen(schema: &str, stream: uuid::Uuid) -> (Vec<i64>, Vec<String>, Vec<String>) {
+    let mut conn = connect().await;
+    sqlx::query_as(&format!(
+        "SELECT versions, keys, labels FROM {schema}.agg_seen WHERE stream_id = $1"
+    ))
+    .bind(stream)
+    .fetch_optional(&mut conn)
+    .await
+    .unwrap()
+    .unwrap_or_default()
+}
+
+/// The versions [`PLAIN_PERSPECTIVE`] applied to `stream`.
+pub async fn plain_seen(schema: &str, stream: uuid::Uuid) -> Vec<i64> {
+    let mut conn = connect().await;
+    sqlx::query_scalar(&format!(
+        "SELECT versions FROM {schema}.plain_seen WHERE stream_id = $1"
+    ))
+    .bind(stream)
+    .fetch_optional(&mut conn)
+    .await
+    .unwrap()
+    .unwrap_or_default()
+}

@@ -6,10 +6,10 @@
 //!   turn it advances every job it has the perspective for, takes chunks of streams while a job
 //!   is queueing (up to `maxConcurrentDrainConsumers` chunks at a time, each on its own
 //!   connection, fewer and slower while there is live work: see [`pace`]; with the compiled SQL
-//!   perspectives each chunk also applies its streams' history, a custom runner gets it
-//!   queued), and publishes each job's progress in `/metrics`. It sleeps while there is no
-//!   job; `wh_job_start` rings the doorbell with the `jobs` payload, which the listener turns
-//!   into a wake-up here.
+//!   perspectives each chunk also applies its streams' history; a custom runner, or a
+//!   perspective with sequencing key or serial, gets it queued), and publishes each job's
+//!   progress in `/metrics`. It sleeps while there is no job; `wh_job_start` rings the doorbell
+//!   with the `jobs` payload, which the listener turns into a wake-up here.
 
 pub mod plan;
 
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::Shared;
-use crate::config::PerspectiveConfig;
+use crate::config::{PerspectiveConfig, Sequencing};
 use crate::store::catchup as store;
 use crate::store::catchup::progress::{Phase, Progress};
 use plan::{JobError, JobKind, JobState, Requeue};
@@ -204,7 +204,10 @@ impl JobRunner {
     ) -> Result<usize, JobError> {
         let shared = &self.shared;
         let worker = &shared.config.worker;
-        let how = if self.apply_in_chunks {
+        // A perspective with sequencing key or serial gets its history queued: applied by
+        // wh_drain, which keeps the events of one key from applying concurrently (a chunk
+        // applies the history of many streams, of many keys, beside the drain and other chunks).
+        let how = if self.apply_in_chunks && perspective.sequencing == Sequencing::Stream {
             Requeue::Apply {
                 debug: worker.debug_mode,
                 retry_base_ms: worker.failure_retry_base_milliseconds as f64,

@@ -14,7 +14,8 @@
 //! subscribed type queued again, in the one commit that strikes them from the list. A worker
 //! running the compiled SQL perspectives also applies the queued history in that transaction
 //! ([`Requeue::Apply`]), so a rebuilt stream is never seen reset but not replayed; otherwise (a
-//! custom runner, the `rebuild` command) the workers apply it like any other work. Either way in
+//! custom runner, the `rebuild` command, a perspective with sequencing key or serial, whose
+//! events only `wh_drain` keeps apart) the workers apply it like any other work. Either way in
 //! order and exactly once; a worker killed mid-chunk rolls the chunk back and its streams are
 //! taken again.
 
