@@ -702,13 +702,14 @@ async fn an_append_in_flight_while_a_perspective_is_removed_pins_nothing() {
     engine.stop().await;
 }
 
-/// Every function of the schema but the compiled ones (`wh_drain`, `wh_apply_*`, `wh_batch_*`),
+/// Every function of the schema but the compiled ones (`wh_drain`, `wh_apply_*`, `wh_batch_*`, `wh_key_*`),
 /// each as the server prints it, with the schema's name replaced by `S`.
 async fn engine_function_defs(conn: &mut sqlx::PgConnection, schema: &str) -> Vec<String> {
     let defs: Vec<String> = sqlx::query_scalar(
         r"SELECT pg_get_functiondef(p.oid) FROM pg_proc p
           WHERE p.pronamespace = $1::regnamespace AND p.proname <> 'wh_drain'
             AND p.proname NOT LIKE 'wh\_apply\_%' AND p.proname NOT LIKE 'wh\_batch\_%'
+            AND p.proname NOT LIKE 'wh\_key\_%'
           ORDER BY p.proname, pg_get_function_identity_arguments(p.oid)",
     )
     .bind(schema)
@@ -744,6 +745,7 @@ async fn every_function_of_a_migrated_schema_has_one_file() {
         r"SELECT p.proname::text FROM pg_proc p
           WHERE p.pronamespace = $1::regnamespace AND p.proname <> 'wh_drain'
             AND p.proname NOT LIKE 'wh\_apply\_%' AND p.proname NOT LIKE 'wh\_batch\_%'
+            AND p.proname NOT LIKE 'wh\_key\_%'
           ORDER BY 1",
     )
     .bind(&schema)

@@ -16,8 +16,8 @@ use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::Connection;
 
 use crate::compile::{
-    create_apply_function, create_batch_function, create_drain_function, definition_hash,
-    handlers_hash, runs_as_perform, sequencing_key_check,
+    create_apply_function, create_batch_function, create_drain_function, create_key_function,
+    definition_hash, handlers_hash, runs_as_perform, sequencing_key_check,
 };
 use crate::config::sql_params::ParsedStatement;
 use crate::config::{Config, ConfigError, Problem};
@@ -548,7 +548,11 @@ async fn compile(
     let schema = &config.schema;
     let mut problems = Vec::new();
     for (index, p) in config.perspectives.iter().enumerate() {
-        let sql = create_apply_function(schema, p) + ";\n" + &create_batch_function(schema, p);
+        let sql = create_apply_function(schema, p)
+            + ";\n"
+            + &create_batch_function(schema, p)
+            + ";\n"
+            + &create_key_function(schema, p);
         if let Err(e) = in_savepoint(conn, Step::Script(&sql)).await? {
             problems.push(Problem {
                 path: format!("perspectives[{index}] ({}).handlers", p.name),

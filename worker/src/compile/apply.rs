@@ -127,7 +127,7 @@ fn statement(stmt: &ParsedStatement) -> String {
 }
 
 /// A dollar-quote tag that occurs nowhere in `body`.
-fn dollar_tag(body: &str) -> String {
+pub(super) fn dollar_tag(body: &str) -> String {
     (0..)
         .map(|n| {
             if n == 0 {
@@ -257,7 +257,7 @@ mod tests {
             .find("FROM (SELECT p_stream_id AS s, u.v FROM unnest(a_versions) AS u(v)) x")
             .expect("the check of the replay's keys");
         assert!(replay < check, "{sql}");
-        assert!(sql.contains("JOIN s.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v WHERE NOT pg_try_advisory_xact_lock(hashtext('s.p'), (hashtext(coalesce((e.event_data->>'c')::text, '')) & 63))"), "{sql}");
+        assert!(sql.contains("JOIN s.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v WHERE NOT pg_try_advisory_xact_lock(hashtext('s.p'), s.wh_key_p(e))"), "{sql}");
         assert!(sql.contains("USING ERRCODE = 'lock_not_available'"));
         let serial = {
             let mut p = event_id_ordered();

@@ -204,7 +204,7 @@ perspectives:
             !sql.contains("pg_advisory_xact_lock("),
             "never waits for a key"
         );
-        assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) AS slot"), "{sql}");
+        assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, s.wh_key_by_key(e) AS slot"), "{sql}");
         // A serial perspective takes its one lock without reading its rows first.
         assert!(
             sql.contains("IF NOT pg_try_advisory_xact_lock(hashtext('s.one'), 0) THEN\n      v_busy_serial := v_busy_serial || 'one'::text;"),

@@ -54,7 +54,7 @@ use minijinja::{AutoEscape, Environment, UndefinedBehavior, Value};
 pub use apply::{create_apply_function, create_batch_function, runs_as_perform};
 pub use definition::{definition_hash, handlers_hash};
 pub use drain::create_drain_function;
-pub use sequencing::sequencing_key_check;
+pub use sequencing::{create_key_function, sequencing_key_check};
 
 use crate::store::names::{apply_function_name, batch_function_name};
 

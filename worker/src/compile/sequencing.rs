@@ -5,13 +5,20 @@
 //! Keys are folded into [`KEY_LOCK_SLOTS`] slots: a call takes at most that many locks per
 //! perspective however many keys its rows carry (PostgreSQL's shared lock table is sized by
 //! `max_locks_per_transaction`), at the price of serializing two keys that share a slot.
-//! A `serial` perspective has one slot.
+//! A `serial` perspective has one slot. A `key` perspective's slot is computed by its key
+//! function, `<schema>.wh_key_<perspective>(event row)` ([`create_key_function`]): one place
+//! for the expression, resolved like the handlers (the schema on the search_path), and an
+//! event whose key cannot be computed (bad data: a cast that fails) takes the empty key's
+//! slot instead of failing every `wh_drain` call that meets it; its handler then applies it or
+//! fails it as for any event.
 
 use minijinja::{context, Value};
 
+use super::apply::dollar_tag;
 use super::quote_literal;
 use crate::config::sql_params::Param;
 use crate::config::{PerspectiveConfig, Sequencing};
+use crate::store::names::key_function_name;
 
 /// How many advisory locks the keys of one `key` perspective fold into.
 pub const KEY_LOCK_SLOTS: u32 = 64;
@@ -27,7 +34,10 @@ pub fn lock_slots(schema: &str, perspective: &PerspectiveConfig) -> Option<Value
     let (slot, from_store) = match perspective.sequencing {
         Sequencing::Stream => return None,
         Sequencing::Serial => ("0".to_owned(), false),
-        Sequencing::Key => (key_slot(perspective), true),
+        Sequencing::Key => (
+            format!("{schema}.{}(e)", key_function_name(&perspective.name)),
+            true,
+        ),
     };
     let join = if from_store {
         format!("JOIN {schema}.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v")
@@ -47,6 +57,36 @@ fn key_slot(perspective: &PerspectiveConfig) -> String {
     format!(
         "(hashtext(coalesce(({key})::text, '')) & {})",
         KEY_LOCK_SLOTS - 1
+    )
+}
+
+/// `CREATE OR REPLACE FUNCTION <schema>.wh_key_<perspective>(e <schema>.wh_event_store)`, the
+/// lock slot of an event of a `sequencing: key` perspective; for any other sequencing, the drop
+/// of one an earlier `key` config left.
+pub fn create_key_function(schema: &str, perspective: &PerspectiveConfig) -> String {
+    let name = key_function_name(&perspective.name);
+    if perspective.sequencing != Sequencing::Key {
+        return format!("DROP FUNCTION IF EXISTS {schema}.{name}({schema}.wh_event_store)");
+    }
+    let body = format!(
+        "
+BEGIN
+  RETURN {};
+EXCEPTION WHEN OTHERS THEN
+  -- The key cannot be computed for this event: the empty key's slot (see compile::sequencing).
+  RETURN hashtext('') & {};
+END
+",
+        key_slot(perspective),
+        KEY_LOCK_SLOTS - 1
+    );
+    let tag = dollar_tag(&body);
+    format!(
+        "CREATE OR REPLACE FUNCTION {schema}.{name}(e {schema}.wh_event_store) RETURNS integer
+LANGUAGE plpgsql STABLE
+-- The key may name the perspective's tables as its handlers do.
+SET search_path TO {schema}, public
+AS {tag}{body}{tag}"
     )
 }
 
@@ -109,10 +149,21 @@ mod tests {
             lock.get_attr("class").unwrap().to_string(),
             "hashtext('s.p')"
         );
-        assert_eq!(
-            lock.get_attr("slot").unwrap().to_string(),
-            "(hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63)"
+        assert_eq!(lock.get_attr("slot").unwrap().to_string(), "s.wh_key_p(e)");
+        let f = create_key_function("s", &p);
+        assert!(
+            f.starts_with(
+                "CREATE OR REPLACE FUNCTION s.wh_key_p(e s.wh_event_store) RETURNS integer"
+            ),
+            "{f}"
         );
+        assert!(
+            f.contains("RETURN (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63);"),
+            "{f}"
+        );
+        assert!(f.contains("EXCEPTION WHEN OTHERS THEN\n"), "{f}");
+        assert!(f.contains("RETURN hashtext('') & 63;"), "{f}");
+        assert!(f.contains("SET search_path TO s, public"), "{f}");
         assert!(lock.get_attr("from_store").unwrap().is_true());
         assert!(lock
             .get_attr("join")
@@ -127,6 +178,10 @@ mod tests {
         assert_eq!(lock.get_attr("slot").unwrap().to_string(), "0");
         assert!(!lock.get_attr("from_store").unwrap().is_true());
         assert!(lock_slots("s", &perspective("")).is_none());
+        assert_eq!(
+            create_key_function("s", &perspective("")),
+            "DROP FUNCTION IF EXISTS s.wh_key_p(s.wh_event_store)"
+        );
     }
 
     #[test]

@@ -59,6 +59,12 @@ pub fn batch_function_name(perspective: &str) -> String {
     generated_name("wh_batch_", perspective)
 }
 
+/// Name of the key function of a `sequencing: key` perspective (`compile::sequencing`; the same
+/// rule as [`apply_function_name`]).
+pub fn key_function_name(perspective: &str) -> String {
+    generated_name("wh_key_", perspective)
+}
+
 /// `prefix` + `perspective`, or, past PostgreSQL's 63 bytes, its first 44 bytes and a hash.
 fn generated_name(prefix: &str, perspective: &str) -> String {
     let name = format!("{prefix}{perspective}");

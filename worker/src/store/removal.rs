@@ -78,7 +78,8 @@ pub async fn remove_perspective(
         .map(|r| r.get(0));
     // Generated identifiers (see compile::apply_function_name), so no quoting.
     let batch = crate::store::names::batch_function_name(perspective);
-    for function in function.into_iter().chain([batch]) {
+    let key = crate::store::names::key_function_name(perspective);
+    for function in function.into_iter().chain([batch, key]) {
         sqlx::query(&format!("DROP FUNCTION IF EXISTS {schema}.{function}"))
             .execute(&mut *tx)
             .await?;
