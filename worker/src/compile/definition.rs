@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v30";
+const FORMAT_VERSION: &str = "apply-v31";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v30",
-                "36567c026b56b1139a6675c233458d1dc26c993b9565a75a582a50da415d6a18"
+                "apply-v31",
+                "ac05950ad5efe00c6a05485676d220888de7460030a24e1c851ab2118f2314e9"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

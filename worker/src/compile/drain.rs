@@ -2,7 +2,7 @@
 
 use minijinja::{context, Value};
 
-use super::sequencing::lock_slots;
+use super::sequencing::{lock_slots, KEY_LOCK_SLOTS};
 use super::{apply_function_name, batch_function_name, quote_literal, render};
 use crate::config::{Ordering, PerspectiveConfig, Sequencing};
 use crate::store::failure::retry_delay_sql;
@@ -57,6 +57,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             sequenced,
             sequenced_names,
             sequencing_busy => SEQUENCING_BUSY,
+            key_slots => KEY_LOCK_SLOTS,
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
             lock_timeout_ms => LOCK_TIMEOUT_MS,
@@ -184,7 +185,7 @@ perspectives:
         assert!(sql
             .contains("(s.perspective_name = ANY (ARRAY['by_key', 'one']::text[])) = p_sequenced"));
         let take = sql
-            .find("pg_try_advisory_xact_lock(k.class, k.slot) AS got")
+            .find("THEN pg_try_advisory_xact_lock(t.class, t.slot) END AS got")
             .expect("the keys taken");
         assert!(
             take < sql.find("WITH pair AS").unwrap(),
@@ -197,7 +198,7 @@ perspectives:
             "busy pairs are left out of both listings"
         );
         assert!(
-            sql.contains("'{}'::uuid[], 'WH423'\n               FROM unnest(v_busy_streams, v_busy_names) AS busy(s, p)"),
+            sql.contains("'{}'::uuid[], busy.st\n               FROM unnest(v_busy_streams, v_busy_names, v_busy_states) AS busy(s, p, st)"),
             "{sql}"
         );
         assert!(

@@ -34,18 +34,19 @@
     itself, and the per-pair path treats contention as above).
     Sequencing (DESIGN §12.2, sequencing.rs): p_sequenced NULL applies every perspective; false
     only those with sequencing: stream; true only those with sequencing: key or serial. A true
-    call first takes, in one sorted order and without waiting, the advisory lock of each key of
-    its pairs' pending rows (serial: one lock for the perspective) that no other applier holds;
-    a pair with a key another applier holds is busy: not applied, returned with o_more and
+    call first takes, without waiting, the advisory lock of each key of its pairs' pending rows
+    (serial: one lock for the perspective) that no other applier holds, as many keys as its row
+    budget covers, from a random one on (so that calls side by side share the keys out); a
+    pair with a key another applier holds is busy: not applied, returned with o_more and
     o_contended_sqlstate = sequencing_busy, for the worker to retry soon (it is no conflict:
-    not counted as one). Waiting in line instead kept every waiter's snapshot open, so nobody
+    not counted as one); a pair with a key past the budget is returned with o_more only. Waiting in line instead kept every waiter's snapshot open, so nobody
     could prune the versions of the shared rows the holder kept updating, and each update
     walked more of them. A row that arrived after the keys were taken is applied only if its
     key's lock can be had at once (else the pair is contention, 55P03): events with the same key
     are never applied concurrently. The locks are transaction-scoped: released at commit.
     Slots: schema, perspectives (name, function, batch, lock: the sequenced ones' lock slot SQL),
     sequenced (the sequenced perspectives: name, class, slot, from_store), sequenced_names,
-    sequencing_busy, event_id_perspectives (names of the
+    sequencing_busy, key_slots, event_id_perspectives (names of the
     perspectives ordered by event id, whose windows are checked for a rewind) and
     event_id_ordering (whether there are any), compiled_perspectives (all names), cursor_completed,
     cursor_failed, lock_timeout_ms, retry_delay (the backoff after a failure of the head row, see
@@ -171,6 +172,9 @@ DECLARE
   v_busy_streams uuid[];
   v_busy_names text[];
   v_busy_serial text[] := '{}';
+  v_busy_states text[];
+  -- Where this call starts taking key slots (see the keys below).
+  v_offset integer := floor(random() * {{ key_slots }})::integer;
 BEGIN
   -- The listed streams this instance holds: one primary-key probe per stream. (Given both
   -- conditions, the planner would pick the owner index and filter every stream this instance
@@ -196,8 +200,10 @@ BEGIN
     END IF;
   {% endfor %}
   {% if sequenced|selectattr("from_store")|list %}
-    -- The keys of the keyed pairs' pending rows: each taken if free, in one sorted order (see
-    -- the header). A pair with a key another applier holds is busy.
+    -- The keys of the keyed pairs' pending rows (see the header): each taken if free, as many as
+    -- the call's row budget covers, starting from a random slot so that calls side by side
+    -- take different keys rather than all of them. A pair with a key another applier holds is
+    -- busy; one with a key past the budget is not reached (later, at once).
     WITH keyed AS MATERIALIZED (
     {% for p in sequenced if p.from_store %}
       {{ "" if loop.first else "UNION ALL " }}SELECT w.stream_id, w.perspective_name, {{ p.class }} AS class, {{ p.slot }} AS slot
@@ -205,18 +211,26 @@ BEGIN
       JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
       WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
     {% endfor %}
+    ), slots AS MATERIALIZED (
+      SELECT k.class, k.slot,
+             sum(k.n) OVER (ORDER BY (k.slot + v_offset) % {{ key_slots }}, k.class ROWS UNBOUNDED PRECEDING) - k.n AS before
+      FROM (SELECT y.class, y.slot, count(*) AS n FROM keyed y GROUP BY 1, 2) k
     ), taken AS MATERIALIZED (
-      SELECT k.class, k.slot, pg_try_advisory_xact_lock(k.class, k.slot) AS got
-      FROM (SELECT DISTINCT y.class, y.slot FROM keyed y ORDER BY 1, 2) k
+      SELECT t.class, t.slot, CASE WHEN t.before < v_budget THEN pg_try_advisory_xact_lock(t.class, t.slot) END AS got
+      FROM slots t
     )
-    SELECT array_agg(busy.stream_id), array_agg(busy.perspective_name) INTO v_busy_streams, v_busy_names
-    FROM (SELECT DISTINCT y.stream_id, y.perspective_name FROM keyed y
-          JOIN taken t ON t.class = y.class AND t.slot = y.slot WHERE NOT t.got) busy;
+    SELECT array_agg(busy.stream_id), array_agg(busy.perspective_name), array_agg(busy.state)
+      INTO v_busy_streams, v_busy_names, v_busy_states
+    FROM (SELECT y.stream_id, y.perspective_name,
+                 CASE WHEN bool_or(t.got IS FALSE) THEN {{ sequencing_busy|literal }} END AS state
+          FROM keyed y JOIN taken t ON t.class = y.class AND t.slot = y.slot
+          GROUP BY 1, 2 HAVING NOT bool_and(coalesce(t.got, false))) busy;
   {% endif %}
     IF cardinality(v_busy_serial) > 0 THEN
       -- The busy serial perspectives' pairs with pending rows: one index probe per pair.
-      SELECT coalesce(v_busy_streams, '{}') || array_agg(x.s), coalesce(v_busy_names, '{}') || array_agg(p.name)
-        INTO v_busy_streams, v_busy_names
+      SELECT coalesce(v_busy_streams, '{}') || array_agg(x.s), coalesce(v_busy_names, '{}') || array_agg(p.name),
+             coalesce(v_busy_states, '{}') || array_agg({{ sequencing_busy|literal }}::text)
+        INTO v_busy_streams, v_busy_names, v_busy_states
       FROM unnest(v_owned) AS x(s), unnest(v_busy_serial) AS p(name)
       -- (OFFSET 0 keeps it a probe per pair: flattened, the planner hashed the whole table.)
       WHERE EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
@@ -620,10 +634,11 @@ BEGIN
     END;
   END LOOP;
 
-  -- Busy sequenced pairs (see the header): due again, for the worker to retry soon.
+  -- Sequenced pairs left out (see the header): busy ones for the worker to retry soon, the
+  -- others (past the budget) at once.
   RETURN QUERY SELECT busy.s, busy.p::text, 0, 0, NULL::bigint, NULL::bigint, NULL::text, '{}'::bigint[], '{}'::bigint[],
-                      '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true, '{}'::uuid[], {{ sequencing_busy|literal }}
-               FROM unnest(v_busy_streams, v_busy_names) AS busy(s, p);
+                      '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true, '{}'::uuid[], busy.st
+               FROM unnest(v_busy_streams, v_busy_names, v_busy_states) AS busy(s, p, st);
 
   -- Last, the rows of pairs that applied nothing (empty windows, dead-letter moves): retired without the
   -- pair's cursor lock, so never before a cursor lock this call still takes. A job chunk holds
