@@ -30,7 +30,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
     let event_id_ordering = perspectives.iter().any(|p| p.ordering == Ordering::EventId);
     let event_id_perspectives = names(&|p| p.ordering == Ordering::EventId);
     let compiled_perspectives = names(&|_| true);
-    let sequenced_names = names(&|p| p.sequencing != Sequencing::Stream);
+    let keyed_names = names(&|p| p.sequencing == Sequencing::Key);
     let sequenced: Vec<Value> = perspectives
         .iter()
         .filter_map(|p| lock_slots(schema, p))
@@ -55,7 +55,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             event_id_ordering,
             compiled_perspectives,
             sequenced,
-            sequenced_names,
+            keyed_names,
             sequencing_busy => SEQUENCING_BUSY,
             key_slots => KEY_LOCK_SLOTS,
             cursor_completed => cursor_status::COMPLETED,
@@ -181,9 +181,12 @@ perspectives:
 ";
         let config = Config::from_yaml_str(yaml, "t").unwrap();
         let sql = create_drain_function("s", &config.perspectives);
-        assert!(sql.contains("p_sequenced boolean DEFAULT NULL)"), "{sql}");
+        assert!(sql.contains("p_perspectives text[] DEFAULT NULL)"), "{sql}");
         assert!(sql
-            .contains("(s.perspective_name = ANY (ARRAY['by_key', 'one']::text[])) = p_sequenced"));
+            .contains("WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)"));
+        assert!(sql.contains(
+            "IF p_perspectives IS NULL OR p_perspectives && ARRAY['by_key']::text[] THEN"
+        ));
         let take = sql
             .find("THEN pg_try_advisory_xact_lock(t.class, t.slot) END AS got")
             .expect("the keys taken");
@@ -208,7 +211,7 @@ perspectives:
         assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, s.wh_key_by_key(e) AS slot"), "{sql}");
         // A serial perspective takes its one lock without reading its rows first.
         assert!(
-            sql.contains("IF NOT pg_try_advisory_xact_lock(hashtext('s.one'), 0) THEN\n      v_busy_serial := v_busy_serial || 'one'::text;"),
+            sql.contains("IF (p_perspectives IS NULL OR 'one' = ANY (p_perspectives))\n       AND NOT pg_try_advisory_xact_lock(hashtext('s.one'), 0) THEN\n      v_busy_serial := v_busy_serial || 'one'::text;"),
             "{sql}"
         );
         assert!(!sql.contains("hashtext('s.one') AS class"), "{sql}");
@@ -228,6 +231,7 @@ perspectives:
         // Without sequenced perspectives there is no wait at all.
         let plain = create_drain_function("s", &config.perspectives[..1]);
         assert!(!plain.contains("pg_advisory_xact_lock"), "{plain}");
-        assert!(plain.contains("= ANY (ARRAY[]::text[])) = p_sequenced"));
+        assert!(plain
+            .contains("WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)"));
     }
 }

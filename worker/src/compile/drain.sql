@@ -32,9 +32,9 @@
     failure (a handler cancelled by the statement timeout is recorded on its row directly: its
     timer is spent); contention there is no exception (nothing is recorded by the fallback
     itself, and the per-pair path treats contention as above).
-    Sequencing (DESIGN §12.2, sequencing.rs): p_sequenced NULL applies every perspective; false
-    only those with sequencing: stream; true only those with sequencing: key or serial. A true
-    call first takes, without waiting, the advisory lock of each key of its pairs' pending rows
+    Sequencing (DESIGN §12.2, sequencing.rs): p_perspectives names the perspectives the call
+    applies (NULL: all); the worker applies stream-, key- and each serial-sequenced perspective
+    in calls of their own. A call with key or serial perspectives first takes, without waiting, the advisory lock of each key of its pairs' pending rows
     (serial: one lock for the perspective) that no other applier holds, as many keys as its row
     budget covers, from a random one on (so that calls side by side share the keys out); a
     pair with a key another applier holds is busy: not applied, returned with o_more and
@@ -45,7 +45,7 @@
     key's lock can be had at once (else the pair is contention, 55P03): events with the same key
     are never applied concurrently. The locks are transaction-scoped: released at commit.
     Slots: schema, perspectives (name, function, batch, lock: the sequenced ones' lock slot SQL),
-    sequenced (the sequenced perspectives: name, class, slot, from_store), sequenced_names,
+    sequenced (the sequenced perspectives: name, class, slot, from_store), keyed_names,
     sequencing_busy, key_slots, event_id_perspectives (names of the
     perspectives ordered by event id, whose windows are checked for a rewind) and
     event_id_ordering (whether there are any), compiled_perspectives (all names), cursor_completed,
@@ -90,14 +90,14 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
     END IF;
   {%- endif %}
 {%- endmacro %}
-{% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer, boolean" %}
+{% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer, text[]" %}
 {% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[], o_contended_sqlstate text" %}
 {% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
 CREATE OR REPLACE FUNCTION {{ schema }}.wh_drain(
     p_instance_id uuid, p_stream_ids uuid[], p_per_pair integer, p_max_rows integer,
     p_instant boolean, p_debug boolean, p_retry_base_ms double precision, p_retry_max_ms double precision,
     p_notify_applied boolean, p_max_attempts integer, p_handler_timeout_ms integer, p_shallow_rows integer,
-    p_sequenced boolean DEFAULT NULL)
+    p_perspectives text[] DEFAULT NULL)
 RETURNS TABLE ({{ result }})
 LANGUAGE plpgsql AS $wh_drain$
 DECLARE
@@ -192,14 +192,16 @@ BEGIN
     PERFORM set_config('lock_timeout', '{{ lock_timeout_ms }}ms', true);
   END IF;
 {% if sequenced %}
-  IF p_sequenced IS NOT FALSE THEN
+  IF true THEN
   {% for p in sequenced if not p.from_store %}
     -- {{ p.name }} is serial: one lock; while another applier holds it, its pairs are busy.
-    IF NOT pg_try_advisory_xact_lock({{ p.class }}, {{ p.slot }}) THEN
+    IF (p_perspectives IS NULL OR {{ p.name|literal }} = ANY (p_perspectives))
+       AND NOT pg_try_advisory_xact_lock({{ p.class }}, {{ p.slot }}) THEN
       v_busy_serial := v_busy_serial || {{ p.name|literal }}::text;
     END IF;
   {% endfor %}
   {% if sequenced|selectattr("from_store")|list %}
+    IF p_perspectives IS NULL OR p_perspectives && {{ keyed_names }} THEN
     -- The keys of the keyed pairs' pending rows (see the header): each taken if free, as many as
     -- the call's row budget covers, starting from a random slot so that calls side by side
     -- take different keys rather than all of them. A pair with a key another applier holds is
@@ -210,6 +212,7 @@ BEGIN
       FROM {{ schema }}.wh_perspective_events w
       JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
       WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
+        AND (p_perspectives IS NULL OR w.perspective_name = ANY (p_perspectives))
     {% endfor %}
     ), slots AS MATERIALIZED (
       SELECT k.class, k.slot,
@@ -225,6 +228,7 @@ BEGIN
                  CASE WHEN bool_or(t.got IS FALSE) THEN {{ sequencing_busy|literal }} END AS state
           FROM keyed y JOIN taken t ON t.class = y.class AND t.slot = y.slot
           GROUP BY 1, 2 HAVING NOT bool_and(coalesce(t.got, false))) busy;
+    END IF;
   {% endif %}
     IF cardinality(v_busy_serial) > 0 THEN
       -- The busy serial perspectives' pairs with pending rows: one index probe per pair.
@@ -252,7 +256,7 @@ BEGIN
       SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
       FROM unnest(v_owned) AS x(stream_id)
       CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s
-                  WHERE p_sequenced IS NULL OR (s.perspective_name = ANY ({{ sequenced_names }})) = p_sequenced) sub
+                  WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)) sub
       {{ cursor_of_pair("c.last_version") }}
       -- A backfill holds the perspective back on a stream until the stream's history is queued.
       WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
@@ -277,7 +281,7 @@ BEGIN
                          EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
                                  WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
                   FROM {{ schema }}.wh_perspective_subscriptions s
-                  WHERE p_sequenced IS NULL OR (s.perspective_name = ANY ({{ sequenced_names }})) = p_sequenced
+                  WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)
                   GROUP BY s.perspective_name) sub
       {{ cursor_of_pair("c.last_version, c.last_event_id, c.status, c.error, c.processed_at") }}
       -- A backfill holds the perspective back on a stream until the stream's history is queued

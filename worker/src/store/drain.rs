@@ -17,7 +17,7 @@ const CANCEL_DRAINS: &str = "SELECT count(*) FILTER (WHERE pg_cancel_backend(a.p
     WHERE a.pid <> pg_backend_pid() AND a.state = 'active' AND strpos(a.query, $1) > 0";
 
 /// The arguments of one `wh_drain` call.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct DrainArgs {
     pub instance_id: Uuid,
     /// Events applied per (stream, perspective) at most.
@@ -40,10 +40,9 @@ pub struct DrainArgs {
     /// Pairs with at most this many pending rows are applied set-based, all together; 0: none
     /// (deep streams expected, so no pair is probed for it).
     pub shallow_rows: i32,
-    /// Which perspectives the call applies, by sequencing: None all, `Some(false)` those with
-    /// `sequencing: stream`, `Some(true)` those with `key` or `serial` (which first wait in line
-    /// for their keys' locks, so they get a transaction of their own).
-    pub sequenced: Option<bool>,
+    /// The perspectives the call applies (None: all). Key- and serial-sequenced perspectives
+    /// take their keys' locks first, so they get transactions of their own.
+    pub perspectives: Option<Vec<String>>,
 }
 
 /// The text of one `wh_drain` call, preceded by its statement timeout. Sent as one simple
@@ -77,8 +76,13 @@ pub(crate) fn drain_sql(schema: &str, streams: &[Uuid], args: &DrainArgs) -> Str
         timeout = or_null(args.handler_timeout_ms.map(|t| t.to_string()), "integer"),
         shallow = args.shallow_rows,
         sequenced = args
-            .sequenced
-            .map(|s| format!(", p_sequenced => {s}"))
+            .perspectives
+            .as_ref()
+            .map(|names| {
+                // Perspective names are identifiers (validated): plain literals.
+                let literals: Vec<String> = names.iter().map(|n| format!("'{n}'")).collect();
+                format!(", p_perspectives => ARRAY[{}]::text[]", literals.join(", "))
+            })
             .unwrap_or_default(),
     ));
     sql
@@ -209,7 +213,7 @@ mod tests {
             max_attempts,
             handler_timeout_ms,
             shallow_rows: 16,
-            sequenced: None,
+            perspectives: None,
         }
     }
 
@@ -239,12 +243,12 @@ mod tests {
             "shop",
             &[s],
             &DrainArgs {
-                sequenced: Some(true),
+                perspectives: Some(vec!["a".into(), "b".into()]),
                 ..args(None, None)
             },
         );
         assert!(
-            sequenced.ends_with(", 16, p_sequenced => true)"),
+            sequenced.ends_with(", 16, p_perspectives => ARRAY['a', 'b']::text[])"),
             "{sequenced}"
         );
     }

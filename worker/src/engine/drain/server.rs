@@ -20,15 +20,14 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
     let instant = ctx.shared.config.worker.completion_strategy == CompletionStrategy::Instant;
     let mut outcomes = Vec::new();
     let mut whole_call_contended = false;
-    for sequenced in calls(&ctx.shared.config) {
-        let args = sequenced_args(sequenced, drain_args(ctx, streams.len(), instant));
+    for call in calls(&ctx.shared.config) {
+        let args = call.args(drain_args(ctx, streams.len(), instant));
         match ctx.shared.store.drain(streams, args).await {
             Ok(o) => outcomes.extend(o),
             Err(e) => {
                 if let Some(sqlstate) = crate::db::contention(&e) {
-                    // A lock conflict outside every pair's subtransaction (or a sequenced call's
-                    // wait in line ran out): that call is undone and nothing was recorded; its
-                    // streams come back after a short delay.
+                    // A lock conflict outside every pair's subtransaction: that call is undone
+                    // and nothing was recorded; its streams come back after a short delay.
                     report_contended(&ctx.shared, "*", None, &sqlstate);
                     whole_call_contended = true;
                 } else {
@@ -44,23 +43,47 @@ pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
     round
 }
 
-/// The `wh_drain` calls of one round, by [`DrainArgs::sequenced`]: one for every perspective,
-/// but key- and serial-sequenced perspectives apply in a transaction of their own, after the
-/// others, so that waiting in line for keys never holds
-/// back (or holds the rows of) the perspectives that need no wait.
-fn calls(config: &Config) -> Vec<Option<bool>> {
-    let sequenced = config
-        .perspectives
-        .iter()
-        .filter(|p| p.sequencing != Sequencing::Stream)
-        .count();
-    if sequenced == 0 {
-        vec![None]
-    } else if sequenced == config.perspectives.len() {
-        vec![Some(true)]
-    } else {
-        vec![Some(false), Some(true)]
+/// One `wh_drain` call of a round: the perspectives it applies.
+#[derive(Debug, PartialEq)]
+enum Call {
+    /// Every perspective (none is key- or serial-sequenced).
+    All,
+    /// The stream-sequenced perspectives.
+    Streams(Vec<String>),
+    /// Key- or serial-sequenced perspectives: the key ones together, each serial one alone.
+    Sequenced(Vec<String>),
+}
+
+/// The `wh_drain` calls of one round: one for every perspective, but key- and serial-sequenced
+/// perspectives apply in transactions of their own, after the others: their keys' locks then
+/// never hold back (or keep the rows of) the perspectives that need none, and a serial
+/// perspective's one lock is held only while that perspective applies.
+fn calls(config: &Config) -> Vec<Call> {
+    let names = |mode: Sequencing| -> Vec<String> {
+        config
+            .perspectives
+            .iter()
+            .filter(|p| p.sequencing == mode)
+            .map(|p| p.name.clone())
+            .collect()
+    };
+    let (stream, key, serial) = (
+        names(Sequencing::Stream),
+        names(Sequencing::Key),
+        names(Sequencing::Serial),
+    );
+    if stream.len() == config.perspectives.len() {
+        return vec![Call::All];
     }
+    let mut calls = Vec::new();
+    if !stream.is_empty() {
+        calls.push(Call::Streams(stream));
+    }
+    if !key.is_empty() {
+        calls.push(Call::Sequenced(key));
+    }
+    calls.extend(serial.into_iter().map(|p| Call::Sequenced(vec![p])));
+    calls
 }
 
 /// Rows a call that applies key- or serial-sequenced perspectives takes at most.
@@ -70,21 +93,25 @@ fn calls(config: &Config) -> Vec<Option<bool>> {
 /// row's versions, and a version made in another subtransaction costs a subtransaction lookup):
 /// 3 000 updates of one row took 137 ms in one subtransaction and 6 s in one each. So such a
 /// call applies set-based (one subtransaction for all its pairs; a pair that fails is then
-/// isolated as usual) and commits after this many rows; the next call takes the rest.
+/// isolated as usual) and commits after this many rows; the next call takes the rest. (400
+/// and 3 000 drained the cross-stream benchmark's global counter slower than 1 000.)
 const SEQUENCED_MAX_ROWS: i32 = 1000;
 
-/// The arguments of a call that applies `sequenced` perspectives (see [`calls`]).
-fn sequenced_args(sequenced: Option<bool>, args: DrainArgs) -> DrainArgs {
-    DrainArgs {
-        sequenced,
-        ..if sequenced == Some(true) {
-            DrainArgs {
+impl Call {
+    /// The arguments of this call, from those of the round.
+    fn args(&self, args: DrainArgs) -> DrainArgs {
+        match self {
+            Call::All => args,
+            Call::Streams(names) => DrainArgs {
+                perspectives: Some(names.clone()),
+                ..args
+            },
+            Call::Sequenced(names) => DrainArgs {
+                perspectives: Some(names.clone()),
                 max_rows: args.max_rows.min(SEQUENCED_MAX_ROWS),
                 shallow_rows: args.per_pair,
                 ..args
-            }
-        } else {
-            args
+            },
         }
     }
 }
@@ -165,7 +192,7 @@ fn drain_args(ctx: &Drainer, streams: usize, instant: bool) -> DrainArgs {
         max_attempts: w.max_perspective_event_attempts.map(|m| m as i32),
         handler_timeout_ms: w.handler_timeout_milliseconds,
         shallow_rows: shallow_rows(ctx.observed_depth(), perspectives),
-        sequenced: None,
+        perspectives: None,
     }
 }
 
@@ -255,5 +282,41 @@ fn report_pair(
     }
     if !instant && !o.done_work_ids.is_empty() {
         ctx.completions.queue(o.stream_id, &o.done_work_ids);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(modes: &[&str]) -> Config {
+        let mut yaml = String::from("schema: s\nperspectives:\n");
+        for (i, mode) in modes.iter().enumerate() {
+            yaml.push_str(&format!("  - name: p{i}\n    sequencing: {mode}\n"));
+            if *mode == "key" {
+                yaml.push_str("    sequencingKey: \":data->>'k'\"\n");
+            }
+            yaml.push_str("    handlers:\n      A: SELECT 1\n");
+        }
+        Config::from_yaml_str(&yaml, "t").unwrap()
+    }
+
+    #[test]
+    fn sequenced_perspectives_get_calls_of_their_own() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(calls(&config(&["stream", "stream"])), [Call::All]);
+        assert_eq!(
+            calls(&config(&["stream", "key", "serial", "key", "serial"])),
+            [
+                Call::Streams(names(&["p0"])),
+                Call::Sequenced(names(&["p1", "p3"])),
+                Call::Sequenced(names(&["p2"])),
+                Call::Sequenced(names(&["p4"])),
+            ]
+        );
+        assert_eq!(
+            calls(&config(&["serial"])),
+            [Call::Sequenced(names(&["p0"]))]
+        );
     }
 }
