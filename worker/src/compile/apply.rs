@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use minijinja::{context, Value};
 
+use super::dollar_tag;
 use super::sequencing::lock_slots;
 use super::{apply_function_name, batch_function_name, render};
 use crate::config::sql_params::{Param, ParsedStatement};
@@ -124,20 +125,6 @@ fn statement(stmt: &ParsedStatement) -> String {
     } else {
         text
     }
-}
-
-/// A dollar-quote tag that occurs nowhere in `body`.
-pub(super) fn dollar_tag(body: &str) -> String {
-    (0..)
-        .map(|n| {
-            if n == 0 {
-                "$wh_apply$".to_string()
-            } else {
-                format!("$wh_apply{n}$")
-            }
-        })
-        .find(|tag| !body.contains(tag.as_str()))
-        .expect("some tag is free")
 }
 
 #[cfg(test)]

@@ -115,6 +115,20 @@ fn render(name: &str, context: Value) -> String {
         .unwrap_or_else(|e| panic!("template {name} does not render: {e:#}"))
 }
 
+/// A dollar-quote tag that occurs nowhere in `body`.
+fn dollar_tag(body: &str) -> String {
+    (0..)
+        .map(|n| {
+            if n == 0 {
+                "$wh_apply$".to_string()
+            } else {
+                format!("$wh_apply{n}$")
+            }
+        })
+        .find(|tag| !body.contains(tag.as_str()))
+        .expect("some tag is free")
+}
+
 /// `s` as an SQL string literal.
 fn quote_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))

@@ -14,8 +14,7 @@
 
 use minijinja::{context, Value};
 
-use super::apply::dollar_tag;
-use super::quote_literal;
+use super::{dollar_tag, quote_literal};
 use crate::config::sql_params::Param;
 use crate::config::{PerspectiveConfig, Sequencing};
 use crate::store::names::key_function_name;
