@@ -35,12 +35,12 @@ lint:
 postgres:
 	@$(PG) bindir >/dev/null
 
-# Two control planes: one with kwok nodes (pods simulated; tests named real_node::* skipped),
-# one with a real kubelet node (containerd, runc; the images built by tests/e2e/images.sh).
+# Three suites side by side (tests/run-suites.sh): the worker's against PostgreSQL, and two
+# control planes: one with kwok nodes (pods simulated; tests named real_node::* skipped), one
+# with a real kubelet node (containerd, runc; the images built by tests/e2e/images.sh).
 test: postgres lint
 	$(CARGO) test --workspace --no-run
-	$(PG) with tests/e2e/with-control-plane.sh $(CARGO) test --workspace -- --skip real_node::
-	$(PG) with tests/e2e/with-control-plane.sh --real-node $(CARGO) test -p perspective-operator --test real_node
+	CARGO="$(CARGO)" tests/run-suites.sh
 
 # A fresh embedded PostgreSQL each time (no DATABASE_URL), removed afterwards.
 demo: postgres
