@@ -209,6 +209,16 @@ perspectives:
             "never waits for a key"
         );
         assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, s.wh_key_by_key(e) AS slot"), "{sql}");
+        // The keys are first taken with the expression inline; through the key function only
+        // after an error.
+        let inline = sql
+            .find("hashtext('s.by_key') AS class, (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) AS slot")
+            .expect("the inline key");
+        let safe = sql
+            .find("hashtext('s.by_key') AS class, s.wh_key_by_key(e) AS slot")
+            .unwrap();
+        let handler = sql[inline..safe].find("EXCEPTION WHEN OTHERS THEN");
+        assert!(handler.is_some(), "{sql}");
         // A serial perspective takes its one lock without reading its rows first.
         assert!(
             sql.contains("IF (p_perspectives IS NULL OR 'one' = ANY (p_perspectives))\n       AND NOT pg_try_advisory_xact_lock(hashtext('s.one'), 0) THEN\n      v_busy_serial := v_busy_serial || 'one'::text;"),

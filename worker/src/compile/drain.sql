@@ -90,6 +90,36 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
     END IF;
   {%- endif %}
 {%- endmacro %}
+{#- The keyed pre-pass (see the header), with each key slot computed by `slot_attr` of the
+    sequenced perspectives: fast_slot (the expression inline) or slot (its key function). #}
+{% macro take_keys(slot_attr) -%}
+-- The keys of the keyed pairs' pending rows (see the header): each taken if free, as many as
+    -- the call's row budget covers, starting from a random slot so that calls side by side
+    -- take different keys rather than all of them. A pair with a key another applier holds is
+    -- busy; one with a key past the budget is not reached (later, at once).
+    WITH keyed AS MATERIALIZED (
+    {% for p in sequenced if p.from_store %}
+      {{ "" if loop.first else "UNION ALL " }}SELECT w.stream_id, w.perspective_name, {{ p.class }} AS class, {{ p[slot_attr] }} AS slot
+      FROM {{ schema }}.wh_perspective_events w
+      JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
+      WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
+        AND (p_perspectives IS NULL OR w.perspective_name = ANY (p_perspectives))
+    {% endfor %}
+    ), slots AS MATERIALIZED (
+      SELECT k.class, k.slot,
+             sum(k.n) OVER (ORDER BY (k.slot + v_offset) % {{ key_slots }}, k.class ROWS UNBOUNDED PRECEDING) - k.n AS before
+      FROM (SELECT y.class, y.slot, count(*) AS n FROM keyed y GROUP BY 1, 2) k
+    ), taken AS MATERIALIZED (
+      SELECT t.class, t.slot, CASE WHEN t.before < v_budget THEN pg_try_advisory_xact_lock(t.class, t.slot) END AS got
+      FROM slots t
+    )
+    SELECT array_agg(busy.stream_id), array_agg(busy.perspective_name), array_agg(busy.state)
+      INTO v_busy_streams, v_busy_names, v_busy_states
+    FROM (SELECT y.stream_id, y.perspective_name,
+                 CASE WHEN bool_or(t.got IS FALSE) THEN {{ sequencing_busy|literal }} END AS state
+          FROM keyed y JOIN taken t ON t.class = y.class AND t.slot = y.slot
+          GROUP BY 1, 2 HAVING NOT bool_and(coalesce(t.got, false))) busy;
+{%- endmacro %}
 {% set args = "uuid, uuid[], integer, integer, boolean, boolean, double precision, double precision, boolean, integer, integer, integer, text[]" %}
 {% set result = "o_stream_id uuid, o_perspective text, o_rows integer, o_applied integer, o_last_version bigint, o_failed_work_id bigint, o_error text, o_done_work_ids bigint[], o_dead_lettered bigint[], o_versions bigint[], o_created_at timestamp with time zone[], o_rewound boolean, o_completed_event_ids uuid[], o_more boolean, o_applied_event_ids uuid[], o_contended_sqlstate text" %}
 {% with name = "wh_drain" %}{% include "drop_older_overloads.sql" %}{% endwith %}
@@ -202,32 +232,14 @@ BEGIN
   {% endfor %}
   {% if sequenced|selectattr("from_store")|list %}
     IF p_perspectives IS NULL OR p_perspectives && {{ keyed_names }} THEN
-    -- The keys of the keyed pairs' pending rows (see the header): each taken if free, as many as
-    -- the call's row budget covers, starting from a random slot so that calls side by side
-    -- take different keys rather than all of them. A pair with a key another applier holds is
-    -- busy; one with a key past the budget is not reached (later, at once).
-    WITH keyed AS MATERIALIZED (
-    {% for p in sequenced if p.from_store %}
-      {{ "" if loop.first else "UNION ALL " }}SELECT w.stream_id, w.perspective_name, {{ p.class }} AS class, {{ p.slot }} AS slot
-      FROM {{ schema }}.wh_perspective_events w
-      JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
-      WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
-        AND (p_perspectives IS NULL OR w.perspective_name = ANY (p_perspectives))
-    {% endfor %}
-    ), slots AS MATERIALIZED (
-      SELECT k.class, k.slot,
-             sum(k.n) OVER (ORDER BY (k.slot + v_offset) % {{ key_slots }}, k.class ROWS UNBOUNDED PRECEDING) - k.n AS before
-      FROM (SELECT y.class, y.slot, count(*) AS n FROM keyed y GROUP BY 1, 2) k
-    ), taken AS MATERIALIZED (
-      SELECT t.class, t.slot, CASE WHEN t.before < v_budget THEN pg_try_advisory_xact_lock(t.class, t.slot) END AS got
-      FROM slots t
-    )
-    SELECT array_agg(busy.stream_id), array_agg(busy.perspective_name), array_agg(busy.state)
-      INTO v_busy_streams, v_busy_names, v_busy_states
-    FROM (SELECT y.stream_id, y.perspective_name,
-                 CASE WHEN bool_or(t.got IS FALSE) THEN {{ sequencing_busy|literal }} END AS state
-          FROM keyed y JOIN taken t ON t.class = y.class AND t.slot = y.slot
-          GROUP BY 1, 2 HAVING NOT bool_and(coalesce(t.got, false))) busy;
+      BEGIN
+        {{ take_keys("fast_slot") }}
+      EXCEPTION WHEN OTHERS THEN
+        -- A key raised an error on some event (bad data): again through the key functions,
+        -- which give such an event the empty key's slot (sequencing.rs). The keys taken
+        -- above were released with the subtransaction.
+        {{ take_keys("slot") }}
+      END;
     END IF;
   {% endif %}
     IF cardinality(v_busy_serial) > 0 THEN

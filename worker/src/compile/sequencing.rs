@@ -24,17 +24,22 @@ pub const KEY_LOCK_SLOTS: u32 = 64;
 
 /// The lock of a sequenced perspective's events, for `drain.sql`: `class` and `slot` are SQL
 /// over an event row `e` of the store (`slot` reads it only when `from_store`), and `join`
-/// brings `e` in for a row `x(s, v)` (stream, version). None for `sequencing: stream`.
+/// brings `e` in for a row `x(s, v)` (stream, version). `fast_slot` is the same slot with the
+/// key expression inline: 14 times cheaper than the key function (0.25 against 3.6 µs an
+/// event; the function's error handler is a subtransaction), but it raises on an event whose
+/// key fails. `wh_drain` takes the keys of all its pending rows with it, and through the
+/// function only after such an error. None for `sequencing: stream`.
 pub fn lock_slots(schema: &str, perspective: &PerspectiveConfig) -> Option<Value> {
     let class = format!(
         "hashtext({})",
         quote_literal(&format!("{schema}.{}", perspective.name))
     );
-    let (slot, from_store) = match perspective.sequencing {
+    let (slot, fast_slot, from_store) = match perspective.sequencing {
         Sequencing::Stream => return None,
-        Sequencing::Serial => ("0".to_owned(), false),
+        Sequencing::Serial => ("0".to_owned(), "0".to_owned(), false),
         Sequencing::Key => (
             format!("{schema}.{}(e)", key_function_name(&perspective.name)),
+            key_slot(perspective),
             true,
         ),
     };
@@ -43,7 +48,7 @@ pub fn lock_slots(schema: &str, perspective: &PerspectiveConfig) -> Option<Value
     } else {
         String::new()
     };
-    Some(context! { name => &perspective.name, class, slot, from_store, join })
+    Some(context! { name => &perspective.name, class, slot, fast_slot, from_store, join })
 }
 
 /// The lock slot of an event row `e` of the store of a `key` perspective: its key, hashed and
