@@ -185,10 +185,51 @@ claimWorker:
         worker,
     ));
     migrate_config(&fixed).await;
+    // A replay applies outside wh_drain, so it takes its event's key like any applier: while
+    // another transaction holds that key, it waits (without it, it applied at once).
+    let mut holder = connect().await;
+    let slot = match mode {
+        Sequenced::Key => format!("{schema}.wh_key_agg(e)"),
+        Sequenced::Serial => "0".to_string(),
+    };
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query(&format!(
+        "SELECT pg_advisory_xact_lock(hashtext('{schema}.agg'), {slot})
+         FROM {schema}.wh_event_store e WHERE e.stream_id = $1 AND e.stream_version = $2"
+    ))
+    .bind(bad)
+    .bind(version)
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    let replay = {
+        let (schema, runner) = (
+            schema.clone(),
+            perspective_worker::engine::SqlRunner::new(&fixed),
+        );
+        tokio::spawn(async move {
+            let mut conn = connect().await;
+            perspective_worker::admin::dead_letters::replay(&mut conn, &schema, &runner, id).await
+        })
+    };
+    let waiting = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+           AND wait_event = 'advisory' AND strpos(query, '{schema}.') > 0"
+    );
+    wait_until(
+        "the replay waiting for its event's key",
+        Duration::from_secs(10),
+        || async { scalar(&waiting).await == 1 },
+    )
+    .await;
+    assert_eq!(
+        rows().await,
+        ["x=5", "y=3"],
+        "nothing applied while the key is held"
+    );
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    replay.await.unwrap().expect("replay");
     let runner = perspective_worker::engine::SqlRunner::new(&fixed);
-    perspective_worker::admin::dead_letters::replay(&mut conn, &schema, &runner, id)
-        .await
-        .expect("replay");
     assert_eq!(agg_seen(&schema, bad).await.0, [1, 3, 2]);
     assert_eq!(rows().await, ["x=6", "y=3"]);
     assert_eq!(agg_status().await, (0, 0, 0));

@@ -27,6 +27,7 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
             handlers => handlers(perspective),
             reset => reset(perspective),
             lock => lock_slots(schema, perspective),
+            lock_mode => perspective.sequencing.as_str(),
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
             applied_channel => applied_channel(schema),
@@ -240,10 +241,11 @@ mod tests {
         };
         let sql = create_apply_function("s", &keyed);
         let replay = sql.find("v_last := 0;").expect("the replay's arrays");
-        let check = sql
-            .find("FROM (SELECT p_stream_id AS s, u.v FROM unnest(a_versions) AS u(v)) x")
-            .expect("the check of the replay's keys");
-        assert!(replay < check, "{sql}");
+        assert!(
+            sql[replay..]
+                .contains("FROM (SELECT p_stream_id AS s, u.v FROM unnest(a_versions) AS u(v)) x"),
+            "the check of the replay's keys comes after the replay's arrays: {sql}"
+        );
         assert!(sql.contains("JOIN s.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v WHERE NOT pg_try_advisory_xact_lock(hashtext('s.p'), s.wh_key_p(e))"), "{sql}");
         assert!(sql.contains("USING ERRCODE = 'lock_not_available'"));
         let serial = {
@@ -255,6 +257,31 @@ mod tests {
             let sql = create_apply_function("s", &p);
             assert!(!sql.contains("pg_try_advisory_xact_lock"), "{sql}");
         }
+    }
+
+    /// A dead-letter replay (p_force) of a key- or serial-sequenced perspective first waits for
+    /// its events' keys, before the events are read; a stream-sequenced one takes none.
+    #[test]
+    fn a_forced_apply_waits_for_its_keys() {
+        let mut keyed = commit_ordered();
+        keyed.sequencing = crate::config::Sequencing::Key;
+        keyed.sequencing_key = Some(":data->>'c'".into());
+        let sql = create_apply_function("s", &keyed);
+        let wait = sql
+            .find("IF p_force THEN\n    -- A dead-letter replay applies outside wh_drain")
+            .expect("the wait");
+        assert!(sql[wait..].starts_with("IF p_force THEN"), "{sql}");
+        assert!(
+            sql.contains("PERFORM pg_advisory_xact_lock(k.class, k.slot)\n    FROM (SELECT DISTINCT hashtext('s.p') AS class, s.wh_key_p(e) AS slot"),
+            "{sql}"
+        );
+        assert!(wait < sql.find("array_agg(e.event_type").unwrap(), "{sql}");
+        let mut serial = commit_ordered();
+        serial.sequencing = crate::config::Sequencing::Serial;
+        assert!(create_apply_function("s", &serial)
+            .contains("FROM (SELECT DISTINCT hashtext('s.p') AS class, 0 AS slot"));
+        assert!(!create_apply_function("s", &commit_ordered())
+            .contains("pg_advisory_xact_lock(k.class"));
     }
 
     /// rewind_reset.sql: the reset runs before the replay, under the triggering event's

@@ -9,7 +9,8 @@
     recorded on the work rows or the cursor (no error, attempts or backoff), what the slow path
     had already applied stays, and o_contended_sqlstate says so: the caller retries the rest
     soon. (With p_force, a dead-letter replay, it is raised like any error.)
-    Slots: schema, perspective, event_id_order, handled_types, uses, handlers, reset,
+    Slots: schema, perspective, lock and lock_mode (sequencing.rs; none for sequencing: stream),
+    event_id_order, handled_types, uses, handlers, reset,
     cursor_completed and cursor_failed (status flags), applied_channel, retry_delay (the backoff
     after this failure, see store::failure::retry_delay_sql). #}
 #variable_conflict use_column
@@ -69,6 +70,18 @@ BEGIN
                         '{}'::uuid[], NULL::text;
     RETURN;
   END IF;
+{% if lock %}
+  IF p_force THEN
+    -- A dead-letter replay applies outside wh_drain: first it waits for its events' keys like
+    -- any applier of this {{ lock_mode }}-sequenced perspective (sequencing.rs), before it holds
+    -- any row, in one sorted order. (wh_drain took the keys of its own calls already.)
+    PERFORM pg_advisory_xact_lock(k.class, k.slot)
+    FROM (SELECT DISTINCT {{ lock.class }} AS class, {{ lock.slot }} AS slot
+          FROM (SELECT p_stream_id AS s, u.v FROM unnest(a_versions) AS u(v)) x
+          {{ lock.join }}
+          ORDER BY 1, 2) k;
+  END IF;
+{% endif %}
 
   -- The events themselves are read here, next to the data, rather than shipped through the
   -- worker and parsed again; only the columns the handlers use are copied. One scan of the

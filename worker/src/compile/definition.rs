@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v33";
+const FORMAT_VERSION: &str = "apply-v34";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v33",
-                "8df44f291cda92784c0eb439abb0baf4e2ead7a2e4e422304b5eff0d10d55796"
+                "apply-v34",
+                "f5f22d35b9a2dbe915eccff448d2e89c9ea25486bc3c23133745e9de2d9d0414"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );
