@@ -37,7 +37,7 @@ postgres:
 
 # Two control planes: one with kwok nodes (pods simulated; tests named real_node::* skipped),
 # one with a real kubelet node (containerd, runc; the images built by tests/e2e/images.sh).
-# (Run side by side they took 5-6½ minutes instead of 9, but the load made two tests flaky:
+# (Run side by side they took 5-6½ minutes instead of 7-9, but the load made two tests flaky:
 # node.sh's leftover check saw veths the kernel had not yet removed, and a completion-flush
 # test lost its race against a drain's retire. Sequential until both are fixed.)
 test: postgres lint
