@@ -63,46 +63,6 @@ async fn jobs_left(schema: &str) -> i64 {
     .await
 }
 
-/// Producers appending A events to `streams` (in id order per transaction) until `stop`.
-fn producers(
-    schema: &str,
-    streams: &[Uuid],
-    stop: Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<usize>> {
-    (0..2)
-        .map(|w| {
-            let schema = schema.to_string();
-            let streams = streams.to_vec();
-            let stop = stop.clone();
-            tokio::spawn(async move {
-                let mut conn = connect().await;
-                let mut appended = 0;
-                let mut i = w;
-                while !stop.load(Ordering::Relaxed) {
-                    let mut pick = vec![
-                        streams[i % streams.len()],
-                        streams[(i * 7 + 3) % streams.len()],
-                    ];
-                    pick.sort();
-                    pick.dedup();
-                    sqlx::query(&format!(
-                        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
-                         SELECT s, 'A' FROM unnest($1::uuid[]) AS s ORDER BY s"
-                    ))
-                    .bind(&pick)
-                    .execute(&mut conn)
-                    .await
-                    .expect("append");
-                    appended += pick.len();
-                    i += 2;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                appended
-            })
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_new_perspective_is_backfilled_by_three_instances_while_producers_append() {
     let schema = unique_schema("backfill");

@@ -27,14 +27,6 @@ in_both_modes!(
     a_killed_worker_loses_and_repeats_nothing,
 );
 
-const FAST: &str = "worker:
-  failureRetryBaseMilliseconds: 20
-  failureRetryMaxMilliseconds: 200
-  drainBatcher: { slidingWindowMilliseconds: 20, maxWaitMilliseconds: 200 }
-claimWorker:
-  pollingIntervalMilliseconds: 100
-";
-
 /// `agg` of `mode` whose handler fails on events whose data has `"poison": "yes"` (a cast
 /// error: an exception only for that event), beside `plain`, with `worker` options.
 fn poisoned_yaml(schema: &str, mode: Sequenced, worker: &str) -> String {
@@ -251,7 +243,11 @@ async fn a_custom_runner_is_refused_naming_the_perspective_and_mode(mode: Sequen
     use perspective_worker::engine::{Engine, EngineError, EngineOptions};
     let schema = unique_schema(&format!("cr_{}", mode.name()));
     let agg = sequenced_perspective(&schema, mode, "");
-    let config = parse_config(&sequenced_yaml(&schema, &[PLAIN_PERSPECTIVE, &agg], FAST));
+    let config = parse_config(&sequenced_yaml(
+        &schema,
+        &[PLAIN_PERSPECTIVE, &agg],
+        QUICK_OPTIONS,
+    ));
     migrate_config(&config).await;
     let mut options = EngineOptions::new(config.clone(), database_url());
     options.runner = Some(Arc::new(stream_history_runner::StreamHistoryRunner::new(

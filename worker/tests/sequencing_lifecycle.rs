@@ -25,14 +25,6 @@ in_both_modes!(
     removing_it_leaves_no_work_and_the_worker_idles,
 );
 
-const FAST: &str = "worker:
-  failureRetryBaseMilliseconds: 20
-  failureRetryMaxMilliseconds: 200
-  drainBatcher: { slidingWindowMilliseconds: 20, maxWaitMilliseconds: 200 }
-claimWorker:
-  pollingIntervalMilliseconds: 100
-";
-
 /// Whether some session holds the probe's advisory lock of key `k` (see
 /// [`sequenced_perspective`]): an event of that key is being applied. Read from `pg_locks`
 /// (taking the lock to find out would disturb the probe).
@@ -66,7 +58,7 @@ async fn a_late_event_rewinds_and_replays_under_the_keys_locks(mode: Sequenced) 
             mode,
             "    ordering: eventId\n",
         )],
-        FAST,
+        QUICK_OPTIONS,
     );
     let config = parse_config(&yaml);
     migrate_config(&config).await;
@@ -151,51 +143,17 @@ async fn wait_jobs_done(schema: &str) {
     .await;
 }
 
-/// Producers appending an event to two of `streams` per transaction (in id order) until
-/// `stop`; each returns how many events it appended.
-fn producers(
-    schema: &str,
-    streams: &[Uuid],
-    stop: Arc<AtomicBool>,
-) -> Vec<tokio::task::JoinHandle<usize>> {
-    (0..2)
-        .map(|w| {
-            let (schema, streams, stop) = (schema.to_string(), streams.to_vec(), stop.clone());
-            tokio::spawn(async move {
-                let mut conn = connect().await;
-                let (mut appended, mut i) = (0, w);
-                while !stop.load(Ordering::Relaxed) {
-                    let mut pick = vec![
-                        streams[i % streams.len()],
-                        streams[(i * 7 + 3) % streams.len()],
-                    ];
-                    pick.sort();
-                    pick.dedup();
-                    sqlx::query(&format!(
-                        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
-                         SELECT s, 'A' FROM unnest($1::uuid[]) AS s ORDER BY s"
-                    ))
-                    .bind(&pick)
-                    .execute(&mut conn)
-                    .await
-                    .expect("append");
-                    appended += pick.len();
-                    i += 2;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                appended
-            })
-        })
-        .collect()
-}
-
 /// A sequenced perspective added to a deployment with history is backfilled by two instances
 /// while producers append: the history and the live events exactly once, each stream in order,
 /// the shared rows exact, no key applied by two transactions at once; `plain`, which applied
 /// the history before, applies none of it again.
 async fn a_new_perspective_is_backfilled_exactly_once_in_order(mode: Sequenced) {
     let schema = unique_schema(&format!("bf_{}", mode.name()));
-    let plain_only = parse_config(&sequenced_yaml(&schema, &[PLAIN_PERSPECTIVE], FAST));
+    let plain_only = parse_config(&sequenced_yaml(
+        &schema,
+        &[PLAIN_PERSPECTIVE],
+        QUICK_OPTIONS,
+    ));
     migrate_config(&plain_only).await;
     let streams: Vec<Uuid> = (0..60).map(|_| Uuid::now_v7()).collect();
     let engine = RunningEngine::start(&plain_only).await;
@@ -205,7 +163,11 @@ async fn a_new_perspective_is_backfilled_exactly_once_in_order(mode: Sequenced) 
 
     // agg joins: migrate starts its backfill.
     let agg = sequenced_perspective(&schema, mode, "");
-    let config = parse_config(&sequenced_yaml(&schema, &[PLAIN_PERSPECTIVE, &agg], FAST));
+    let config = parse_config(&sequenced_yaml(
+        &schema,
+        &[PLAIN_PERSPECTIVE, &agg],
+        QUICK_OPTIONS,
+    ));
     let mut conn = connect().await;
     let report = perspective_worker::admin::migrate::migrate(
         &mut conn,
@@ -256,7 +218,7 @@ async fn a_version_bump_rebuilds_it_exactly(mode: Sequenced) {
     let schema = unique_schema(&format!("rb_{}", mode.name()));
     let yaml = |version: &str| {
         let agg = sequenced_perspective(&schema, mode, version);
-        sequenced_yaml(&schema, &[PLAIN_PERSPECTIVE, &agg], FAST)
+        sequenced_yaml(&schema, &[PLAIN_PERSPECTIVE, &agg], QUICK_OPTIONS)
     };
     let config = parse_config(&yaml(""));
     migrate_config(&config).await;
@@ -350,7 +312,7 @@ async fn status_and_metrics_report_its_progress_until_caught_up(mode: Sequenced)
     let yaml = sequenced_yaml(
         &schema,
         &[PLAIN_PERSPECTIVE, &sequenced_perspective(&schema, mode, "")],
-        &FAST.replacen("worker:\n", "worker:\n  heartbeatIntervalSeconds: 1\n", 1),
+        &QUICK_OPTIONS.replacen("worker:\n", "worker:\n  heartbeatIntervalSeconds: 1\n", 1),
     );
     let config = parse_config(&yaml);
     migrate_config(&config).await;
@@ -455,7 +417,7 @@ async fn drain_function(schema: &str) -> String {
 async fn removing_it_leaves_no_work_and_the_worker_idles(mode: Sequenced) {
     let schema = unique_schema(&format!("rm_{}", mode.name()));
     let agg = sequenced_perspective(&schema, mode, "");
-    let options = format!("{FAST}  notifyHealthyPollingIntervalMilliseconds: 100\n");
+    let options = format!("{QUICK_OPTIONS}  notifyHealthyPollingIntervalMilliseconds: 100\n");
     let config = parse_config(&sequenced_yaml(
         &schema,
         &[PLAIN_PERSPECTIVE, &agg],

@@ -604,3 +604,52 @@ pub async fn plain_seen(schema: &str, stream: uuid::Uuid) -> Vec<i64> {
     .unwrap()
     .unwrap_or_default()
 }
+
+/// Producers appending A events to `streams` (in id order per transaction) until `stop`.
+pub fn producers(
+    schema: &str,
+    streams: &[uuid::Uuid],
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<usize>> {
+    (0..2)
+        .map(|w| {
+            let schema = schema.to_string();
+            let streams = streams.to_vec();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut conn = connect().await;
+                let mut appended = 0;
+                let mut i = w;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut pick = vec![
+                        streams[i % streams.len()],
+                        streams[(i * 7 + 3) % streams.len()],
+                    ];
+                    pick.sort();
+                    pick.dedup();
+                    sqlx::query(&format!(
+                        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+                         SELECT s, 'A' FROM unnest($1::uuid[]) AS s ORDER BY s"
+                    ))
+                    .bind(&pick)
+                    .execute(&mut conn)
+                    .await
+                    .expect("append");
+                    appended += pick.len();
+                    i += 2;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                appended
+            })
+        })
+        .collect()
+}
+
+/// Worker options that make failures, batching and polling quick, for tests that wait on them.
+pub const QUICK_OPTIONS: &str = "worker:
+  failureRetryBaseMilliseconds: 20
+  failureRetryMaxMilliseconds: 200
+  drainBatcher: { slidingWindowMilliseconds: 20, maxWaitMilliseconds: 200 }
+claimWorker:
+  pollingIntervalMilliseconds: 100
+";
