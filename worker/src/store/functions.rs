@@ -41,6 +41,7 @@ pub const FUNCTIONS: &[Function] = functions![
     "wh_backfill_gated",
     "wh_applied_by_all",
     "complete_perspective_events",
+    "complete_applied_events",
     "cleanup_completed_streams",
     "wh_queue_stream",
     // The producer path.
