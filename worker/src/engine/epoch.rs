@@ -17,17 +17,41 @@ use super::{connect, db, heartbeat, lifecycle, spawn_tasks, verify_schema};
 use super::{EngineError, EngineOptions, Shared};
 use crate::store::Store;
 
-/// How long in-flight `wh_drain` calls may run on after shutdown before they are cancelled.
-const DRAIN_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-/// One attempt at cancelling them (it needs the database too).
-const CANCEL_DRAINS_TIMEOUT: Duration = Duration::from_secs(1);
 /// When each step of a shutdown must be over, from its start: the tasks (then aborted), the
 /// completion flush, the deregistration, closing the pool. Well inside the pod's default 30 s
 /// termination grace period, database or not.
-const STOP_TASKS_BY: Duration = Duration::from_secs(9);
-const STOP_FLUSH_BY: Duration = Duration::from_secs(12);
-const STOP_DEREGISTER_BY: Duration = Duration::from_secs(14);
-const STOP_CLOSE_BY: Duration = Duration::from_secs(15);
+#[derive(Debug, Clone, Copy)]
+struct StopBudget {
+    /// How long in-flight `wh_drain` calls may run on before they are cancelled.
+    drain_grace: Duration,
+    tasks_by: Duration,
+    flush_by: Duration,
+    deregister_by: Duration,
+    close_by: Duration,
+}
+
+impl StopBudget {
+    /// The database answers: in-flight drains get 5 s, the whole stop at most 13 s.
+    const REACHABLE: StopBudget = StopBudget {
+        drain_grace: Duration::from_secs(5),
+        tasks_by: Duration::from_secs(8),
+        flush_by: Duration::from_secs(10),
+        deregister_by: Duration::from_secs(12),
+        close_by: Duration::from_secs(13),
+    };
+    /// The last claim or heartbeat failed or hangs: waiting on the link helps nothing, but the
+    /// flush and the deregistration still get a chance (at most 5 s in all).
+    const UNREACHABLE: StopBudget = StopBudget {
+        drain_grace: Duration::from_secs(1),
+        tasks_by: Duration::from_secs(2),
+        flush_by: Duration::from_secs(3),
+        deregister_by: Duration::from_secs(4),
+        close_by: Duration::from_secs(5),
+    };
+}
+
+/// One attempt at cancelling the in-flight drains (it needs the database too).
+const CANCEL_DRAINS_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long the tasks of an abandoned epoch may take to stop before they are aborted: the
 /// ones waiting on a dead link never would.
 const ABANDON_GRACE: Duration = Duration::from_secs(1);
@@ -108,17 +132,23 @@ impl Epoch {
 
     /// Graceful shutdown (the engine's token is cancelled): no new claims, in-flight batches
     /// finish, completions are flushed, leases and streams are released, the instance
-    /// deregisters — each step bounded (see [`STOP_TASKS_BY`] and the next).
+    /// deregisters — each step bounded (see [`StopBudget`]).
     pub(super) async fn stop(self) {
         let started = Instant::now();
         let shared = self.shared;
+        let budget = if shared.health.unreachable() {
+            tracing::warn!("stopping while the database does not answer: short deadlines");
+            StopBudget::UNREACHABLE
+        } else {
+            StopBudget::REACHABLE
+        };
         shared.shutdown.cancel();
-        stop_tasks(&shared, self.tasks, started).await;
+        stop_tasks(&shared, self.tasks, started, budget).await;
         // Last: the completions the drain consumers queued, flushed at once (not after their
         // retry backoff).
         self.flush_stop.cancel();
         let mut flush_task = self.flush_task;
-        if tokio::time::timeout_at(started + STOP_FLUSH_BY, &mut flush_task)
+        if tokio::time::timeout_at(started + budget.flush_by, &mut flush_task)
             .await
             .is_err()
         {
@@ -126,7 +156,7 @@ impl Epoch {
             tracing::warn!("the completion flush did not finish in time; later drains of those streams retire the rows");
         }
         let deregistered = tokio::time::timeout_at(
-            started + STOP_DEREGISTER_BY,
+            started + budget.deregister_by,
             shared.store.deregister_instance(shared.instance_id),
         )
         .await;
@@ -140,7 +170,7 @@ impl Epoch {
         let closed = async {
             tokio::join!(shared.store.close(), self.listen_pool.close());
         };
-        if tokio::time::timeout_at(started + STOP_CLOSE_BY, closed)
+        if tokio::time::timeout_at(started + budget.close_by, closed)
             .await
             .is_err()
         {
@@ -152,17 +182,22 @@ impl Epoch {
 /// Waits for the tasks of a stopping epoch. A drain stuck in a hung handler would hold the
 /// worker until its statement timeout (twice handlerTimeoutMilliseconds, or never): past a short
 /// grace, cancel it (the cancelled event fails like a timed-out one; the rest of its call
-/// commits). Tasks still running at [`STOP_TASKS_BY`] (a dead link) are aborted.
-async fn stop_tasks(shared: &Shared, tasks: Vec<JoinHandle<()>>, started: Instant) {
+/// commits). Tasks still running at `budget.tasks_by` (a dead link) are aborted.
+async fn stop_tasks(
+    shared: &Shared,
+    tasks: Vec<JoinHandle<()>>,
+    started: Instant,
+    budget: StopBudget,
+) {
     let mut tasks = tasks;
     {
         let all = futures::future::join_all(tasks.iter_mut());
         tokio::pin!(all);
-        let mut next_cancel = started + DRAIN_SHUTDOWN_GRACE;
+        let mut next_cancel = started + budget.drain_grace;
         loop {
             tokio::select! {
                 _ = &mut all => return,
-                _ = tokio::time::sleep_until(started + STOP_TASKS_BY) => break,
+                _ = tokio::time::sleep_until(started + budget.tasks_by) => break,
                 _ = tokio::time::sleep_until(next_cancel) => {}
             }
             let cancelled = tokio::time::timeout(
@@ -188,7 +223,7 @@ async fn stop_tasks(shared: &Shared, tasks: Vec<JoinHandle<()>>, started: Instan
     }
     tracing::warn!(
         "tasks still waiting on the database {} s after shutdown began; aborting them",
-        STOP_TASKS_BY.as_secs()
+        budget.tasks_by.as_secs()
     );
     for task in &tasks {
         task.abort();

@@ -153,6 +153,13 @@ impl Health {
         });
     }
 
+    /// Whether the last claim or heartbeat failed or is still unanswered past
+    /// [`unanswered_after`].
+    pub(crate) fn unreachable(&self) -> bool {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.claim.is_some() || state.heartbeat.is_some()
+    }
+
     /// A heartbeat that started at `started` was recorded.
     pub(crate) fn beat_recorded(&self, started: Instant) {
         self.update(|s| s.last_beat = s.last_beat.max(started));
@@ -269,8 +276,10 @@ mod tests {
         assert_eq!(h.readiness.reason().as_deref(), Some("first claim pending"));
         h.report(Probe::Claim, Ok(()));
         assert!(h.readiness.is_ready());
+        assert!(!h.unreachable());
         h.report(Probe::Claim, Err("claim_work failed: refused".into()));
         assert!(h.readiness.reason().unwrap().contains("claim_work failed"));
+        assert!(h.unreachable());
         h.report(Probe::Claim, Ok(()));
         assert!(h.readiness.is_ready(), "a claim clears its own failure");
         h.report(Probe::Heartbeat, Err("heartbeat failed: refused".into()));
