@@ -8,6 +8,7 @@
 //!   stale threshold plus 4 s; never ready while cut, and `/livez` fails once it could not
 //!   register again for a further stale threshold; after the heal it registers again, is ready
 //!   and takes new streams; cut again, it stops within the grace period; every read model exact.
+//! - A link that is fine, but the instance swept by a peer: it registers again, once.
 
 mod common;
 
@@ -311,4 +312,83 @@ async fn a_cut_worker_is_taken_over_comes_back_and_stops_within_the_grace_period
         engine.stop().await;
     }
     drop(worker.proxy);
+}
+
+/// The link is fine but a peer's sweep abandoned the instance (its row deleted, its streams
+/// released): the next heartbeat notices (it used to re-insert the row and carry on with the
+/// streams it no longer owned), and the worker drops its work and registers again, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_instance_was_swept_registers_again() {
+    let schema = unique_schema("part_swept");
+    let config = partition_config(&schema);
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let first = new_streams(5);
+    append_one_each(&schema, &first).await;
+    wait_drained(&schema, Duration::from_secs(20)).await;
+
+    // As cleanup_stale_instances does for a silent instance, in one transaction.
+    let mut conn = connect().await;
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_service_instances SET last_heartbeat_at = now() - interval '1 hour'
+         WHERE instance_id = $1"
+    ))
+    .bind(engine.instance_id)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let swept: i32 = sqlx::query_scalar(&format!(
+        "SELECT {schema}.cleanup_stale_instances($1, 4)"
+    ))
+    .bind(Uuid::now_v7())
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(swept, 1);
+
+    let metrics = engine.metrics.clone();
+    wait_until("registering again", Duration::from_secs(5), || {
+        let metrics = metrics.clone();
+        async move { metrics.reregistrations.get() == 1 }
+    })
+    .await;
+    let rows = scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_service_instances
+         WHERE instance_id = '{}' AND last_heartbeat_at > now() - interval '4 seconds'",
+        engine.instance_id
+    ))
+    .await;
+    assert_eq!(rows, 1, "registered again");
+    let second = new_streams(5);
+    append_one_each(&schema, &second).await;
+    append_one_each(&schema, &first).await;
+    wait_drained(&schema, Duration::from_secs(20)).await;
+    assert_exactly_once(&schema, 10).await;
+    // Heartbeats two seconds on: no second re-registration.
+    let later = format!(
+        "SELECT count(*) FROM {schema}.wh_service_instances
+         WHERE instance_id = '{}' AND last_heartbeat_at > $1::timestamptz + interval '2 seconds'",
+        engine.instance_id
+    );
+    let since: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    wait_until("heartbeats two seconds on", Duration::from_secs(10), || {
+        let later = later.clone();
+        async move {
+            let mut c = connect().await;
+            sqlx::query_scalar::<_, i64>(&later)
+                .bind(since)
+                .fetch_one(&mut c)
+                .await
+                .unwrap()
+                == 1
+        }
+    })
+    .await;
+    assert_eq!(engine.metrics.reregistrations.get(), 1);
+    engine.stop().await;
 }

@@ -70,7 +70,7 @@ impl FailureStreak {
         if let Some(since) = self.since.take() {
             tracing::info!(task = self.what, failures = self.failures,
                 failing_for_seconds = since.elapsed().as_secs(),
-                "{} succeeded again after {} failures; database reachable", self.what, self.failures);
+                "{} succeeded after {} failures in a row; database reachable", self.what, self.failures);
         }
         self.failures = 0;
         self.last_logged = None;

@@ -263,6 +263,7 @@ pub(super) async fn reregister(
             Ok(Ok(epoch)) => {
                 failures.succeeded();
                 health.readiness().set_live();
+                options.metrics.reregistrations.inc();
                 tracing::info!(instance_id = %options.instance_id, "registered again after being abandoned");
                 return Some(epoch);
             }
