@@ -82,9 +82,11 @@ impl CutWorker {
     /// Waits until `path` answers `status`; returns how long that took.
     async fn wait_status(&self, path: &str, status: u16, within: Duration) -> Duration {
         let started = Instant::now();
-        wait_until(&format!("{path} answering {status}"), within, || async move {
-            self.get(path).await.0 == status
-        })
+        wait_until(
+            &format!("{path} answering {status}"),
+            within,
+            || async move { self.get(path).await.0 == status },
+        )
         .await;
         started.elapsed()
     }
@@ -92,7 +94,13 @@ impl CutWorker {
     fn applied(&self) -> u64 {
         ["p1", "p2"]
             .iter()
-            .map(|p| self.engine.metrics.events_processed.with_label_values(&[p]).get())
+            .map(|p| {
+                self.engine
+                    .metrics
+                    .events_processed
+                    .with_label_values(&[p])
+                    .get()
+            })
             .sum()
     }
 }
@@ -102,7 +110,9 @@ async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let exchange = async {
         let mut stream = tokio::net::TcpStream::connect(addr).await?;
         stream
-            .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+            )
             .await?;
         let mut raw = String::new();
         stream.read_to_string(&mut raw).await?;
@@ -117,7 +127,10 @@ async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no status in {raw:?}"));
-    let body = raw.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    let body = raw
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
     (status, body)
 }
 
@@ -144,7 +157,9 @@ async fn readyz_fails_within_seconds_of_a_cut_and_recovers_after_the_heal() {
     let config = partition_config(&schema);
     migrate_config(&config).await;
     let worker = CutWorker::start(&config).await;
-    worker.wait_status("/readyz", 200, Duration::from_secs(10)).await;
+    worker
+        .wait_status("/readyz", 200, Duration::from_secs(10))
+        .await;
 
     worker.proxy.cut();
     let took = worker
@@ -153,7 +168,11 @@ async fn readyz_fails_within_seconds_of_a_cut_and_recovers_after_the_heal() {
     let (_, body) = worker.get("/readyz").await;
     eprintln!("/readyz failed {took:?} after the cut: {body}");
     assert!(body.contains("database unreachable"), "{body}");
-    assert_eq!(worker.get("/livez").await.0, 200, "a short cut keeps it live");
+    assert_eq!(
+        worker.get("/livez").await.0,
+        200,
+        "a short cut keeps it live"
+    );
 
     worker.proxy.heal();
     let took = worker
@@ -182,22 +201,25 @@ async fn a_cut_worker_is_taken_over_comes_back_and_stops_within_the_grace_period
     let streams = new_streams(40);
     let stop_producing = Arc::new(AtomicBool::new(false));
     let producers = producers(&schema, &streams, stop_producing.clone());
-    let owned_sql = format!(
-        "SELECT stream_id FROM {schema}.wh_active_streams WHERE assigned_instance_id = $1"
-    );
+    let owned_sql =
+        format!("SELECT stream_id FROM {schema}.wh_active_streams WHERE assigned_instance_id = $1");
     let mut conn = connect().await;
     let (w, owned_sql_ref) = (&worker, &owned_sql);
-    wait_until("the cut worker applying its streams", Duration::from_secs(20), || async move {
-        w.applied() > 0 && {
-            let mut c = connect().await;
-            let owned: Vec<Uuid> = sqlx::query_scalar(owned_sql_ref)
-                .bind(cut_id)
-                .fetch_all(&mut c)
-                .await
-                .unwrap();
-            !owned.is_empty()
-        }
-    })
+    wait_until(
+        "the cut worker applying its streams",
+        Duration::from_secs(20),
+        || async move {
+            w.applied() > 0 && {
+                let mut c = connect().await;
+                let owned: Vec<Uuid> = sqlx::query_scalar(owned_sql_ref)
+                    .bind(cut_id)
+                    .fetch_all(&mut c)
+                    .await
+                    .unwrap();
+                !owned.is_empty()
+            }
+        },
+    )
     .await;
 
     // The cut: not ready within seconds.
@@ -259,11 +281,18 @@ async fn a_cut_worker_is_taken_over_comes_back_and_stops_within_the_grace_period
         if worker.get("/livez").await.0 == 503 {
             break;
         }
-        assert!(Instant::now() < deadline, "/livez still 200 {:?} after the cut", cut_at.elapsed());
+        assert!(
+            Instant::now() < deadline,
+            "/livez still 200 {:?} after the cut",
+            cut_at.elapsed()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (_, livez) = worker.get("/livez").await;
-    eprintln!("/livez failed {:?} after the cut: {livez}", cut_at.elapsed());
+    eprintln!(
+        "/livez failed {:?} after the cut: {livez}",
+        cut_at.elapsed()
+    );
     assert!(livez.contains("could not register again"), "{livez}");
 
     // The heal: it registers again, is ready and live, and takes new streams.
@@ -286,14 +315,18 @@ async fn a_cut_worker_is_taken_over_comes_back_and_stops_within_the_grace_period
     let fresh = new_streams(30);
     append_one_each(&schema, &fresh).await;
     let w = &worker;
-    wait_until("the worker applying new streams", Duration::from_secs(15), || async move {
-        w.applied() > before
-    })
+    wait_until(
+        "the worker applying new streams",
+        Duration::from_secs(15),
+        || async move { w.applied() > before },
+    )
     .await;
 
     // Cut again, and SIGTERM: it stops within the grace period.
     worker.proxy.cut();
-    worker.wait_status("/readyz", 503, Duration::from_secs(3)).await;
+    worker
+        .wait_status("/readyz", 503, Duration::from_secs(3))
+        .await;
     let stopping = Instant::now();
     worker.engine.stop().await;
     let took = stopping.elapsed();
@@ -338,13 +371,11 @@ async fn a_worker_whose_instance_was_swept_registers_again() {
     .execute(&mut *tx)
     .await
     .unwrap();
-    let swept: i32 = sqlx::query_scalar(&format!(
-        "SELECT {schema}.cleanup_stale_instances($1, 4)"
-    ))
-    .bind(Uuid::now_v7())
-    .fetch_one(&mut *tx)
-    .await
-    .unwrap();
+    let swept: i32 = sqlx::query_scalar(&format!("SELECT {schema}.cleanup_stale_instances($1, 4)"))
+        .bind(Uuid::now_v7())
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(swept, 1);
 

@@ -52,14 +52,26 @@ impl FailureStreak {
                 self.last_logged = Some(now);
             }
             Some(at) if now.duration_since(at) >= REMIND_EVERY => {
-                tracing::warn!(task = self.what, error, failures = self.failures,
+                tracing::warn!(
+                    task = self.what,
+                    error,
+                    failures = self.failures,
                     failing_for_seconds = now.duration_since(since).as_secs(),
-                    "{} still failing: {} failures since {} s ago", self.what, self.failures,
-                    now.duration_since(since).as_secs());
+                    "{} still failing: {} failures since {} s ago",
+                    self.what,
+                    self.failures,
+                    now.duration_since(since).as_secs()
+                );
                 self.last_logged = Some(now);
             }
             Some(_) => {
-                tracing::debug!(task = self.what, error, failures = self.failures, "{} failed again", self.what);
+                tracing::debug!(
+                    task = self.what,
+                    error,
+                    failures = self.failures,
+                    "{} failed again",
+                    self.what
+                );
             }
         }
         delay
@@ -68,9 +80,14 @@ impl FailureStreak {
     /// Records a success; logs the recovery when it ends a streak.
     pub(crate) fn succeeded(&mut self) {
         if let Some(since) = self.since.take() {
-            tracing::info!(task = self.what, failures = self.failures,
+            tracing::info!(
+                task = self.what,
+                failures = self.failures,
                 failing_for_seconds = since.elapsed().as_secs(),
-                "{} succeeded after {} failures in a row; database reachable", self.what, self.failures);
+                "{} succeeded after {} failures in a row; database reachable",
+                self.what,
+                self.failures
+            );
         }
         self.failures = 0;
         self.last_logged = None;

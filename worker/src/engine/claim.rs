@@ -76,9 +76,9 @@ impl ClaimLoop {
         let shared = &self.shared;
         let started = Instant::now();
         let claim = shared.store.claim_work(ClaimArgs {
-                instance_id: shared.instance_id,
-                max_streams: max_streams.max(1).min(i32::MAX as usize) as i32,
-                offered: offered.min(i32::MAX as usize) as i32,
+            instance_id: shared.instance_id,
+            max_streams: max_streams.max(1).min(i32::MAX as usize) as i32,
+            offered: offered.min(i32::MAX as usize) as i32,
             stale_seconds: shared
                 .config
                 .worker

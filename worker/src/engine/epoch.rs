@@ -123,7 +123,9 @@ impl Epoch {
         let mut tasks = self.tasks;
         let stopped = futures::future::join_all(tasks.iter_mut());
         if tokio::time::timeout(ABANDON_GRACE, stopped).await.is_err() {
-            tracing::warn!("aborting the tasks of the abandoned registration still waiting on the database");
+            tracing::warn!(
+                "aborting the tasks of the abandoned registration still waiting on the database"
+            );
             for task in &tasks {
                 task.abort();
             }

@@ -400,7 +400,11 @@ mod tests {
         readiness.set_not_live("abandoned and could not register again for 30 s");
         let reply = get(addr, "/livez").await.unwrap();
         assert_eq!(reply.status, 503);
-        assert!(reply.body.contains("could not register again"), "{}", reply.body);
+        assert!(
+            reply.body.contains("could not register again"),
+            "{}",
+            reply.body
+        );
         readiness.set_live();
         let reply = get(addr, "/livez").await.unwrap();
         assert_eq!(reply.status, 200);

@@ -9,7 +9,8 @@ use super::Store;
 
 // The subquery reads the row as it was before the heartbeat (one statement, one snapshot; the
 // function's write is not visible to it).
-const RECORD_HEARTBEAT: &str = "SELECT (SELECT extract(epoch FROM now() - i.last_heartbeat_at)::float8
+const RECORD_HEARTBEAT: &str =
+    "SELECT (SELECT extract(epoch FROM now() - i.last_heartbeat_at)::float8
                                   FROM {schema}.wh_service_instances i WHERE i.instance_id = $1),
                                  {schema}.record_heartbeat($1, $2, $3, $4, $5)::text";
 const CLEANUP_STALE_INSTANCES: &str = "SELECT {schema}.cleanup_stale_instances($1, $2)";
