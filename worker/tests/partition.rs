@@ -5,10 +5,11 @@
 //! - One worker: `/readyz` fails within 3 s of the cut (on the old code it answered 200 for the
 //!   whole partition) and is 200 again after the heal.
 //! - Three workers, one cut: not ready within 3 s; its streams applied by the others within the
-//!   stale threshold plus 4 s; never ready while cut, and `/livez` fails once it could not
-//!   register again for a further stale threshold; after the heal it registers again, is ready
+//!   stale threshold plus 4 s; never ready while cut, and `/livez` fails once its attempts to
+//!   register again got no answer for a further stale threshold; after the heal it registers again, is ready
 //!   and takes new streams; cut again, it stops within the grace period; every read model exact.
 //! - A link that is fine, but the instance swept by a peer: it registers again, once.
+//! - A database that refuses connections: not ready, live all along, back by itself.
 
 mod common;
 
@@ -293,7 +294,7 @@ async fn a_cut_worker_is_taken_over_comes_back_and_stops_within_the_grace_period
         "/livez failed {:?} after the cut: {livez}",
         cut_at.elapsed()
     );
-    assert!(livez.contains("could not register again"), "{livez}");
+    assert!(livez.contains("no answer from the database"), "{livez}");
 
     // The heal: it registers again, is ready and live, and takes new streams.
     worker.proxy.heal();
@@ -422,4 +423,59 @@ async fn a_worker_whose_instance_was_swept_registers_again() {
     .await;
     assert_eq!(engine.metrics.reregistrations.get(), 1);
     engine.stop().await;
+}
+
+/// A database that answers with errors (here: connections refused, like a server that is down)
+/// is not a dead link: the worker is not ready, starts over once abandoned and waits, live — a
+/// restart would not help, and every pod would restart at once — and registers again by itself
+/// when the database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_refuses_connections_keeps_the_worker_live_until_it_is_back() {
+    let schema = unique_schema("part_down");
+    let config = partition_config(&schema);
+    migrate_config(&config).await;
+    let worker = CutWorker::start(&config).await;
+    worker
+        .wait_status("/readyz", 200, Duration::from_secs(10))
+        .await;
+
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    worker.proxy.set_upstream(closed);
+    worker.proxy.reset_connections();
+    let down_at = Instant::now();
+    let took = worker
+        .wait_status("/readyz", 503, Duration::from_secs(3))
+        .await;
+    eprintln!("/readyz failed {took:?} after the database went down");
+    // Abandoned after the stale threshold, then refused for longer than one more (a dead link
+    // fails /livez then): still live.
+    while down_at.elapsed() < STALE * 5 / 2 {
+        let (live, body) = worker.get("/livez").await;
+        assert_eq!(
+            live,
+            200,
+            "{:?} after the database went down: {body}",
+            down_at.elapsed()
+        );
+        assert_eq!(worker.get("/readyz").await.0, 503);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (_, body) = worker.get("/readyz").await;
+    assert!(body.contains("abandoned, registering again"), "{body}");
+
+    worker.proxy.set_upstream(address_of(&database_url()));
+    let took = worker
+        .wait_status("/readyz", 200, Duration::from_secs(10))
+        .await;
+    eprintln!("ready again {took:?} after the database came back");
+    assert_eq!(worker.engine.metrics.reregistrations.get(), 1);
+    let streams = new_streams(5);
+    append_one_each(&schema, &streams).await;
+    wait_drained(&schema, Duration::from_secs(20)).await;
+    assert_exactly_once(&schema, streams.len()).await;
+    worker.engine.stop().await;
+    worker.http_stop.cancel();
 }

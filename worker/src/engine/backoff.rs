@@ -46,6 +46,16 @@ impl FailureStreak {
         let since = *self.since.get_or_insert(now);
         let delay = self.delay_after(self.failures);
         match self.last_logged {
+            None if delay.is_zero() => {
+                // A streak that only paces the logs (the caller has its own waits).
+                tracing::warn!(
+                    task = self.what,
+                    error,
+                    "{} failed; retrying (logged again once a minute while it fails)",
+                    self.what
+                );
+                self.last_logged = Some(now);
+            }
             None => {
                 tracing::warn!(task = self.what, error, retry_in = ?delay,
                     "{} failed; retrying with backoff (logged again once a minute while it fails)", self.what);

@@ -234,8 +234,10 @@ async fn stop_tasks(
 
 /// After an abandoned epoch: connects, verifies the schema and registers again until that
 /// works (`None`: shutdown came first), each attempt bounded by the stale threshold (1–10 s).
-/// Not ready meanwhile; past one more stale threshold, `/livez` fails too, so the kubelet
-/// restarts a worker that cannot recover by itself.
+/// Not ready meanwhile. When the attempts get no answer at all for one more stale threshold (a
+/// dead link: something local may be broken), `/livez` fails too, so the kubelet restarts the
+/// worker; an answer, even an error (the database is down, gone or not migrated: a restart
+/// would not help, and every pod would restart at once), keeps it live, waiting.
 pub(super) async fn reregister(
     options: &EngineOptions,
     health: &Arc<Health>,
@@ -243,7 +245,8 @@ pub(super) async fn reregister(
     reason: String,
 ) -> Option<Epoch> {
     health.reregistering(reason);
-    let since = Instant::now();
+    // The start of the current run of attempts that got no answer at all.
+    let mut unanswered_since = Instant::now();
     let stale = health.stale();
     let attempt_timeout = stale.clamp(Duration::from_secs(1), Duration::from_secs(10));
     let mut failures = FailureStreak::new(
@@ -269,17 +272,23 @@ pub(super) async fn reregister(
                 tracing::info!(instance_id = %options.instance_id, "registered again after being abandoned");
                 return Some(epoch);
             }
-            Ok(Err(e)) => e.to_string(),
+            Ok(Err(e)) => {
+                // An answer (an error, a refused connection): the database is down or changed,
+                // which a restart would not mend; the worker waits for it, live.
+                unanswered_since = Instant::now();
+                health.readiness().set_live();
+                e.to_string()
+            }
             Err(_) => format!(
-                "connecting and registering took longer than {} s",
+                "connecting and registering got no answer within {} s",
                 attempt_timeout.as_secs_f64()
             ),
         };
         health.reregistering(error.clone());
-        if since.elapsed() >= stale {
+        if unanswered_since.elapsed() >= stale {
             health.readiness().set_not_live(format!(
-                "abandoned by its peers and could not register again for {} s: {error}",
-                since.elapsed().as_secs()
+                "abandoned by its peers and no answer from the database for {} s while registering again: {error}",
+                unanswered_since.elapsed().as_secs()
             ));
         }
         let wait = failures.failed(&error);

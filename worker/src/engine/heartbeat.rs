@@ -52,15 +52,19 @@ impl Heartbeat {
         }
     }
 
-    /// One heartbeat plus a stale-instance sweep: the previous heartbeat's age (`None`: the
-    /// instance was not registered) and how many peers were abandoned.
-    async fn record(&mut self) -> Result<(Option<f64>, i32), sqlx::Error> {
+    /// One heartbeat: the previous heartbeat's age (`None`: the instance was not registered).
+    async fn record(&mut self) -> Result<Option<f64>, sqlx::Error> {
         let shared = &self.shared;
         self.instance.metadata = heartbeat_metadata(
             &shared.config.worker.instance_metadata,
             &shared.contention.per_minute(),
         );
-        let previous_age = shared.store.record_heartbeat(&self.instance).await?;
+        shared.store.record_heartbeat(&self.instance).await
+    }
+
+    /// Abandons the silent peers (which can take a while: their streams are released).
+    async fn sweep(&self) -> Result<(), sqlx::Error> {
+        let shared = &self.shared;
         let abandoned = shared
             .store
             .cleanup_stale_instances(
@@ -78,7 +82,7 @@ impl Heartbeat {
             );
             shared.hooks.request_immediate_poll();
         }
-        Ok((previous_age, abandoned))
+        Ok(())
     }
 
     /// Lag per perspective for /metrics: one aggregate per heartbeat, spaced out when it is
@@ -97,6 +101,7 @@ impl Heartbeat {
     /// whatever row it had does not matter), sweeps silent peers and counts the pending events.
     pub(crate) async fn register(&mut self) -> Result<(), sqlx::Error> {
         self.record().await?;
+        self.sweep().await?;
         self.count_pending().await
     }
 
@@ -141,20 +146,30 @@ impl Heartbeat {
                 _ = tokio::time::sleep(every) => {}
             }
             let started = Instant::now();
-            match health.watch(Probe::Heartbeat, self.record()).await {
-                Ok((previous_age, _)) => {
-                    failures.succeeded();
-                    if let Some(reason) = abandoned_by(previous_age, stale) {
-                        health.abandoned(reason);
-                        return;
-                    }
-                    health.beat_recorded(started);
-                }
+            // Only the heartbeat itself is watched: a sweep that releases many streams may
+            // take seconds.
+            let previous_age = match health.watch(Probe::Heartbeat, self.record()).await {
+                Ok(age) => age,
                 Err(e) => {
                     failures.failed(&crate::db::describe_error(&e, None));
                     continue;
                 }
+            };
+            if let Some(reason) = abandoned_by(previous_age, stale) {
+                health.abandoned(reason);
+                return;
             }
+            health.beat_recorded(started);
+            if let Err(e) = self.sweep().await {
+                let error = crate::db::describe_error(&e, None);
+                health.report(
+                    Probe::Heartbeat,
+                    Err(format!("cleanup_stale_instances failed: {error}")),
+                );
+                failures.failed(&error);
+                continue;
+            }
+            failures.succeeded();
             match self.count_pending().await {
                 Ok(()) => count_failures.succeeded(),
                 Err(e) => {

@@ -6,8 +6,10 @@
 //! - `/livez` answers 200 `ok` while the process serves HTTP, and 503 with the reason once the
 //!   engine gave up through [`Readiness::set_not_live`]. It sends nothing to the database
 //!   itself: the engine fails it only when its peers abandoned it (its heartbeat went stale)
-//!   and it could not register again for a further stale threshold (the engine's `health`
-//!   module). A short outage never fails it.
+//!   and its attempts to register again got no answer at all for a further stale threshold (a
+//!   dead link; the engine's `health` and `epoch` modules). A database that answers with errors
+//!   (down, dropped, not migrated) never fails it: restarting every worker pod would only add a
+//!   thundering herd to the outage.
 //! - `/readyz` answers 200 `ready` once the engine has said so through the shared
 //!   [`Readiness`] handle (schema verified, first claim done), and 503 with the reason
 //!   otherwise, so `kubectl describe pod` tells a person *why* a pod is not ready: it goes
