@@ -11,6 +11,7 @@ use tokio::sync::Notify;
 
 use crate::store::names::JOBS_PAYLOAD;
 
+use super::backoff::FailureStreak;
 use super::Shared;
 
 /// The listener task.
@@ -28,7 +29,11 @@ impl Listener {
     pub(crate) async fn run(self) {
         let ctx = &self.shared;
         let channel = crate::store::names::work_channel(ctx.store.schema());
-        let mut backoff = Duration::from_millis(100);
+        let mut failures = FailureStreak::new(
+            "LISTEN connection",
+            Duration::from_millis(100),
+            Duration::from_secs(5),
+        );
         while !ctx.shutdown.is_cancelled() {
             let connected = async {
                 let mut l = PgListener::connect_with(&self.pool).await?;
@@ -39,16 +44,15 @@ impl Listener {
             let mut listener = match connected {
                 Ok(l) => l,
                 Err(e) => {
-                    tracing::warn!(error = %e, retry_in = ?backoff, "LISTEN connection failed");
+                    let backoff = failures.failed(&crate::db::describe_error(&e, None));
                     tokio::select! {
                         _ = ctx.shutdown.cancelled() => return,
                         _ = tokio::time::sleep(backoff) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                     continue;
                 }
             };
-            backoff = Duration::from_millis(100);
+            failures.succeeded();
             self.healthy.store(true, Ordering::Relaxed);
             ctx.metrics.listener_connected.set(1);
             tracing::info!(channel, "listening for the doorbell");

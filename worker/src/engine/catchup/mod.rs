@@ -124,6 +124,12 @@ pub(crate) struct JobRunner {
 impl JobRunner {
     pub(crate) async fn run(self) {
         let mut failures = 0u32;
+        // Only its logs: the waits are next_wait's.
+        let mut streak = super::backoff::FailureStreak::new(
+            "perspective job turn",
+            Duration::ZERO,
+            Duration::ZERO,
+        );
         loop {
             if self.shared.shutdown.is_cancelled() {
                 return;
@@ -131,11 +137,12 @@ impl JobRunner {
             let turn = match self.turn().await {
                 Ok(turn) => {
                     failures = 0;
+                    streak.succeeded();
                     Ok(turn)
                 }
                 Err(e) => {
                     failures += 1;
-                    tracing::warn!(error = %e, "perspective job turn failed; retrying");
+                    streak.failed(&e.to_string());
                     Err(())
                 }
             };
