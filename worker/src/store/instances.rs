@@ -60,13 +60,17 @@ pub fn heartbeat_metadata(
 impl Store {
     /// Register the instance or refresh its heartbeat.
     pub async fn record_heartbeat(&self, info: &InstanceInfo) -> Result<(), sqlx::Error> {
-        sqlx::query(&self.sql(RECORD_HEARTBEAT))
-            .bind(info.instance_id)
-            .bind(&info.service_name)
-            .bind(&info.host_name)
-            .bind(info.process_id)
-            .bind(&info.metadata)
-            .execute(self.pool())
+        let mut c = self.conn().await?;
+        c.limit(self.deadlines.quick, "record_heartbeat")
+            .run(
+                sqlx::query(&self.sql(RECORD_HEARTBEAT))
+                    .bind(info.instance_id)
+                    .bind(&info.service_name)
+                    .bind(&info.host_name)
+                    .bind(info.process_id)
+                    .bind(&info.metadata)
+                    .execute(&mut *c),
+            )
             .await?;
         Ok(())
     }
@@ -78,18 +82,26 @@ impl Store {
         instance_id: Uuid,
         stale_seconds: f64,
     ) -> Result<i32, sqlx::Error> {
-        sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
-            .bind(instance_id)
-            .bind(stale_seconds)
-            .fetch_one(self.pool())
+        let mut c = self.conn().await?;
+        c.limit(self.deadlines.quick, "cleanup_stale_instances")
+            .run(
+                sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
+                    .bind(instance_id)
+                    .bind(stale_seconds)
+                    .fetch_one(&mut *c),
+            )
             .await
     }
 
     /// Graceful shutdown: retire drained streams, give back the rest, leave.
     pub async fn deregister_instance(&self, instance_id: Uuid) -> Result<(), sqlx::Error> {
-        sqlx::query(&self.sql(DEREGISTER_INSTANCE))
-            .bind(instance_id)
-            .execute(self.pool())
+        let mut c = self.conn().await?;
+        c.limit(self.deadlines.quick, "deregister_instance")
+            .run(
+                sqlx::query(&self.sql(DEREGISTER_INSTANCE))
+                    .bind(instance_id)
+                    .execute(&mut *c),
+            )
             .await?;
         Ok(())
     }

@@ -29,10 +29,14 @@ impl Store {
         event_ids: &[Uuid],
         instance_id: Uuid,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(&self.sql(RECORD_COMPLETIONS))
-            .bind(event_ids)
-            .bind(instance_id)
-            .execute(self.pool())
+        let mut c = self.conn().await?;
+        c.limit(self.deadlines.routine, "record_lifecycle_completions")
+            .run(
+                sqlx::query(&self.sql(RECORD_COMPLETIONS))
+                    .bind(event_ids)
+                    .bind(instance_id)
+                    .execute(&mut *c),
+            )
             .await?;
         Ok(())
     }
@@ -42,11 +46,17 @@ impl Store {
         &self,
         retention_seconds: f64,
     ) -> Result<u64, sqlx::Error> {
-        Ok(sqlx::query(&self.sql(DELETE_OLD_COMPLETIONS))
-            .bind(retention_seconds)
-            .execute(self.pool())
-            .await?
-            .rows_affected())
+        let mut c = self.conn().await?;
+        Ok(
+            c.limit(self.deadlines.routine, "delete_old_lifecycle_completions")
+                .run(
+                    sqlx::query(&self.sql(DELETE_OLD_COMPLETIONS))
+                        .bind(retention_seconds)
+                        .execute(&mut *c),
+                )
+                .await?
+                .rows_affected(),
+        )
     }
 
     /// Up to `limit` (stream, event) pairs appended (or replayed from a dead letter) in the last
@@ -56,10 +66,14 @@ impl Store {
         lookback_seconds: f64,
         limit: i64,
     ) -> Result<Vec<(Uuid, Uuid)>, sqlx::Error> {
-        sqlx::query_as(&self.sql(ORPHANED_EVENTS))
-            .bind(lookback_seconds)
-            .bind(limit)
-            .fetch_all(self.pool())
+        let mut c = self.conn().await?;
+        c.limit(self.deadlines.routine, "orphaned_lifecycles")
+            .run(
+                sqlx::query_as(&self.sql(ORPHANED_EVENTS))
+                    .bind(lookback_seconds)
+                    .bind(limit)
+                    .fetch_all(&mut *c),
+            )
             .await
     }
 }

@@ -7,6 +7,7 @@
 //! The names shared with the SQL side (channels, cursor status flags, dead-letter states, job
 //! kinds) are defined once in [`names`].
 //!
+//! - [`deadline`]: the deadline on every statement, and what tells its expiry apart
 //! - [`names`]: channels, cursor status flags, dead-letter recovery states
 //! - [`migrations`]: the embedded, versioned schema SQL (tables, indexes, types, data)
 //! - [`functions`]: the engine's server-side functions, one `.sql` file each in `functions/`,
@@ -36,6 +37,7 @@ pub mod claim;
 pub mod complete;
 pub mod cursor;
 pub mod dead_letters;
+pub mod deadline;
 pub mod demo;
 pub mod drain;
 pub mod failure;
@@ -53,6 +55,8 @@ pub mod vacuum;
 use std::sync::Arc;
 
 use sqlx::postgres::PgPool;
+
+pub use deadline::{is_deadline_exceeded, is_unreachable, Conn, DeadlineExceeded, Deadlines};
 
 /// `template` with its placeholders filled: `{schema}` by `schema` (a validated identifier: no
 /// quoting needed) and the shared flags of [`names`] by their values.
@@ -72,11 +76,13 @@ pub(crate) fn sql(schema: &str, template: &str) -> String {
         )
 }
 
-/// The engine's handle on its deployment's schema: a connection pool and the schema name.
+/// The engine's handle on its deployment's schema: a connection pool, the schema name, and the
+/// deadlines of its statements.
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: PgPool,
     schema: Arc<str>,
+    deadlines: Deadlines,
 }
 
 impl Store {
@@ -84,7 +90,24 @@ impl Store {
         Store {
             pool,
             schema: schema.into(),
+            deadlines: Deadlines::default(),
         }
+    }
+
+    /// The same store with other statement deadlines (tests use short ones).
+    pub fn with_deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.deadlines = deadlines;
+        self
+    }
+
+    pub fn deadlines(&self) -> &Deadlines {
+        &self.deadlines
+    }
+
+    /// A connection of the pool (waiting at most the pool's acquire timeout), for statements
+    /// under a deadline: `conn.limit(d, "what").run(query.execute(&mut *conn))`.
+    pub async fn conn(&self) -> Result<Conn, sqlx::Error> {
+        Ok(Conn::new(self.pool.acquire().await?))
     }
 
     pub fn pool(&self) -> &PgPool {
