@@ -35,9 +35,10 @@ pub struct RuntimeArgs {
         default_value = ".perspective/pgdata"
     )]
     data_dir: PathBuf,
-    /// Maximum database connections of the engine.
-    #[arg(long, env = "PERSPECTIVE_MAX_CONNECTIONS", default_value_t = 10)]
-    max_connections: u32,
+    /// Connections of the engine's statement pool, 2 to 1000; overrides the config's
+    /// worker.database.maxConnections (default 10).
+    #[arg(long, env = "PERSPECTIVE_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(2..=1000))]
+    max_connections: Option<u32>,
 }
 
 pub async fn execute(ctx: &Context, args: &RunArgs) -> anyhow::Result<()> {
@@ -137,7 +138,9 @@ impl RunningEngine {
         let shutdown = CancellationToken::new();
         let mut options = EngineOptions::new(ctx.config.clone(), url);
         options.instance_id = instance_id;
-        options.max_connections = runtime.max_connections;
+        if let Some(n) = runtime.max_connections {
+            options.max_connections = n;
+        }
         options.hooks = hooks;
         let (addr, http) = perspective_worker::engine::http::serve(
             runtime.http_addr,

@@ -82,6 +82,8 @@ pub struct WorkerOptions {
     pub notify_applied: bool,
     /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty). The key `contention` is the engine's: each heartbeat records there the lock conflicts between appliers of the last minute, by perspective.
     pub instance_metadata: BTreeMap<String, String>,
+    /// The worker's connections to PostgreSQL (default maxConnections 10).
+    pub database: DatabaseOptions,
 }
 
 impl Default for WorkerOptions {
@@ -106,6 +108,7 @@ impl Default for WorkerOptions {
             handler_timeout_milliseconds: Some(30_000),
             notify_applied: false,
             instance_metadata: BTreeMap::new(),
+            database: DatabaseOptions::default(),
         }
     }
 }
@@ -122,6 +125,27 @@ impl WorkerOptions {
     pub fn drain_batch_limit(&self, perspectives: usize) -> usize {
         let per_stream = self.perspective_batch_size.max(1) as usize * perspectives.max(1);
         (self.drain_batcher.max_size as usize).min((DRAIN_ROWS_PER_FETCH / per_stream).max(1))
+    }
+}
+
+/// Bounds of `worker.database.maxConnections`: the engine needs two connections at least (a
+/// drain and the heartbeat beside it); PostgreSQL's own `max_connections` is 100 by default.
+pub const MAX_CONNECTIONS_RANGE: std::ops::RangeInclusive<u32> = 2..=1000;
+
+/// The worker's connections to PostgreSQL.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct DatabaseOptions {
+    /// Connections of each worker's statement pool, 2 to 1000 (default 10); the LISTEN session is one more. Drain consumers, catch-up chunk loops, the completion flush, the claim loop, the heartbeat and the housekeepers share it; a statement waits up to 10 s for a free connection. `perspective-worker run --max-connections` overrides it.
+    #[schemars(range(min = 2, max = 1000))]
+    pub max_connections: u32,
+}
+
+impl Default for DatabaseOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 10,
+        }
     }
 }
 

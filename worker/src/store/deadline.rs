@@ -132,6 +132,11 @@ where
     }))
 }
 
+/// A round trip on an otherwise idle session (the LISTEN one), to tell a dead link.
+pub async fn probe(listener: &mut sqlx::postgres::PgListener) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT 1").execute(listener).await.map(|_| ())
+}
+
 /// A pooled connection whose statements run under deadlines ([`Conn::limit`]). Dropped after a
 /// deadline expired, it is closed and leaves the pool (which may open a fresh one); otherwise it
 /// goes back to the pool.

@@ -305,8 +305,10 @@ enum Applied {
 }
 async fn apply_group(ctx: &Drainer, group: &Group, mode: ApplyMode) -> Applied {
     let outcome = async {
-        let mut conn = ctx.shared.store.pool().acquire().await?;
-        ctx.runner.apply(&mut conn, group, mode).await
+        let mut conn = ctx.shared.store.conn().await?;
+        conn.limit(ctx.shared.store.deadlines().long, "custom runner group")
+            .run(ctx.runner.apply(&mut conn, group, mode))
+            .await
     }
     .await;
     let o = match outcome {
