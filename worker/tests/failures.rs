@@ -283,7 +283,7 @@ claimWorker:
          INSERT INTO {schema}.flush_blocked VALUES (1);
          CREATE FUNCTION {schema}.fail_flush() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
-           IF current_query() LIKE '%complete_perspective_events%'
+           IF current_query() LIKE '%complete_applied_events%'
               AND EXISTS (SELECT 1 FROM {schema}.flush_blocked) THEN
              RAISE EXCEPTION 'completion flush blocked by the test';
            END IF;

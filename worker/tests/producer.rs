@@ -579,3 +579,117 @@ async fn two_schemas_in_one_database_are_independent() {
     .collect();
     assert_eq!(actives, HashSet::from([one.clone(), two.clone()]));
 }
+
+/// A connection to the test database as `role` (trust authentication: no password).
+async fn connect_as(role: &str) -> sqlx::PgConnection {
+    use std::str::FromStr;
+    let options = sqlx::postgres::PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .username(role);
+    sqlx::PgConnection::connect_with(&options)
+        .await
+        .expect("connect as the producer role")
+}
+
+/// The SQLSTATE of what `sql` fails with, as `conn`'s role.
+async fn refused(conn: &mut sqlx::PgConnection, sql: &str) -> String {
+    let err = sqlx::raw_sql(sql)
+        .execute(&mut *conn)
+        .await
+        .expect_err(&format!("allowed: {sql}"));
+    err.as_database_error()
+        .and_then(|e| e.code())
+        .map(|c| c.into_owned())
+        .unwrap_or_else(|| panic!("{sql}: {err}"))
+}
+
+/// Issue 26, finding 4: a producer role with exactly USAGE on the schema, INSERT on the store
+/// and EXECUTE on `append_events` appends both ways, its events are applied, and every engine
+/// table refuses it (before, a plain INSERT failed with "permission denied for table
+/// wh_streams", and the grants that made it work let a producer stall or gap other streams).
+/// A role without EXECUTE cannot call `append_events`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_4_a_producer_needs_only_insert_and_execute_and_touches_nothing_else() {
+    let schema = unique_schema("prodrole");
+    let config = parse_config(&recording_yaml(&schema, QUICK_OPTIONS));
+    migrate_config(&config).await;
+    let (producer, bystander) = (format!("{schema}_producer"), format!("{schema}_reader"));
+    let out = psql(&format!(
+        "CREATE ROLE {producer} LOGIN; CREATE ROLE {bystander} LOGIN;
+         GRANT USAGE ON SCHEMA {schema} TO {producer}, {bystander};
+         GRANT INSERT ON {schema}.wh_event_store TO {producer};
+         GRANT EXECUTE ON FUNCTION {schema}.append_events(uuid, bigint, jsonb) TO {producer};"
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut conn = connect_as(&producer).await;
+    let (plain, batch) = (Uuid::now_v7(), Uuid::now_v7());
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A'), ($1, 'B')"
+    ))
+    .bind(plain)
+    .execute(&mut conn)
+    .await
+    .expect("a plain INSERT as the producer");
+    let versions: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT stream_version FROM {schema}.append_events($1, 0, '[{{\"event_type\": \"A\"}}, {{\"event_type\": \"B\"}}]')"
+    ))
+    .bind(batch)
+    .fetch_all(&mut conn)
+    .await
+    .expect("append_events as the producer");
+    assert_eq!(versions, [1, 2]);
+
+    let tables = [
+        "wh_streams",
+        "wh_perspective_events",
+        "wh_active_streams",
+        "wh_perspective_cursors",
+        "wh_dead_letters",
+        "wh_service_instances",
+        "wh_perspective_subscriptions",
+        "seen_p1",
+    ];
+    for table in tables {
+        for sql in [
+            format!("SELECT * FROM {schema}.{table}"),
+            format!("DELETE FROM {schema}.{table}"),
+        ] {
+            assert_eq!(refused(&mut conn, &sql).await, "42501", "{sql}");
+        }
+    }
+    for sql in [
+        format!("SELECT * FROM {schema}.wh_event_store"),
+        format!("UPDATE {schema}.wh_streams SET version = 0"),
+        format!(
+            "INSERT INTO {schema}.wh_perspective_events (stream_id, perspective_name, event_id, stream_version, partition_number)
+             VALUES ('{plain}', 'p1', gen_random_uuid(), 3, 0)"
+        ),
+        format!("INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ('{plain}', 'A') RETURNING event_data"),
+    ] {
+        assert_eq!(refused(&mut conn, &sql).await, "42501", "{sql}");
+    }
+    let mut other = connect_as(&bystander).await;
+    let sql = format!(
+        "SELECT {schema}.append_events(gen_random_uuid(), 0, '[{{\"event_type\": \"A\"}}]')"
+    );
+    assert_eq!(refused(&mut other, &sql).await, "42501", "{sql}");
+
+    let engine = RunningEngine::start(&config).await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 2).await;
+    drop((conn, other));
+    let out = psql(&format!(
+        "DROP OWNED BY {producer}, {bystander}; DROP ROLE {producer}; DROP ROLE {bystander};"
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -385,6 +385,10 @@ async fn engine_statements_over_many_streams_run_without_jit() {
         "SELECT {schema}.complete_perspective_events(ARRAY(SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY 1 LIMIT 10000), false, true);"
     ));
     no_jit("completing", &complete);
+    let flush = explained(format!(
+        "SELECT {schema}.complete_applied_events(ARRAY(SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY 1 LIMIT 10000), false);"
+    ));
+    no_jit("flushing completions", &flush);
     // A deep drain call (p_shallow_rows 0: every pair takes the per-pair path) of 100 streams
     // the claim above gave this instance.
     let drain = explained(format!(
@@ -485,5 +489,28 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     assert!(
         read <= 2 * 6000,
         "completing 6 000 work rows read {read} of the table's 35 000"
+    );
+
+    // The flush's fenced completion too (one cursor probe per row besides).
+    let ids: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY random() LIMIT 6000"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+    let before: i64 = rows_read_so_far(&mut conn, &table).await;
+    sqlx::query_scalar::<_, i32>(&format!(
+        "SELECT {schema}.complete_applied_events($1, false)"
+    ))
+    .bind(&ids)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let read = rows_read_so_far(&mut conn, &table).await - before;
+    sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
+    assert!(
+        read <= 2 * 6000,
+        "the fenced completion of 6 000 work rows read {read} of the table's 29 000"
     );
 }

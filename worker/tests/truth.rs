@@ -407,16 +407,14 @@ async fn apply_latency_is_observed_once_per_event_from_its_created_at() {
     engine.stop().await;
 }
 
-/// `wh_event_store` refuses DELETE and TRUNCATE (SQLSTATE WH405) like UPDATE; the retention
-/// function deletes old events nothing needs any more, and keeps those with pending work or a
-/// pending dead letter (a replay reads its event from the store).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_event_store_refuses_delete_and_truncate_and_retention_keeps_what_is_needed() {
-    let schema = unique_schema("retention");
+/// A schema whose store holds three events: one applied, one whose dead letter waits for a
+/// replay (p1 fails it once and dead-letters it), one pending (appended after the engine stopped).
+async fn retention_fixture(prefix: &str) -> (String, String, sqlx::PgConnection, Uuid, Uuid, Uuid) {
+    let schema = unique_schema(prefix);
     let extra = fast_with("  maxPerspectiveEventAttempts: 1\n");
     let config = parse_config(&poisonable(&recording_yaml(&schema, &extra), "p1"));
     migrate_config(&config).await;
-    let mut conn = connect().await;
+    let conn = connect().await;
     let append = format!(
         "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data) VALUES ($1, 'A', $2) RETURNING event_id"
     );
@@ -438,6 +436,15 @@ async fn the_event_store_refuses_delete_and_truncate_and_retention_keeps_what_is
     wait_drained(&schema, Duration::from_secs(30)).await;
     engine.stop().await;
     let pending = event(serde_json::json!({})).await;
+    (schema, extra, conn, applied, poison, pending)
+}
+
+/// `wh_event_store` refuses DELETE and TRUNCATE (SQLSTATE WH405) like UPDATE; the retention
+/// function deletes old events nothing needs any more, and keeps those with pending work or a
+/// pending dead letter (a replay reads its event from the store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_store_refuses_delete_and_truncate_and_retention_keeps_what_is_needed() {
+    let (schema, extra, mut conn, applied, poison, pending) = retention_fixture("retention").await;
 
     for statement in [
         format!("DELETE FROM {schema}.wh_event_store"),
@@ -620,4 +627,49 @@ async fn json_logs_follow_one_event_through_its_batches_and_pairs() {
     );
     let _ = std::fs::remove_file(&config_path);
     let _ = std::fs::remove_file(&log_path);
+}
+
+/// Issue 26, finding 5: the `perspective.retention` setting that wh_delete_applied_events sets
+/// is no key to the store. A session that sets it itself still cannot delete an event whose
+/// dead letter waits for a replay, or one with pending work (before the fix, both went).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_5_the_retention_setting_does_not_open_the_store() {
+    let (schema, _, mut conn, applied, poison, pending) = retention_fixture("retset").await;
+    for event in [poison, pending] {
+        sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+        sqlx::raw_sql(&format!("SET LOCAL perspective.retention = '{schema}'"))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let err = sqlx::query(&format!(
+            "DELETE FROM {schema}.wh_event_store WHERE event_id = '{event}'"
+        ))
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+        sqlx::raw_sql("ROLLBACK").execute(&mut conn).await.unwrap();
+        let db = err.as_database_error().expect("a database error");
+        assert_eq!(db.code().as_deref(), Some("WH405"), "{db}");
+        assert!(
+            db.message().contains(&event.to_string()) && db.message().contains("still needed"),
+            "{db}"
+        );
+    }
+    // An applied event nothing needs is what retention may delete, with or without the function.
+    sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+    sqlx::raw_sql(&format!("SET LOCAL perspective.retention = '{schema}'"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let deleted = sqlx::query(&format!(
+        "DELETE FROM {schema}.wh_event_store WHERE event_id = '{applied}'"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap()
+    .rows_affected();
+    sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
+    assert_eq!(deleted, 1);
+    let left = scalar(&format!("SELECT count(*) FROM {schema}.wh_event_store")).await;
+    assert_eq!(left, 2, "the needed events stay");
 }

@@ -158,6 +158,19 @@ impl ParsedStatement {
         (!word.is_empty()).then_some(word.to_ascii_lowercase())
     }
 
+    /// The statement's first `n` words in lower case (`["set", "role"]`), as far as its text
+    /// before the first parameter goes.
+    pub fn leading_words(&self, n: usize) -> Vec<String> {
+        let Some(Piece::Sql(text)) = self.pieces.first() else {
+            return Vec::new();
+        };
+        text.split(|c: char| !c.is_ascii_alphabetic() && c != '_')
+            .filter(|w| !w.is_empty())
+            .take(n)
+            .map(str::to_ascii_lowercase)
+            .collect()
+    }
+
     fn push_sql(&mut self, text: &str) {
         match self.pieces.last_mut() {
             Some(Piece::Sql(last)) => last.push_str(text),

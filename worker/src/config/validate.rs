@@ -31,6 +31,110 @@ const TRANSACTION_CONTROL: [&str; 8] = [
     "release",
 ];
 
+/// Statements a handler or `reset` cannot run: the compiled apply function is PL/pgSQL inside
+/// the worker's transaction, so these would migrate and then fail (or dead-letter) every event,
+/// or, for a role switch, run the rest of the transaction as someone else. Each is the start of
+/// a statement (its first words) and why.
+const NOT_IN_A_HANDLER: &[(&[&str], &str)] = &[
+    (
+        &["copy"],
+        "COPY streams to or from a client, which a handler does not have",
+    ),
+    (
+        &["listen"],
+        "LISTEN is a session command; a handler runs inside the worker's transaction",
+    ),
+    (
+        &["unlisten"],
+        "UNLISTEN is a session command; a handler runs inside the worker's transaction",
+    ),
+    (
+        &["set", "role"],
+        "SET ROLE would switch the role the worker's transaction runs as",
+    ),
+    (
+        &["set", "local", "role"],
+        "SET LOCAL ROLE would switch the role the worker's transaction runs as",
+    ),
+    (
+        &["set", "session", "authorization"],
+        "SET SESSION AUTHORIZATION would switch the worker's role",
+    ),
+    (
+        &["set", "local", "session"],
+        "SET LOCAL SESSION AUTHORIZATION would switch the worker's role",
+    ),
+    (
+        &["reset", "role"],
+        "RESET ROLE would switch the role the worker's transaction runs as",
+    ),
+    (
+        &["reset", "session"],
+        "RESET SESSION AUTHORIZATION would switch the worker's role",
+    ),
+    (
+        &["discard"],
+        "DISCARD is a session command and cannot run inside a transaction",
+    ),
+    (&["vacuum"], "VACUUM cannot run inside a transaction"),
+    (
+        &["create", "database"],
+        "CREATE DATABASE cannot run inside a transaction",
+    ),
+    (
+        &["drop", "database"],
+        "DROP DATABASE cannot run inside a transaction",
+    ),
+    (
+        &["create", "tablespace"],
+        "CREATE TABLESPACE cannot run inside a transaction",
+    ),
+    (
+        &["drop", "tablespace"],
+        "DROP TABLESPACE cannot run inside a transaction",
+    ),
+    (
+        &["alter", "system"],
+        "ALTER SYSTEM cannot run inside a transaction",
+    ),
+    (
+        &["prepare", "transaction"],
+        "PREPARE TRANSACTION would end the worker's transaction",
+    ),
+    (
+        &["commit", "prepared"],
+        "COMMIT PREPARED cannot run inside a transaction",
+    ),
+    (
+        &["rollback", "prepared"],
+        "ROLLBACK PREPARED cannot run inside a transaction",
+    ),
+    (
+        &["create", "index", "concurrently"],
+        "CREATE INDEX CONCURRENTLY cannot run inside a transaction",
+    ),
+    (
+        &["drop", "index", "concurrently"],
+        "DROP INDEX CONCURRENTLY cannot run inside a transaction",
+    ),
+    (
+        &["reindex"],
+        "REINDEX belongs in setup or a maintenance job, not in a handler",
+    ),
+];
+
+/// Why `words` (a statement's first words, lower case) cannot run in a handler, if it cannot.
+fn not_in_a_handler(words: &[String]) -> Option<String> {
+    if words.len() >= 4 && words[..3] == ["create", "unique", "index"] && words[3] == "concurrently"
+    {
+        return Some("CREATE UNIQUE INDEX CONCURRENTLY cannot run inside a transaction".into());
+    }
+    NOT_IN_A_HANDLER
+        .iter()
+        .find(|(start, _)| words.len() >= start.len() && words[..start.len()] == **start)
+        .map(|(_, why)| (*why).to_string())
+}
+
 /// One thing wrong with a config: the field it concerns and what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
@@ -142,6 +246,7 @@ fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mu
             }
             Err(e) => problems.push(Problem::new(format!("{label}.setup"), e.to_string())),
         }
+        check_setup_transaction(setup, &format!("{label}.setup"), problems);
     }
     if let Some(reset) = &perspective.reset {
         // An empty reset would let a rewind replay events on top of the old model.
@@ -325,7 +430,33 @@ fn check_apply_sql(sql: &str, what: &str, path: &str, problems: &mut Vec<Problem
                         keyword.to_uppercase()
                     ),
                 ));
+                continue;
             }
+        }
+        if let Some(why) = not_in_a_handler(&statement.leading_words(4)) {
+            problems.push(Problem::new(
+                path,
+                format!("not allowed in a {what}: {why}"),
+            ));
+        }
+    }
+}
+
+/// `setup` runs inside `migrate`'s one transaction: a statement that ends or splits it would
+/// commit half a migration.
+fn check_setup_transaction(setup: &str, path: &str, problems: &mut Vec<Problem>) {
+    let Ok(statements) = sql_params::parse_statements(setup) else {
+        return; // (reported with the parameter check)
+    };
+    for keyword in statements.iter().filter_map(|s| s.leading_keyword()) {
+        if TRANSACTION_CONTROL.contains(&keyword.as_str()) {
+            problems.push(Problem::new(
+                path,
+                format!(
+                    "{} is not allowed: setup runs inside migrate's transaction, which applies the whole migration or none of it",
+                    keyword.to_uppercase()
+                ),
+            ));
         }
     }
 }
@@ -581,6 +712,39 @@ mod tests {
                 with_handler("-- nothing here"),
                 "perspectives[0] (order_summary).handlers.OrderPlaced",
                 "handler contains no SQL statement",
+            ),
+            (
+                with_handler("COPY t FROM STDIN"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "not allowed in a handler: COPY streams",
+            ),
+            (
+                with_handler("listen somewhere"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "not allowed in a handler: LISTEN is a session command",
+            ),
+            (
+                with_handler("INSERT INTO t VALUES (1); SET ROLE postgres"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "not allowed in a handler: SET ROLE would switch",
+            ),
+            (
+                with_handler("set  session   authorization admin"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "not allowed in a handler: SET SESSION AUTHORIZATION",
+            ),
+            (
+                with_handler("CREATE UNIQUE INDEX CONCURRENTLY i ON t (a)"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                "CREATE UNIQUE INDEX CONCURRENTLY cannot run inside a transaction",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    setup: CREATE TABLE t (a int); COMMIT; CREATE TABLE u (a int)\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).setup",
+                "COMMIT is not allowed: setup runs inside migrate's transaction",
             ),
             (
                 with_handler("SELECT 1; COMMIT"),

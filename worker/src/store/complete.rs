@@ -4,11 +4,10 @@ use uuid::Uuid;
 
 use super::Store;
 
-/// The flush skips rows another transaction holds (a drain retiring them, a rebuild
-/// re-queueing them) after 10 ms: waiting for them made deadlock cycles (see
-/// `functions/complete_perspective_events.sql`).
-const COMPLETE_PERSPECTIVE_EVENTS: &str =
-    "SELECT {schema}.complete_perspective_events($1, $2, p_skip_held => true)";
+/// Fenced by the cursors (a reused work id cannot delete an unapplied row); skips rows another
+/// transaction holds (a drain retiring them, a rebuild re-queueing them) after 10 ms: waiting
+/// for them made deadlock cycles (see `functions/complete_applied_events.sql`).
+const COMPLETE_APPLIED_EVENTS: &str = "SELECT {schema}.complete_applied_events($1, $2)";
 const CLEANUP_COMPLETED_STREAMS: &str = "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)";
 /// Those of `$2` the instance `$1` does not hold: retired already (by an earlier call, or by
 /// `claim_work`), or another instance's.
@@ -18,14 +17,16 @@ const NOT_HELD: &str = "SELECT x.stream_id FROM unnest($2::uuid[]) AS x(stream_i
            WHERE a.stream_id = x.stream_id) IS DISTINCT FROM $1";
 
 impl Store {
-    /// Delete applied work rows (stamp them instead in debug mode), skipping those another
+    /// Delete work rows applied in earlier transactions (stamp them instead in debug mode): only
+    /// those at or below their (stream, perspective) cursor, so a work id reissued after a
+    /// failover, or a row whose apply was lost with it, is left alone. Skips rows another
     /// transaction holds for more than 10 ms (they are being deleted, or are left at or below
     /// their cursor for the next drain to retire). Returns how many.
     pub async fn complete_events(&self, work_ids: &[i64], debug: bool) -> Result<i32, sqlx::Error> {
         let mut c = self.conn().await?;
-        c.limit(self.deadlines.routine, "complete_perspective_events")
+        c.limit(self.deadlines.routine, "complete_applied_events")
             .run(
-                sqlx::query_scalar(&self.sql(COMPLETE_PERSPECTIVE_EVENTS))
+                sqlx::query_scalar(&self.sql(COMPLETE_APPLIED_EVENTS))
                     .bind(work_ids)
                     .bind(debug)
                     .fetch_one(&mut *c),

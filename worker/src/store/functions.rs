@@ -41,6 +41,7 @@ pub const FUNCTIONS: &[Function] = functions![
     "wh_backfill_gated",
     "wh_applied_by_all",
     "complete_perspective_events",
+    "complete_applied_events",
     "cleanup_completed_streams",
     "wh_queue_stream",
     // The producer path.
@@ -134,6 +135,10 @@ const RECORD: &str = "INSERT INTO {schema}.wh_schema_functions (hash, catalog_di
      ON CONFLICT (singleton) DO UPDATE
        SET hash = excluded.hash, catalog_digest = excluded.catalog_digest,
            installed_by = excluded.installed_by, installed_at = now()";
+/// `append_events` runs as its owner (SECURITY DEFINER): only the roles granted EXECUTE (the
+/// producers) may call it, not every role (PostgreSQL grants EXECUTE to PUBLIC by default).
+const PRODUCERS_ONLY: &str =
+    "REVOKE ALL ON FUNCTION {schema}.append_events(uuid, bigint, jsonb) FROM PUBLIC";
 const TABLE_EXISTS: &str = "SELECT to_regclass($1) IS NOT NULL";
 
 /// What `wh_schema_functions` records: the hash of the installed set and the catalog digest
@@ -206,6 +211,9 @@ pub async fn install(
     for f in FUNCTIONS {
         sqlx::raw_sql(&f.render(schema)).execute(&mut *tx).await?;
     }
+    sqlx::raw_sql(&super::sql(schema, PRODUCERS_ONLY))
+        .execute(&mut *tx)
+        .await?;
     let digest = catalog_digest(tx, schema).await?;
     sqlx::query(&super::sql(schema, RECORD))
         .bind(hash(schema))

@@ -102,6 +102,11 @@ pub const MIGRATIONS: &[Migration] = &[
             "../../../migrations/0018_engine_functions_installed_by_migrate.sql"
         ),
     },
+    Migration {
+        version: 19,
+        name: "0019_retention_guard_checks_each_row.sql",
+        template: include_str!("../../../migrations/0019_retention_guard_checks_each_row.sql"),
+    },
 ];
 
 /// The last migration that defined functions; later ones must not (see the module docs).

@@ -12,6 +12,9 @@ use perspective_worker::config::Config;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
 
+pub mod cluster;
+pub mod proxy;
+
 pub fn database_url() -> String {
     std::env::var("TEST_DATABASE_URL").unwrap_or_else(|_| {
         panic!(

@@ -8,10 +8,13 @@
 -- It inserts through the same trigger as any producer (ids, versions, work rows, NOTIFY), passing
 -- the expected versions, so a stale expected version raises SQLSTATE WH409 naming the stream, the
 -- expected and the actual version. Returns each event's id and version.
+-- It runs as its owner (SECURITY DEFINER, with a fixed search_path): a producer needs USAGE on
+-- the schema and EXECUTE on this function (granted to nobody by default: `migrate` revokes it
+-- from PUBLIC), or INSERT on wh_event_store for plain INSERTs, and no other right.
 
 CREATE OR REPLACE FUNCTION {{schema}}.append_events(p_stream_id uuid, p_expected_version bigint, p_events jsonb)
 RETURNS TABLE (event_id uuid, stream_version bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
   v_bad record;
 BEGIN

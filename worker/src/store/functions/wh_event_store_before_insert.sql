@@ -14,9 +14,12 @@
 --      `<schema>_work` (PostgreSQL folds identical notifications, so at most one per
 --      transaction, and none for transactions that roll back).
 -- Every name is schema-qualified, so it behaves the same whatever the producer's search_path.
+-- It runs as its owner (SECURITY DEFINER, with a fixed search_path), so a producer needs only
+-- INSERT on wh_event_store: the stream heads, work rows and active streams it writes are not the
+-- producer's to touch (a producer that could write them could stall or gap other streams).
 
 CREATE OR REPLACE FUNCTION {{schema}}.wh_event_store_before_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
   v_version   bigint;
   v_partition integer;
