@@ -50,6 +50,12 @@ pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// timeout of its own; this one bounds it.
 pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a connection given back to the pool may take to show it is still alive and idle
+/// (a round trip). sqlx tests every released connection so, without a bound: over a dead link,
+/// or with a statement abandoned mid-flight (a cancelled task), the test would hold the
+/// connection and its pool slot until the kernel gives up. Past this bound it is closed.
+pub const RELEASE_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How long a one-shot command ([`connect`]) waits for its connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -66,16 +72,20 @@ pub fn connect_options(url: &str, application_name: &str) -> Result<PgConnectOpt
 pub enum PoolRole {
     /// The statements' pool: up to `max_connections`, with `idle_session_timeout`.
     Statements { max_connections: u32 },
+    /// The quick statements' pool (heartbeat, abandonment, claim, deregistration): two
+    /// connections of their own, so they never wait behind long applies.
+    Control,
     /// The LISTEN session: one connection that idles between notifications.
     Listen,
 }
 
-/// The options of an engine pool: size, [`ACQUIRE_TIMEOUT`], [`POOL_IDLE_TIMEOUT`], and the
-/// settings PostgreSQL 14 added ([`CHECK_CLIENT_SETTINGS`], and [`IDLE_SESSION_TIMEOUT`] for
+/// The options of an engine pool: size, [`ACQUIRE_TIMEOUT`], [`POOL_IDLE_TIMEOUT`],
+/// [`RELEASE_CHECK_TIMEOUT`], and the settings PostgreSQL 14 added ([`CHECK_CLIENT_SETTINGS`], and [`IDLE_SESSION_TIMEOUT`] for
 /// the statements' pool) applied to each new connection where the server knows them.
 pub fn pool_options(role: PoolRole) -> PgPoolOptions {
     let (max, idle_session) = match role {
         PoolRole::Statements { max_connections } => (max_connections, true),
+        PoolRole::Control => (2, true),
         PoolRole::Listen => (1, false),
     };
     PgPoolOptions::new()
@@ -84,6 +94,15 @@ pub fn pool_options(role: PoolRole) -> PgPoolOptions {
         .idle_timeout(POOL_IDLE_TIMEOUT)
         .after_connect(move |conn, _| {
             Box::pin(async move { apply_newer_settings(conn, idle_session).await })
+        })
+        .after_release(|conn, _| {
+            Box::pin(async move {
+                match tokio::time::timeout(RELEASE_CHECK_TIMEOUT, conn.ping()).await {
+                    Ok(alive) => alive.map(|()| true),
+                    // An error: sqlx closes the connection without a goodbye.
+                    Err(_) => Err(sqlx::Error::Io(std::io::ErrorKind::TimedOut.into())),
+                }
+            })
         })
 }
 

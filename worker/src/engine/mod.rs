@@ -290,10 +290,15 @@ async fn connect(options: &EngineOptions) -> Result<(Store, PgPool), EngineError
     .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
     .await
     .map_err(|e| db("connecting to PostgreSQL", e))?;
+    let control_pool = pool_options(PoolRole::Control).connect_lazy_with(
+        connect("perspective-worker control").map_err(|e| db("parsing DATABASE_URL", e))?,
+    );
     let listen_pool = pool_options(PoolRole::Listen).connect_lazy_with(
         connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
     );
-    let store = Store::new(pool, &options.config.schema).with_deadlines(options.deadlines);
+    let store = Store::new(pool, &options.config.schema)
+        .with_quick_pool(control_pool)
+        .with_deadlines(options.deadlines);
     Ok((store, listen_pool))
 }
 

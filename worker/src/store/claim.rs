@@ -23,8 +23,8 @@ impl Store {
     /// Streams this instance should drain now: the ones it owns with due work, plus unowned ones
     /// of its partition share (see `functions/claim_work.sql`).
     pub async fn claim_work(&self, args: ClaimArgs) -> Result<Vec<Uuid>, sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.quick, "claim_work")
+        let mut c = self.quick_conn("claim_work").await?;
+        c.deadline()
             .run(
                 sqlx::query_scalar(&self.sql(CLAIM_WORK))
                     .bind(args.instance_id)

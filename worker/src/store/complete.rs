@@ -23,8 +23,10 @@ impl Store {
     /// transaction holds for more than 10 ms (they are being deleted, or are left at or below
     /// their cursor for the next drain to retire). Returns how many.
     pub async fn complete_events(&self, work_ids: &[i64], debug: bool) -> Result<i32, sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.routine, "complete_applied_events")
+        let mut c = self
+            .conn(self.deadlines.routine, "complete_applied_events")
+            .await?;
+        c.deadline()
             .run(
                 sqlx::query_scalar(&self.sql(COMPLETE_APPLIED_EVENTS))
                     .bind(work_ids)
@@ -43,9 +45,11 @@ impl Store {
         instance_id: Uuid,
         streams: &[Uuid],
     ) -> Result<Vec<Uuid>, sqlx::Error> {
-        let mut c = self.conn().await?;
+        let mut c = self
+            .conn(self.deadlines.routine, "cleanup_completed_streams")
+            .await?;
         let mut settled: Vec<Uuid> = c
-            .limit(self.deadlines.routine, "cleanup_completed_streams")
+            .deadline()
             .run(
                 sqlx::query_scalar(&self.sql(CLEANUP_COMPLETED_STREAMS))
                     .bind(instance_id)

@@ -62,8 +62,10 @@ impl Store {
         instance_id: Uuid,
         work_ids: &[i64],
     ) -> Result<i32, sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.routine, "move_to_dead_letters")
+        let mut c = self
+            .conn(self.deadlines.routine, "move_to_dead_letters")
+            .await?;
+        c.deadline()
             .run(
                 sqlx::query_scalar(&self.sql(MOVE_TO_DEAD_LETTERS))
                     .bind(instance_id)

@@ -19,7 +19,8 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::postgres::{PgConnection, PgPool, Postgres};
+use tokio::time::Instant;
 
 /// How long the engine waits for the answer to each class of statement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,23 +138,44 @@ pub async fn probe(listener: &mut sqlx::postgres::PgListener) -> Result<(), sqlx
     sqlx::query("SELECT 1").execute(listener).await.map(|_| ())
 }
 
-/// A pooled connection whose statements run under deadlines ([`Conn::limit`]). Dropped after a
-/// deadline expired, it is closed and leaves the pool (which may open a fresh one); otherwise it
-/// goes back to the pool.
+/// A pooled connection whose statements run under deadlines. Dropped after a deadline expired,
+/// it is closed and leaves the pool (which may open a fresh one); otherwise it goes back to the
+/// pool.
 pub struct Conn {
     inner: Option<PoolConnection<Postgres>>,
     expired: Arc<AtomicBool>,
+    /// The deadline it was acquired under (see [`Conn::deadline`]).
+    deadline: Instant,
+    what: &'static str,
 }
 
 impl Conn {
-    pub(crate) fn new(inner: PoolConnection<Postgres>) -> Self {
-        Conn {
+    /// A connection of `pool`, within `limit`: the deadline counts from asking for the
+    /// connection (waiting for a free one, or opening one, or testing an idle one over a dead
+    /// link would otherwise be unbounded by it). The rest of `limit` is left for [`Conn::deadline`].
+    pub(crate) async fn acquire(
+        pool: &PgPool,
+        limit: Duration,
+        what: &'static str,
+    ) -> Result<Conn, sqlx::Error> {
+        let deadline = Instant::now() + limit;
+        let inner = within(limit, what, pool.acquire()).await?;
+        Ok(Conn {
             inner: Some(inner),
             expired: Arc::default(),
-        }
+            deadline,
+            what,
+        })
     }
 
-    /// A deadline for the next statement(s) on this connection:
+    /// What is left of the deadline the connection was acquired under, for its statement:
+    /// `conn.deadline().run(query.fetch_one(&mut *conn))`.
+    pub fn deadline(&self) -> Limit {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        self.limit(left, self.what)
+    }
+
+    /// A fresh deadline for a further statement on this connection:
     /// `conn.limit(d, "what").run(query.fetch_one(&mut *conn))`.
     pub fn limit(&self, limit: Duration, what: &'static str) -> Limit {
         Limit {

@@ -165,9 +165,9 @@ impl Store {
     ) -> Result<Vec<PairOutcome>, sqlx::Error> {
         let sql = drain_sql(self.schema(), streams, &args);
         let limit = self.deadlines.drain(args.handler_timeout_ms);
-        let mut c = self.conn().await?;
+        let mut c = self.conn(limit, "wh_drain").await?;
         let rows = c
-            .limit(limit, "wh_drain")
+            .deadline()
             .run(sqlx::Executor::fetch_all(&mut *c, sqlx::raw_sql(&sql)))
             .await?;
         rows.iter().map(PairOutcome::from_row).collect()
@@ -176,8 +176,8 @@ impl Store {
     /// Cancel the `wh_drain` calls `instance_id` is running (shutdown: a hung handler must not
     /// hold the worker past its grace period). Returns how many were cancelled.
     pub async fn cancel_drains(&self, instance_id: Uuid) -> Result<i64, sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.quick, "cancel_drains")
+        let mut c = self.quick_conn("cancel_drains").await?;
+        c.deadline()
             .run(
                 sqlx::query_scalar(CANCEL_DRAINS)
                     .bind(format!("{}.{}", self.schema(), drain_marker(instance_id)))
@@ -192,23 +192,25 @@ impl Store {
         streams: &[Uuid],
         args: FetchArgs,
     ) -> Result<Vec<WorkItem>, sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(
-            self.deadlines.routine,
-            "claim_and_fetch_pending_perspective_events",
-        )
-        .run(
-            sqlx::query_as(&self.sql(CLAIM_AND_FETCH))
-                .bind(args.instance_id)
-                .bind(streams)
-                .bind(args.lease_seconds)
-                .bind(args.max_rows)
-                .bind(args.per_pair)
-                .bind(args.debug)
-                .bind(args.payloads)
-                .fetch_all(&mut *c),
-        )
-        .await
+        let mut c = self
+            .conn(
+                self.deadlines.routine,
+                "claim_and_fetch_pending_perspective_events",
+            )
+            .await?;
+        c.deadline()
+            .run(
+                sqlx::query_as(&self.sql(CLAIM_AND_FETCH))
+                    .bind(args.instance_id)
+                    .bind(streams)
+                    .bind(args.lease_seconds)
+                    .bind(args.max_rows)
+                    .bind(args.per_pair)
+                    .bind(args.debug)
+                    .bind(args.payloads)
+                    .fetch_all(&mut *c),
+            )
+            .await
     }
 }
 

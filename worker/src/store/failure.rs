@@ -60,8 +60,8 @@ impl Store {
         // `attempts` already counts the failed lease: it is the failure count.
         let statement =
             RECORD_FAILURE.replace("{retry_delay}", &retry_delay_sql("$5", "$6", "w.attempts"));
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.routine, "record_failure")
+        let mut c = self.conn(self.deadlines.routine, "record_failure").await?;
+        c.deadline()
             .run(
                 sqlx::query_scalar(&self.sql(&statement))
                     .bind(failure.stream_id)

@@ -261,14 +261,10 @@ impl Store {
     /// Why the schema's engine functions are not the ones this binary runs with, if they are
     /// not: none recorded, recorded by another binary, or changed since they were installed.
     pub async fn functions_problem(&self) -> Result<Option<String>, sqlx::Error> {
-        let mut conn = self.conn().await?;
-        let schema = self.schema();
         let limit = self.deadlines.routine;
-        let Some(recorded) = conn
-            .limit(limit, "recorded engine functions")
-            .run(recorded(&mut conn, schema))
-            .await?
-        else {
+        let mut conn = self.conn(limit, "recorded engine functions").await?;
+        let schema = self.schema();
+        let Some(recorded) = conn.deadline().run(recorded(&mut conn, schema)).await? else {
             return Ok(Some("has no engine functions recorded as installed".into()));
         };
         let expected = hash(schema);

@@ -60,8 +60,8 @@ pub fn heartbeat_metadata(
 impl Store {
     /// Register the instance or refresh its heartbeat.
     pub async fn record_heartbeat(&self, info: &InstanceInfo) -> Result<(), sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.quick, "record_heartbeat")
+        let mut c = self.quick_conn("record_heartbeat").await?;
+        c.deadline()
             .run(
                 sqlx::query(&self.sql(RECORD_HEARTBEAT))
                     .bind(info.instance_id)
@@ -82,8 +82,8 @@ impl Store {
         instance_id: Uuid,
         stale_seconds: f64,
     ) -> Result<i32, sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.quick, "cleanup_stale_instances")
+        let mut c = self.quick_conn("cleanup_stale_instances").await?;
+        c.deadline()
             .run(
                 sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
                     .bind(instance_id)
@@ -95,8 +95,8 @@ impl Store {
 
     /// Graceful shutdown: retire drained streams, give back the rest, leave.
     pub async fn deregister_instance(&self, instance_id: Uuid) -> Result<(), sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.quick, "deregister_instance")
+        let mut c = self.quick_conn("deregister_instance").await?;
+        c.deadline()
             .run(
                 sqlx::query(&self.sql(DEREGISTER_INSTANCE))
                     .bind(instance_id)

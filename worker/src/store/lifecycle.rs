@@ -29,8 +29,10 @@ impl Store {
         event_ids: &[Uuid],
         instance_id: Uuid,
     ) -> Result<(), sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.routine, "record_lifecycle_completions")
+        let mut c = self
+            .conn(self.deadlines.routine, "record_lifecycle_completions")
+            .await?;
+        c.deadline()
             .run(
                 sqlx::query(&self.sql(RECORD_COMPLETIONS))
                     .bind(event_ids)
@@ -46,17 +48,17 @@ impl Store {
         &self,
         retention_seconds: f64,
     ) -> Result<u64, sqlx::Error> {
-        let mut c = self.conn().await?;
-        Ok(
-            c.limit(self.deadlines.routine, "delete_old_lifecycle_completions")
-                .run(
-                    sqlx::query(&self.sql(DELETE_OLD_COMPLETIONS))
-                        .bind(retention_seconds)
-                        .execute(&mut *c),
-                )
-                .await?
-                .rows_affected(),
-        )
+        let mut c = self
+            .conn(self.deadlines.routine, "delete_old_lifecycle_completions")
+            .await?;
+        Ok(c.deadline()
+            .run(
+                sqlx::query(&self.sql(DELETE_OLD_COMPLETIONS))
+                    .bind(retention_seconds)
+                    .execute(&mut *c),
+            )
+            .await?
+            .rows_affected())
     }
 
     /// Up to `limit` (stream, event) pairs appended (or replayed from a dead letter) in the last
@@ -66,8 +68,10 @@ impl Store {
         lookback_seconds: f64,
         limit: i64,
     ) -> Result<Vec<(Uuid, Uuid)>, sqlx::Error> {
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.routine, "orphaned_lifecycles")
+        let mut c = self
+            .conn(self.deadlines.routine, "orphaned_lifecycles")
+            .await?;
+        c.deadline()
             .run(
                 sqlx::query_as(&self.sql(ORPHANED_EVENTS))
                     .bind(lookback_seconds)

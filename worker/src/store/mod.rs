@@ -76,22 +76,33 @@ pub(crate) fn sql(schema: &str, template: &str) -> String {
         )
 }
 
-/// The engine's handle on its deployment's schema: a connection pool, the schema name, and the
-/// deadlines of its statements.
+/// The engine's handle on its deployment's schema: its connection pools, the schema name, and
+/// the deadlines of its statements.
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: PgPool,
+    /// The quick statements' pool (heartbeat, abandonment, claim, deregistration, drain
+    /// cancellation), so they never wait behind long applies for a connection.
+    quick_pool: PgPool,
     schema: Arc<str>,
     deadlines: Deadlines,
 }
 
 impl Store {
+    /// A store on one pool (for every statement class).
     pub fn new(pool: PgPool, schema: &str) -> Self {
         Store {
+            quick_pool: pool.clone(),
             pool,
             schema: schema.into(),
             deadlines: Deadlines::default(),
         }
+    }
+
+    /// The same store with a pool of its own for the quick statements.
+    pub fn with_quick_pool(mut self, pool: PgPool) -> Self {
+        self.quick_pool = pool;
+        self
     }
 
     /// The same store with other statement deadlines (tests use short ones).
@@ -104,10 +115,19 @@ impl Store {
         &self.deadlines
     }
 
-    /// A connection of the pool (waiting at most the pool's acquire timeout), for statements
-    /// under a deadline: `conn.limit(d, "what").run(query.execute(&mut *conn))`.
-    pub async fn conn(&self) -> Result<Conn, sqlx::Error> {
-        Ok(Conn::new(self.pool.acquire().await?))
+    /// A connection of the pool within `limit`, for statements under that same deadline
+    /// (`conn.deadline().run(query.execute(&mut *conn))`, see [`Conn`]).
+    pub async fn conn(
+        &self,
+        limit: std::time::Duration,
+        what: &'static str,
+    ) -> Result<Conn, sqlx::Error> {
+        Conn::acquire(&self.pool, limit, what).await
+    }
+
+    /// A connection of the quick statements' pool, within [`Deadlines::quick`].
+    async fn quick_conn(&self, what: &'static str) -> Result<Conn, sqlx::Error> {
+        Conn::acquire(&self.quick_pool, self.deadlines.quick, what).await
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -123,9 +143,10 @@ impl Store {
         sql(&self.schema, template)
     }
 
-    /// Close the pool (after deregistering).
+    /// Close the pools (after deregistering).
     pub async fn close(&self) {
         self.pool.close().await;
+        self.quick_pool.close().await;
     }
 }
 

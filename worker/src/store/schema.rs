@@ -230,17 +230,21 @@ pub async fn count_events_of_types(
 impl Store {
     /// The highest applied migration, None when the schema has none.
     pub async fn latest_migration(&self) -> Result<Option<i32>, sqlx::Error> {
-        let mut conn = self.conn().await?;
-        conn.limit(self.deadlines.routine, "latest migration")
+        let mut conn = self
+            .conn(self.deadlines.routine, "latest migration")
+            .await?;
+        conn.deadline()
             .run(latest_migration(&mut conn, self.schema()))
             .await
     }
 
     /// Definition hash of every compiled perspective, by name.
     pub async fn compiled_definitions(&self) -> Result<HashMap<String, String>, sqlx::Error> {
-        let mut c = self.conn().await?;
+        let mut c = self
+            .conn(self.deadlines.routine, "compiled definitions")
+            .await?;
         let rows: Vec<(String, String)> = c
-            .limit(self.deadlines.routine, "compiled definitions")
+            .deadline()
             .run(sqlx::query_as(&self.sql(COMPILED_DEFINITIONS)).fetch_all(&mut *c))
             .await?;
         Ok(rows.into_iter().collect())

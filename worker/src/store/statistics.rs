@@ -35,9 +35,9 @@ pub struct TableSize {
 impl Store {
     /// The size of every table of the schema.
     pub async fn table_sizes(&self) -> Result<Vec<TableSize>, sqlx::Error> {
-        let mut c = self.conn().await?;
+        let mut c = self.conn(self.deadlines.routine, "table sizes").await?;
         let rows: Vec<(String, i64, f64, bool)> = c
-            .limit(self.deadlines.routine, "table sizes")
+            .deadline()
             .run(
                 sqlx::query_as(TABLE_SIZES)
                     .bind(self.schema())
@@ -65,8 +65,8 @@ impl Store {
             self.schema(),
             quote_ident(table)
         );
-        let mut c = self.conn().await?;
-        c.limit(self.deadlines.long, "ANALYZE")
+        let mut c = self.conn(self.deadlines.long, "ANALYZE").await?;
+        c.deadline()
             .run(sqlx::Executor::execute(&mut *c, sqlx::raw_sql(&sql)))
             .await?;
         Ok(())

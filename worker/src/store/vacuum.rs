@@ -36,9 +36,11 @@ pub struct TableRows {
 impl Store {
     /// Live and dead rows of each of [`QUEUE_TABLES`].
     pub async fn queue_table_rows(&self) -> Result<Vec<TableRows>, sqlx::Error> {
-        let mut c = self.conn().await?;
+        let mut c = self
+            .conn(self.deadlines.routine, "queue table rows")
+            .await?;
         let rows = c
-            .limit(self.deadlines.routine, "queue table rows")
+            .deadline()
             .run(
                 sqlx::query(QUEUE_TABLE_ROWS)
                     .bind(self.schema())
@@ -63,9 +65,9 @@ impl Store {
     /// lock.
     pub async fn vacuum_queue_table(&self, table: &str) -> Result<bool, sqlx::Error> {
         debug_assert!(QUEUE_TABLES.contains(&table));
-        let mut conn = self.conn().await?;
+        let mut conn = self.conn(self.deadlines.routine, "vacuum lock").await?;
         let locked: bool = conn
-            .limit(self.deadlines.quick, "vacuum lock")
+            .deadline()
             .run(
                 sqlx::query_scalar(TRY_LOCK)
                     .bind(self.schema())

@@ -155,9 +155,9 @@ impl JobRunner {
         let shared = &self.shared;
         let schema = shared.store.schema();
         let long = shared.store.deadlines().long;
-        let mut conn = shared.store.conn().await?;
+        let mut conn = shared.store.conn(long, "active catch-up jobs").await?;
         let active = conn
-            .limit(long, "active catch-up jobs")
+            .deadline()
             .run(store::active(&mut conn, schema))
             .await?;
         if !active.is_empty() {
@@ -224,7 +224,8 @@ impl JobRunner {
         } else {
             Requeue::Queue
         };
-        let mut conn = shared.store.conn().await?;
+        let long = shared.store.deadlines().long;
+        let mut conn = shared.store.conn(long, "catch-up chunk").await?;
         let mut taken = 0;
         while taken < CHUNKS_PER_TURN && !shared.shutdown.is_cancelled() {
             let (loops, pause) = pace(
@@ -237,7 +238,7 @@ impl JobRunner {
             let schema = shared.store.schema();
             let started = std::time::Instant::now();
             let chunk = conn
-                .limit(shared.store.deadlines().long, "catch-up chunk")
+                .limit(long, "catch-up chunk")
                 .run(plan::run_chunk(&mut conn, schema, perspective, kind, how))
                 .await?;
             match chunk {

@@ -305,8 +305,9 @@ enum Applied {
 }
 async fn apply_group(ctx: &Drainer, group: &Group, mode: ApplyMode) -> Applied {
     let outcome = async {
-        let mut conn = ctx.shared.store.conn().await?;
-        conn.limit(ctx.shared.store.deadlines().long, "custom runner group")
+        let long = ctx.shared.store.deadlines().long;
+        let mut conn = ctx.shared.store.conn(long, "custom runner group").await?;
+        conn.deadline()
             .run(ctx.runner.apply(&mut conn, group, mode))
             .await
     }
