@@ -258,6 +258,29 @@ claimWorker:
     }
 
     #[test]
+    fn the_pool_size_is_read_and_bounded() {
+        assert_eq!(parse(MINIMAL).unwrap().worker.database.max_connections, 10);
+        let with = |n: i64| {
+            parse(&format!(
+                "{MINIMAL}worker:\n  database: {{ maxConnections: {n} }}\n"
+            ))
+        };
+        assert_eq!(with(2).unwrap().worker.database.max_connections, 2);
+        assert_eq!(with(1000).unwrap().worker.database.max_connections, 1000);
+        for bad in [0, 1, 1001] {
+            let error = with(bad).unwrap_err();
+            assert_eq!(
+                error.problems,
+                [crate::config::Problem::new(
+                    "worker.database.maxConnections",
+                    format!("must be between 2 and 1000, got {bad}")
+                )],
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
     fn removed_options_are_not_in_the_schema() {
         let schema = serde_json::to_value(schemars::schema_for!(Config)).unwrap();
         let worker = &schema["$defs"]["WorkerOptions"]["properties"];
