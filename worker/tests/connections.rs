@@ -269,3 +269,33 @@ worker:
     assert!(most >= 1);
     engine.stop().await;
 }
+
+#[tokio::test]
+async fn a_cut_listen_session_is_noticed_and_reopened_after_the_heal() {
+    let (_schema, config) = migrated_schema("dl_listen").await;
+    let proxy = Proxy::start(address_of(&database_url())).await;
+    let mut options =
+        perspective_worker::engine::EngineOptions::new(config, proxy.url_for(&database_url()));
+    options.deadlines = short();
+    let engine = common::RunningEngine::start_with(options).await;
+    let listening = |up: i64| {
+        let metrics = engine.metrics.clone();
+        move || {
+            let metrics = metrics.clone();
+            async move { metrics.listener_connected.get() == up }
+        }
+    };
+    wait_until("LISTEN up", Duration::from_secs(5), listening(1)).await;
+    // Cut, the idle LISTEN session hears nothing, and would count as healthy for ever: its
+    // probe (every two quick deadlines) notices.
+    proxy.cut();
+    wait_until(
+        "the cut LISTEN session noticed",
+        short().quick * 3 + Duration::from_secs(2),
+        listening(0),
+    )
+    .await;
+    proxy.heal();
+    wait_until("LISTEN up again", Duration::from_secs(10), listening(1)).await;
+    engine.stop().await;
+}

@@ -1,8 +1,9 @@
 //! The LISTEN connection: turns doorbell NOTIFYs into immediate claim polls (and a job's start,
 //! the `jobs` payload, into a wake-up of the job runner), reports its health
 //! (the claim loop relaxes its safety-net cadence only while it is healthy), and reconnects.
-//! sqlx has no TCP keepalive, so the idle session is probed every [`PROBE_INTERVAL`]: over a
-//! dead link it would otherwise wait for notifications (and count as healthy) forever.
+//! sqlx has no TCP keepalive, so the idle session is probed every two quick deadlines (10 s by
+//! default, see [`crate::store::Deadlines`]): over a dead link it would otherwise wait for
+//! notifications (and count as healthy) for ever.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,9 +15,6 @@ use tokio::sync::Notify;
 use crate::store::names::JOBS_PAYLOAD;
 
 use super::Shared;
-
-/// How often the LISTEN session is probed (under the quick statement deadline).
-const PROBE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The listener task.
 pub(crate) struct Listener {
@@ -61,13 +59,13 @@ impl Listener {
             // Work (or a job) may have arrived while we were not listening.
             ctx.hooks.request_immediate_poll();
             self.jobs_wake.notify_one();
-            let mut probe = tokio::time::interval(PROBE_INTERVAL);
+            let mut probe = tokio::time::interval(ctx.store.deadlines().quick * 2);
             probe.reset();
             loop {
                 let next = tokio::select! {
                     _ = ctx.shutdown.cancelled() => return,
                     n = listener.try_recv() => n,
-                    _ = probe.tick() => match self.probe(&mut listener).await {
+                    _ = probe.tick() => match self.probe(&mut listener, &channel).await {
                         true => continue,
                         false => break,
                     },
@@ -99,12 +97,12 @@ impl Listener {
     /// Whether the LISTEN session answered a probe in time. If it did not, its connection cannot
     /// be closed through the listener, and the pool would wait for the lost statement's answer
     /// before taking it back: the listener gets a fresh pool, the old one is left to the kernel.
-    async fn probe(&mut self, listener: &mut PgListener) -> bool {
+    async fn probe(&mut self, listener: &mut PgListener, channel: &str) -> bool {
         let quick = self.shared.store.deadlines().quick;
         let probed = crate::store::deadline::within(
             quick,
             "LISTEN session probe",
-            crate::store::deadline::probe(listener),
+            crate::store::deadline::probe(listener, channel),
         )
         .await;
         let Err(e) = probed else { return true };

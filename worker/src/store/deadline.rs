@@ -62,10 +62,11 @@ impl Deadlines {
     }
 }
 
-/// A statement got no answer within its deadline: the database is unreachable (a dead link, a
-/// server that stopped answering) or overloaded. The connection it ran on was closed.
+/// A statement got no answer within its deadline (counted from asking for a connection): the
+/// database is unreachable (a dead link, a server that stopped answering) or overloaded. The
+/// connection it ran on, if it got one, is closed.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{what}: no answer from PostgreSQL within {limit:?} (statement deadline); the connection was closed")]
+#[error("{what}: no answer from PostgreSQL within {limit:?} (statement deadline)")]
 pub struct DeadlineExceeded {
     /// The statement (or step) that timed out.
     pub what: &'static str,
@@ -133,9 +134,17 @@ where
     }))
 }
 
-/// A round trip on an otherwise idle session (the LISTEN one), to tell a dead link.
-pub async fn probe(listener: &mut sqlx::postgres::PgListener) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT 1").execute(listener).await.map(|_| ())
+/// A round trip on the otherwise idle LISTEN session, to tell a dead link: `LISTEN` again on
+/// `channel`, which it already listens on (a no-op that keeps the session's last statement, in
+/// `pg_stat_activity`, naming its channel). `channel` is a validated schema name plus a suffix.
+pub async fn probe(
+    listener: &mut sqlx::postgres::PgListener,
+    channel: &str,
+) -> Result<(), sqlx::Error> {
+    let sql = format!(r#"LISTEN "{channel}""#);
+    sqlx::Executor::execute(listener, sql.as_str())
+        .await
+        .map(|_| ())
 }
 
 /// A pooled connection whose statements run under deadlines. Dropped after a deadline expired,
