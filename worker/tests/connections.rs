@@ -291,7 +291,7 @@ async fn a_cut_listen_session_is_noticed_and_reopened_after_the_heal() {
     proxy.cut();
     wait_until(
         "the cut LISTEN session noticed",
-        short().quick * 3 + Duration::from_secs(2),
+        short().quick * 3 + Duration::from_secs(4),
         listening(0),
     )
     .await;
