@@ -209,6 +209,19 @@ pub struct PerspectiveDeploymentStatus {
     /// Hash of the last target the migrations succeeded for (what the worker pods run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrated_hash: Option<String>,
+    /// What the operator's last read of the database found: `Reachable`, `Unreachable` or
+    /// `SchemaMissing` (absent before the first migration). While it is not `Reachable` the
+    /// figures read from the database (`pendingEvents`, `oldestPendingSeconds`, `deadLetters`,
+    /// `liveInstances`, `perspectives`) are absent and `lag` and `phase` say `Unknown`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub database: Option<DatabaseState>,
+    /// Times the current migration Job ran again because the schema had gone from the
+    /// database (each rerun waits longer after the previous one, like a failed migration).
+    #[serde(default)]
+    pub schema_recreations: i32,
+    /// When the current migration Job last ran again because the schema had gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_schema_recreation: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     /// Events not yet applied, over all perspectives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_events: Option<i64>,
@@ -232,6 +245,18 @@ pub struct PerspectiveDeploymentStatus {
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub perspectives: Vec<PerspectiveLag>,
+}
+
+/// What the operator's last read of a deployment's database found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum DatabaseState {
+    /// Status was read from the deployment's schema.
+    Reachable,
+    /// Connecting or reading failed (`Degraded` says what failed).
+    Unreachable,
+    /// The database answers but the deployment's schema has no migration history; the
+    /// migration Job runs again.
+    SchemaMissing,
 }
 
 /// Lag and failures of one perspective.

@@ -1,16 +1,21 @@
 //! Lag, failures and dead letters of a deployment, read from its database.
 //!
 //! Read-only: one pooled connection per deployment, each read in a `READ ONLY` transaction with
-//! a statement timeout, so a slow or unreachable database delays nothing but the status.
+//! a statement timeout, so a slow or unreachable database delays nothing but the status. A read
+//! that fails says why ([`DatabaseProblem`]): unreachable, or the schema's migration history
+//! missing (the migration Job then runs again).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use perspective_worker::db::{connect_options, describe_error};
+use perspective_worker::store::schema::latest_migration;
 use perspective_worker::store::status::{read_status, Status};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Connection;
 use tokio::sync::Mutex;
+
+use crate::status::observed::DatabaseProblem;
 
 /// How long one status read may take.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
@@ -32,8 +37,11 @@ impl LagReader {
         schema: &str,
         perspectives: &[String],
         stale_after_seconds: f64,
-    ) -> Result<Status, String> {
-        let pool = self.pool(key, url).await?;
+    ) -> Result<Status, DatabaseProblem> {
+        let pool = self
+            .pool(key, url)
+            .await
+            .map_err(DatabaseProblem::Unreachable)?;
         let read = async {
             let mut conn = pool.acquire().await?;
             let mut tx = conn.begin().await?;
@@ -43,14 +51,24 @@ impl LagReader {
             sqlx::query("SET LOCAL statement_timeout = '5s'")
                 .execute(&mut *tx)
                 .await?;
+            if latest_migration(&mut tx, schema).await?.is_none() {
+                return Ok(None);
+            }
             let status = read_status(&mut tx, schema, perspectives, stale_after_seconds).await?;
             tx.rollback().await?;
-            Ok::<_, sqlx::Error>(status)
+            Ok::<_, sqlx::Error>(Some(status))
         };
         match tokio::time::timeout(READ_TIMEOUT + Duration::from_secs(1), read).await {
-            Ok(Ok(status)) => Ok(status),
-            Ok(Err(err)) => Err(describe_error(&err, None)),
-            Err(_) => Err(format!("no answer within {}s", READ_TIMEOUT.as_secs())),
+            Ok(Ok(Some(status))) => Ok(status),
+            Ok(Ok(None)) => Err(DatabaseProblem::SchemaMissing(format!(
+                "schema {schema} has no migration history in the database (dropped, or the \
+                 database was recreated); the migration Job runs again"
+            ))),
+            Ok(Err(err)) => Err(DatabaseProblem::Unreachable(describe_error(&err, None))),
+            Err(_) => Err(DatabaseProblem::Unreachable(format!(
+                "no answer within {}s",
+                READ_TIMEOUT.as_secs()
+            ))),
         }
     }
 

@@ -68,6 +68,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     status_interval_seconds: u64,
     /// Seconds before a failed migration Job is run again; doubles with each failure, up to 20×.
+    /// Also the wait between reruns of a migration whose schema has gone from the database (the
+    /// first rerun is immediate).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     migration_retry_seconds: u64,
     /// Only the holder of a coordination.k8s.io Lease reconciles (for more than one replica).

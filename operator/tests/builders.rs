@@ -7,6 +7,7 @@ use perspective_operator::crd::{
 };
 use perspective_operator::migration_job::{self, JobState};
 use perspective_operator::status::condition as conditions;
+use perspective_operator::status::observed::DatabaseProblem;
 use perspective_operator::status::{compute, Observed};
 use perspective_operator::{config_map, labels, validate, workers};
 use perspective_worker::store::catchup::progress::{Phase, Progress};
@@ -209,6 +210,7 @@ fn observed(job: Option<JobState>, sts: Option<StatefulSet>) -> Observed {
         migration_failures: 0,
         statefulset: sts,
         desired_replicas: 3,
+        migrated_hash: None,
         database: None,
     }
 }
@@ -302,7 +304,7 @@ fn ready_only_when_migrated_rolled_and_pods_ready() {
     assert_eq!(condition(&s3, conditions::PROGRESSING).reason, "RollingOut");
 }
 
-fn db_with(perspectives: Vec<PerspectiveStatus>) -> Option<Result<Status, String>> {
+fn db_with(perspectives: Vec<PerspectiveStatus>) -> Option<Result<Status, DatabaseProblem>> {
     Some(Ok(Status {
         schema: "shop".into(),
         live_instances: 3,
@@ -524,20 +526,30 @@ fn failed_migrations_are_retried_with_a_growing_delay() {
 }
 
 #[test]
-fn an_unreachable_database_degrades_without_touching_readiness() {
+fn an_unreachable_database_is_degraded_and_not_ready() {
     let mut o = observed(Some(JobState::Succeeded), None);
     o.statefulset = Some(rolled_sts(&o, 3));
-    o.database = Some(Err("connection refused".into()));
-    let s = compute(&Default::default(), &o, Timestamp::now());
+    o.database = db_with(vec![]);
+    let ready = compute(&Default::default(), &o, Timestamp::now());
+    assert_eq!(condition(&ready, conditions::READY).status, "True");
+    o.database = Some(Err(DatabaseProblem::Unreachable(
+        "connection refused".into(),
+    )));
+    let s = compute(&ready, &o, Timestamp::now());
     let degraded = condition(&s, conditions::DEGRADED);
     assert_eq!(
         (degraded.status.as_str(), degraded.reason.as_str()),
         ("True", "DatabaseUnreachable")
     );
     assert!(degraded.message.contains("connection refused"));
-    // The workers run; only the status view is missing.
-    assert_eq!(condition(&s, conditions::READY).status, "True");
-    assert_eq!(s.pending_events, None, "no made-up lag");
+    // The pods may pass their probes, but nothing is applied without the database.
+    let not_ready = condition(&s, conditions::READY);
+    assert_eq!(
+        (not_ready.status.as_str(), not_ready.reason.as_str()),
+        ("False", "DatabaseUnreachable")
+    );
+    assert_eq!(s.pending_events, None, "no stale lag");
+    assert_eq!(s.lag.as_deref(), Some("Unknown"));
 }
 
 #[test]

@@ -2035,3 +2035,138 @@ async fn persistent_lock_contention_is_degraded_with_one_event_per_change() {
     beating.await.unwrap();
     w.shutdown().await;
 }
+
+/// `url` with its database name replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let at = base.rfind('/').expect("a database URL with a path");
+    let mut out = format!("{}/{database}", &base[..at]);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+/// A deployment whose database is dropped under it: `Ready=False` (`DatabaseUnreachable`, a
+/// Warning Event, the figures unknown instead of stale zeros); recreated empty: `SchemaMissing`,
+/// the same migration Job runs again by itself, and `Ready=True` comes back with a Normal Event
+/// and workers that apply events again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_database_is_not_ready_and_migrated_again_once_back() {
+    use k8s_openapi::api::events::v1::Event;
+    let w = World::new("lostdb", &[("op", &["--migration-retry-seconds=1"])]).await;
+    // A database of its own, so that the test can drop it.
+    let database = w.schema.clone();
+    let mut admin = db().await;
+    let create = format!("CREATE DATABASE {database}");
+    sqlx::query(&create).execute(&mut admin).await.unwrap();
+    let url = with_database(&database_url(), &database);
+    kubectl_ok(&["-n", &w.ns, "delete", "secret", "shop-db"], None);
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "create",
+            "secret",
+            "generic",
+            "shop-db",
+            &format!("--from-literal=url={url}"),
+        ],
+        None,
+    );
+    w.apply(&pd_yaml("shop", &w.schema, 1, "v1", ""));
+    let ready = w.wait_condition("shop", "Ready", "True", None).await;
+    let st = ready.status.unwrap();
+    assert_eq!(st.pending_events, Some(0));
+    let job = st.migration_job.unwrap();
+    let events: Api<Event> = Api::namespaced(w.client.clone(), &w.ns);
+    let reasons = || async {
+        let list = events.list(&ListParams::default()).await?.items;
+        anyhow::Ok(
+            list.into_iter()
+                .filter_map(|e| Some((e.reason?, e.type_?, e.note.unwrap_or_default())))
+                .collect::<Vec<_>>(),
+        )
+    };
+
+    // Dropped: not ready, said why, once.
+    sqlx::query(&format!("DROP DATABASE {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let lost = w
+        .wait_condition("shop", "Ready", "False", Some("DatabaseUnreachable"))
+        .await;
+    let degraded = condition(&lost, "Degraded");
+    assert_eq!(
+        (degraded.status.as_str(), degraded.reason.as_str()),
+        ("True", "DatabaseUnreachable")
+    );
+    assert!(
+        degraded.message.contains("does not exist"),
+        "{}",
+        degraded.message
+    );
+    let st = lost.status.clone().unwrap();
+    assert_eq!(st.pending_events, None, "no stale Pending: {st:#?}");
+    assert_eq!(st.dead_letters, None);
+    assert_eq!(st.lag.as_deref(), Some("Unknown"));
+    assert!(st.perspectives.is_empty(), "{st:#?}");
+    let warning = poll("a DatabaseUnreachable Event", LONG, || async {
+        let list = reasons().await?;
+        Ok(list
+            .into_iter()
+            .find(|(r, _, _)| r == "DatabaseUnreachable"))
+    })
+    .await
+    .unwrap();
+    assert_eq!(warning.1, "Warning");
+    assert_eq!(w.jobs().await.len(), 1, "no Job while the database is down");
+
+    // Recreated empty: the same Job runs again by itself, and the deployment is ready again.
+    sqlx::query(&create).execute(&mut admin).await.unwrap();
+    let back = w.wait_condition("shop", "Ready", "True", None).await;
+    let st = back.status.unwrap();
+    assert_eq!(st.migration_job.as_deref(), Some(job.as_str()));
+    assert_eq!(st.schema_recreations, 1);
+    assert_eq!(
+        back.metadata.generation,
+        Some(1),
+        "no spec change was needed"
+    );
+    let list = reasons().await.unwrap();
+    let count = |reason: &str| list.iter().filter(|(r, _, _)| r == reason).count();
+    assert_eq!(
+        count("DatabaseUnreachable"),
+        1,
+        "once per change: {list:#?}"
+    );
+    assert_eq!(count("SchemaMissing"), 1, "{list:#?}");
+    assert_eq!(count("MigrationRerun"), 1, "{list:#?}");
+    poll("a DatabaseReachable Event", LONG, || async {
+        let list = reasons().await?;
+        Ok(list
+            .into_iter()
+            .find(|(r, t, _)| r == "DatabaseReachable" && t == "Normal"))
+    })
+    .await
+    .unwrap();
+    // The workers apply events again.
+    let mut conn = PgConnection::connect(&url).await.unwrap();
+    append_orders(&mut conn, &w.schema, 2).await;
+    wait_sql(
+        &mut conn,
+        "orders applied",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        2,
+    )
+    .await;
+    drop(conn);
+    w.shutdown().await;
+    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await;
+}

@@ -281,6 +281,8 @@ spec:
         node: RealNode,
         ns: String,
         schema: String,
+        /// The database URL the pods use (through the node's forward).
+        pod_url: String,
         _pg: Forward,
     }
 
@@ -331,6 +333,7 @@ spec:
                 node,
                 ns,
                 schema,
+                pod_url,
                 _pg: pg,
             }
         }
@@ -949,5 +952,97 @@ spec:
         .await
         .unwrap();
         w.shutdown().await;
+    }
+
+    /// `url` with its database name replaced by `database`.
+    fn with_database(url: &str, database: &str) -> String {
+        let (base, query) = url
+            .split_once('?')
+            .map_or((url, None), |(b, q)| (b, Some(q)));
+        let at = base.rfind('/').expect("a database URL with a path");
+        match query {
+            Some(q) => format!("{}/{database}?{q}", &base[..at]),
+            None => format!("{}/{database}", &base[..at]),
+        }
+    }
+
+    /// The acceptance test of a lost database: dropped under a running deployment, it is
+    /// `Ready=False` within 30 s; recreated, the operator migrates it again and `Ready=True`
+    /// returns without any manual step.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_database_is_not_ready_and_recreated_is_migrated_again() {
+        let w = World::new().await;
+        let pods = w.pods();
+        let node = w.node.name.clone();
+        // A database of its own, to drop.
+        let database = w.schema.clone();
+        let mut admin = PgConnection::connect(&database_url()).await.unwrap();
+        let create = format!("CREATE DATABASE {database}");
+        sqlx::query(&create).execute(&mut admin).await.unwrap();
+        kubectl_ok(&["-n", &w.ns, "delete", "secret", "shop-db"], None);
+        let url = with_database(&w.pod_url, &database);
+        let secret = format!("--from-literal=url={url}");
+        kubectl_ok(
+            &[
+                "-n", &w.ns, "create", "secret", "generic", "shop-db", &secret,
+            ],
+            None,
+        );
+        w.install_operator(1);
+        w.apply(&pd_yaml(&w.schema, 1, "v1"));
+        w.wait_pd_ready();
+        ready_workers(&pods, &node, 1).await;
+
+        let t = Instant::now();
+        sqlx::query(&format!("DROP DATABASE {database} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let (_, reason, message) = poll("Ready=False", Duration::from_secs(30), || async {
+            Ok(pd_condition(&w.ns, "Ready").filter(|(s, _, _)| s == "False"))
+        })
+        .await
+        .unwrap();
+        eprintln!(
+            "[real-node] database dropped: Ready=False ({reason}: {message}) after {:?}",
+            t.elapsed()
+        );
+        assert_eq!(reason, "DatabaseUnreachable", "{message}");
+
+        let t = Instant::now();
+        sqlx::query(&create).execute(&mut admin).await.unwrap();
+        let (_, reason, _) = poll("Ready=True again", LONG, || async {
+            Ok(pd_condition(&w.ns, "Ready").filter(|(s, _, _)| s == "True"))
+        })
+        .await
+        .unwrap();
+        eprintln!(
+            "[real-node] database recreated: migrated again, Ready=True ({reason}) after {:?}",
+            t.elapsed()
+        );
+        let migrated: bool = {
+            let mut conn = PgConnection::connect(&with_database(&database_url(), &database))
+                .await
+                .unwrap();
+            sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+                .bind(format!("{}.wh_schema_migrations", w.schema))
+                .fetch_one(&mut conn)
+                .await
+                .unwrap()
+        };
+        assert!(migrated, "the recreated database holds the schema again");
+        let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
+        for reason in [
+            "DatabaseUnreachable",
+            "SchemaMissing",
+            "MigrationRerun",
+            "DatabaseReachable",
+        ] {
+            assert!(events.contains(reason), "an Event {reason}");
+        }
+        w.shutdown().await;
+        let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+            .execute(&mut admin)
+            .await;
     }
 }

@@ -112,6 +112,21 @@ async fn append_with_a_malformed_line_reports_it_and_writes_nothing() {
     assert!(msg.contains("line 4: missing field `event_type`"), "{msg}");
     assert_eq!(count(&schema, "wh_event_store").await, 0);
 
+    // An escaped NUL, valid JSON that PostgreSQL cannot store, is input error too (issue 26,
+    // finding 7: it used to fail the whole append at the server, exit 1, naming no line).
+    let input = format!(
+        "{{\"stream_id\":\"{s}\",\"event_type\":\"A\"}}\n\
+         {{\"stream_id\":\"{s}\",\"event_type\":\"A\",\"event_data\":{{\"n\":\"a\\u0000\"}}}}\n"
+    );
+    let out = run_with_stdin(&["append"], &config, &input);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("line 2: event_data contains a NUL character"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(count(&schema, "wh_event_store").await, 0);
+
     // A failure inside the database (a stale stream_version on the third line) also leaves
     // nothing: the whole input is one transaction.
     let input = format!(

@@ -19,13 +19,15 @@ use tracing::info;
 use super::build::Children;
 use super::context::Context;
 use super::error::{is_rejection, Error};
-use super::migration_retry::{self, Failures, Next, Retry};
+use super::migration_retry::{self, Failures, Known, Next, Recreations, Retry};
 use super::resolve::Resolved;
 use crate::crd::{PerspectiveDeployment, PerspectiveDeploymentStatus};
 use crate::events::{Event, EventType};
 use crate::labels::{self, FIELD_MANAGER};
 use crate::migration_job::JobState;
+use crate::status::observed::DatabaseProblem;
 use crate::workers;
+use perspective_worker::store::status::Status as DbStatus;
 
 /// What the status is computed from besides the verdict: what was found, as the apply step
 /// left it.
@@ -37,6 +39,10 @@ pub struct Outcome {
     pub statefulset: Option<StatefulSet>,
     /// The current target's failures, this reconcile's counted.
     pub failures: Failures,
+    /// The current target's reruns because the schema had gone, this reconcile's counted.
+    pub recreations: Recreations,
+    /// The database's view, read before the apply step (`None`: not read, nothing migrated).
+    pub database: Option<Result<DbStatus, DatabaseProblem>>,
     /// When to reconcile again.
     pub requeue: Duration,
     /// The API server's refusal of a child, naming it.
@@ -110,15 +116,33 @@ impl Step<'_> {
         job: Option<Job>,
         outcome: &mut Outcome,
     ) -> Result<(), Error> {
-        let next = migration_retry::next(
-            outcome.job.as_ref(),
-            &outcome.failures,
-            &self.r.target,
-            previous.migrated_hash.as_deref(),
-            Timestamp::now(),
-            self.ctx.options.migration_retry_base,
+        let schema_missing = matches!(
+            outcome.database,
+            Some(Err(DatabaseProblem::SchemaMissing(_)))
         );
-        match next {
+        let known = Known {
+            failures: &outcome.failures,
+            recreations: &outcome.recreations,
+            target: &self.r.target,
+            migrated_hash: previous.migrated_hash.as_deref(),
+            schema_missing,
+            now: Timestamp::now(),
+            base: self.ctx.options.migration_retry_base,
+        };
+        match migration_retry::next(outcome.job.as_ref(), &known) {
+            Next::SchemaMissing {
+                recreations,
+                retry: Retry::Now,
+            } => {
+                self.rerun_for_missing_schema(recreations.count).await?;
+                outcome.recreations = recreations;
+                outcome.job = None;
+                outcome.requeue = Duration::from_secs(1);
+            }
+            Next::SchemaMissing {
+                retry: Retry::In(wait),
+                ..
+            } => outcome.requeue = outcome.requeue.min(wait),
             Next::Create => {
                 let job = job.expect("built when there was no Job");
                 self.create_job(job).await?;
@@ -195,6 +219,23 @@ impl Step<'_> {
         let note =
             format!("deleted failed migration Job {job_name} to run it again (failure {failures})");
         self.announce(EventType::Normal, "MigrationRetrying", note, self.job_ref())
+            .await;
+        Ok(())
+    }
+
+    /// Deletes the succeeded Job whose schema has gone, so that the next reconcile creates it
+    /// anew: same target, same name.
+    async fn rerun_for_missing_schema(&self, reruns: i32) -> Result<(), Error> {
+        let job_name = &self.r.target.job_name;
+        let jobs: Api<Job> = self.api();
+        delete_ignoring_gone(&jobs, job_name).await?;
+        info!(namespace = %self.r.namespace, name = %self.r.name, job = %job_name, reruns, "schema missing from the database; running the migration again");
+        let note = format!(
+            "schema {} has gone from the database: deleted migration Job {job_name} to run it \
+             again (rerun {reruns})",
+            self.pd.spec.schema
+        );
+        self.announce(EventType::Normal, "MigrationRerun", note, self.job_ref())
             .await;
         Ok(())
     }

@@ -20,7 +20,8 @@ pub struct Options {
     pub default_worker_image: String,
     /// How often status (lag) is refreshed when nothing else happens.
     pub status_interval: Duration,
-    /// Delay before a failed migration Job runs again, doubled per failure (20 × at most).
+    /// Delay before a failed migration Job runs again, doubled per failure (20 × at most); the
+    /// same for reruns after the schema had gone (the first one immediate).
     pub migration_retry_base: Duration,
     /// Worker images must start with one of these (`--allowed-image-prefix`); empty: any image.
     pub allowed_image_prefixes: Vec<String>,

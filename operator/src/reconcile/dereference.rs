@@ -1,6 +1,6 @@
 //! What a deployment refers to and what of it already exists: the database URL from the
-//! Secret its spec names, the current migration target's Job and the worker StatefulSet.
-//! Reads only.
+//! Secret its spec names, the current migration target's Job and the worker StatefulSet; then
+//! the database's view of its schema ([`read_database`]). Reads only.
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::batch::v1::Job;
@@ -8,11 +8,15 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
 use kube::Client;
 
+use perspective_worker::store::status::Status as DbStatus;
+
+use super::context::Context;
 use super::error::Error;
 use super::resolve::Resolved;
-use crate::crd::{DatabaseSpec, PerspectiveDeployment};
+use crate::crd::{DatabaseSpec, PerspectiveDeployment, PerspectiveDeploymentStatus};
 use crate::labels;
 use crate::migration_job::{self, JobState};
+use crate::status::observed::DatabaseProblem;
 
 /// What was read for one reconcile.
 #[derive(Debug, Clone)]
@@ -51,6 +55,29 @@ pub async fn dereference(
         job,
         statefulset,
     })
+}
+
+/// The database's view of the deployment's schema, once something was migrated (the current
+/// target's Job succeeded, or the status records an earlier target): `Err` says why it could
+/// not be read. `None` before the first migration (no schema is expected yet) or without a URL.
+pub async fn read_database(
+    ctx: &Context,
+    pd: &PerspectiveDeployment,
+    r: &Resolved,
+    previous: &PerspectiveDeploymentStatus,
+    job: Option<&JobState>,
+    url: Option<String>,
+) -> Option<Result<DbStatus, DatabaseProblem>> {
+    let migrated = job == Some(&JobState::Succeeded) || previous.migrated_hash.is_some();
+    let url = url.filter(|_| migrated)?;
+    let spec = &pd.spec;
+    let names: Vec<String> = spec.perspectives.iter().map(|p| p.name.clone()).collect();
+    let stale_after = f64::from(spec.worker.abandon_stale_instance_threshold_seconds);
+    Some(
+        ctx.lag
+            .read(&r.key, &url, &spec.schema, &names, stale_after)
+            .await,
+    )
 }
 
 /// The database URL from the Secret named in the spec, or why there is none: a missing Secret

@@ -2,6 +2,12 @@
 //! there is none, announce its success once, and when it failed, count the failure once and
 //! run it again (the same name, created anew) after [`migration_job::retry_delay`] from when
 //! it failed. Failures are counted per target: a new target starts from zero.
+//!
+//! A Job that succeeded runs again when the database answers but the schema has gone from it
+//! (dropped, or a recreated database): the first time at once, each later time for the same
+//! target [`migration_job::retry_delay`] after the previous rerun, so a schema that stays missing
+//! after its migration (say, the Job migrates another database than the one status is read
+//! from) is not a loop of Jobs. An unreachable database never starts a Job.
 
 use std::time::Duration;
 
@@ -33,6 +39,32 @@ impl Failures {
     }
 }
 
+/// The reruns of the current target's Job because the schema had gone, as the status records
+/// them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recreations {
+    pub count: i32,
+    /// When the last rerun started.
+    pub last: Option<Time>,
+}
+
+impl Recreations {
+    /// The reruns `previous` recorded, when they are `target`'s; none for a new target.
+    pub fn carried(
+        previous: &PerspectiveDeploymentStatus,
+        target: &MigrationTarget,
+    ) -> Recreations {
+        if previous.migration_job.as_deref() == Some(target.job_name.as_str()) {
+            Recreations {
+                count: previous.schema_recreations,
+                last: previous.last_schema_recreation.clone(),
+            }
+        } else {
+            Recreations::default()
+        }
+    }
+}
+
 /// The next step for the current target's Job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Next {
@@ -43,6 +75,12 @@ pub enum Next {
     /// It succeeded; `announce`: for the first time for this target (the status has not
     /// recorded the target as migrated).
     Succeeded { announce: bool },
+    /// It succeeded but the schema has gone: run it again (`Now`: the reruns with this one
+    /// counted), or wait.
+    SchemaMissing {
+        recreations: Recreations,
+        retry: Retry,
+    },
     /// It failed: the failures with this one counted, whether it was newly counted (announce
     /// it), and when to run it again.
     Failed {
@@ -61,23 +99,53 @@ pub enum Retry {
     In(Duration),
 }
 
-/// The next step, given the Job's state, the failures recorded so far, the hash the status
-/// records as migrated, the time and the retry delay's base.
-pub fn next(
-    job: Option<&JobState>,
-    failures: &Failures,
-    target: &MigrationTarget,
-    migrated_hash: Option<&str>,
-    now: Timestamp,
-    base: Duration,
-) -> Next {
+/// What the reconcile knows besides the Job's state: the failures and reruns recorded so far,
+/// the hash the status records as migrated, whether the database answered without the
+/// schema, the time and the retry delay's base.
+#[derive(Debug, Clone)]
+pub struct Known<'a> {
+    pub failures: &'a Failures,
+    pub recreations: &'a Recreations,
+    pub target: &'a MigrationTarget,
+    pub migrated_hash: Option<&'a str>,
+    pub schema_missing: bool,
+    pub now: Timestamp,
+    pub base: Duration,
+}
+
+/// The next step for the Job in state `job`.
+pub fn next(job: Option<&JobState>, k: &Known) -> Next {
     match job {
         None => Next::Create,
         Some(JobState::Running) => Next::Wait,
+        Some(JobState::Succeeded) if k.schema_missing => recreate(k.recreations, k.now, k.base),
         Some(JobState::Succeeded) => Next::Succeeded {
-            announce: migrated_hash != Some(target.hash.as_str()),
+            announce: k.migrated_hash != Some(k.target.hash.as_str()),
         },
-        Some(JobState::Failed { at, .. }) => failed(*at, failures, now, base),
+        Some(JobState::Failed { at, .. }) => failed(*at, k.failures, k.now, k.base),
+    }
+}
+
+/// A succeeded Job whose schema has gone: rerun now if it never was for this target or
+/// `retry_delay(count)` has passed since the last rerun; else wait for that.
+fn recreate(so_far: &Recreations, now: Timestamp, base: Duration) -> Next {
+    let due = so_far.last.as_ref().map_or(now.as_second(), |last| {
+        let delay = migration_job::retry_delay(so_far.count, base);
+        last.0.as_second() + delay.as_secs() as i64
+    });
+    let wait = u64::try_from(due - now.as_second()).unwrap_or(0);
+    if wait > 0 {
+        return Next::SchemaMissing {
+            recreations: so_far.clone(),
+            retry: Retry::In(Duration::from_secs(wait)),
+        };
+    }
+    Next::SchemaMissing {
+        recreations: Recreations {
+            count: so_far.count + 1,
+            last: Some(Time(now)),
+        },
+        retry: Retry::Now,
     }
 }
 
@@ -140,8 +208,137 @@ mod tests {
         }
     }
 
+    fn known<'a>(
+        failures: &'a Failures,
+        recreations: &'a Recreations,
+        target: &'a MigrationTarget,
+        now: i64,
+    ) -> Known<'a> {
+        Known {
+            failures,
+            recreations,
+            target,
+            migrated_hash: None,
+            schema_missing: false,
+            now: at(now),
+            base: BASE,
+        }
+    }
+
     fn decide(job: Option<&JobState>, so_far: &Failures, now: i64) -> Next {
-        next(job, so_far, &target(), None, at(now), BASE)
+        next(job, &known(so_far, &Recreations::default(), &target(), now))
+    }
+
+    fn recreations(count: i32, last: Option<i64>) -> Recreations {
+        Recreations {
+            count,
+            last: last.map(|s| Time(at(s))),
+        }
+    }
+
+    /// The step for a succeeded Job whose schema is missing, after `so_far` reruns.
+    fn missing(so_far: &Recreations, now: i64) -> Next {
+        let t = target();
+        let none = Failures::default();
+        let k = Known {
+            migrated_hash: Some("abc"),
+            schema_missing: true,
+            ..known(&none, so_far, &t, now)
+        };
+        next(Some(&JobState::Succeeded), &k)
+    }
+
+    #[test]
+    fn a_schema_that_has_gone_is_migrated_again_at_once_the_first_time() {
+        assert_eq!(
+            missing(&Recreations::default(), 5_000),
+            Next::SchemaMissing {
+                recreations: recreations(1, Some(5_000)),
+                retry: Retry::Now,
+            }
+        );
+        // Found again long after the last rerun: at once too.
+        assert_eq!(
+            missing(&recreations(3, Some(1_000)), 9_000),
+            Next::SchemaMissing {
+                recreations: recreations(4, Some(9_000)),
+                retry: Retry::Now,
+            }
+        );
+    }
+
+    #[test]
+    fn a_schema_still_missing_after_its_rerun_waits_longer_each_time() {
+        // Rerun at 5 000 (the first); missing again at 5 010: wait for 5 000 + 30 s.
+        assert_eq!(
+            missing(&recreations(1, Some(5_000)), 5_010),
+            Next::SchemaMissing {
+                recreations: recreations(1, Some(5_000)),
+                retry: Retry::In(Duration::from_secs(20)),
+            }
+        );
+        let Next::SchemaMissing {
+            retry,
+            recreations: r,
+        } = missing(&recreations(1, Some(5_000)), 5_030)
+        else {
+            panic!("not missing")
+        };
+        assert_eq!((retry, r), (Retry::Now, recreations(2, Some(5_030))));
+        // After the second: 60 s.
+        let Next::SchemaMissing { retry, .. } = missing(&recreations(2, Some(5_030)), 5_060) else {
+            panic!("not missing")
+        };
+        assert_eq!(retry, Retry::In(Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn only_a_succeeded_job_is_rerun_for_a_missing_schema() {
+        let t = target();
+        let none = Failures::default();
+        let r = Recreations::default();
+        let k = Known {
+            schema_missing: true,
+            ..known(&none, &r, &t, 100)
+        };
+        assert_eq!(next(None, &k), Next::Create);
+        assert_eq!(next(Some(&JobState::Running), &k), Next::Wait);
+        assert!(matches!(
+            next(Some(&failed_at(Some(90))), &k),
+            Next::Failed { .. }
+        ));
+        // Present (or not known to be missing: an unreachable database): nothing to do.
+        let present = Known {
+            schema_missing: false,
+            migrated_hash: Some("abc"),
+            ..k
+        };
+        assert_eq!(
+            next(Some(&JobState::Succeeded), &present),
+            Next::Succeeded { announce: false }
+        );
+    }
+
+    #[test]
+    fn reruns_carry_over_only_for_the_same_target() {
+        let previous = PerspectiveDeploymentStatus {
+            migration_job: Some("shop-migrate-abc".into()),
+            schema_recreations: 2,
+            last_schema_recreation: Some(Time(at(7))),
+            ..Default::default()
+        };
+        assert_eq!(
+            Recreations::carried(&previous, &target()),
+            recreations(2, Some(7))
+        );
+        let other = MigrationTarget {
+            hash: "def".into(),
+            job_name: "shop-migrate-def".into(),
+        };
+        assert_eq!(
+            Recreations::carried(&previous, &other),
+            Recreations::default()
+        );
     }
 
     #[test]
@@ -157,12 +354,16 @@ mod tests {
     fn success_is_announced_once_per_target() {
         let t = target();
         let ok = Some(&JobState::Succeeded);
-        let none = Failures::default();
-        let first = next(ok, &none, &t, Some("older"), at(1), BASE);
+        let (none, r) = (Failures::default(), Recreations::default());
+        let with = |migrated_hash| Known {
+            migrated_hash,
+            ..known(&none, &r, &t, 1)
+        };
+        let first = next(ok, &with(Some("older")));
         assert_eq!(first, Next::Succeeded { announce: true });
-        let unknown = next(ok, &none, &t, None, at(1), BASE);
+        let unknown = next(ok, &with(None));
         assert_eq!(unknown, Next::Succeeded { announce: true });
-        let again = next(ok, &none, &t, Some("abc"), at(1), BASE);
+        let again = next(ok, &with(Some("abc")));
         assert_eq!(again, Next::Succeeded { announce: false });
     }
 

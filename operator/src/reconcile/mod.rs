@@ -2,15 +2,15 @@
 //!
 //! 1. [`resolve`] the spec (image, config and its hash, migration target) — pure;
 //! 2. [`dereference`] what it refers to and what exists: the database Secret, the current
-//!    migration Job, the worker StatefulSet;
+//!    migration Job, the worker StatefulSet, and (once migrated) the database's view;
 //! 3. [`validate`] — the spec and the Secret; an invalid spec changes no child and is reported
 //!    as `Degraded`, never as an error loop, and nothing changes while `spec.paused` is set;
 //! 4. [`build`] the desired children with the pure builders;
 //! 5. [`apply`] them with server-side apply, gated: the StatefulSet takes a new template only
-//!    after that template's migration Job succeeded; a failed Job is retried as
-//!    [`migration_retry`] decides (pure);
-//! 6. [`update_status`]: compute and write the status ([`crate::status::compute`]), with lag
-//!    read from the database, and Events on change.
+//!    after that template's migration Job succeeded; a failed Job, or a succeeded one whose
+//!    schema has gone from the database, runs again as [`migration_retry`] decides (pure);
+//! 6. [`update_status`]: compute and write the status ([`crate::status::compute`]), and Events
+//!    on change.
 //!
 //! [`context`] holds what all reconciles share, [`error`] why one could not finish.
 
@@ -36,7 +36,7 @@ use apply::Outcome;
 pub use context::{Context, Options};
 use dereference::Found;
 pub use error::{describe, one_line, Error};
-use migration_retry::Failures;
+use migration_retry::{Failures, Recreations};
 use resolve::Resolved;
 
 /// Reconciles one deployment; the controller calls this for every change and on requeue.
@@ -82,10 +82,14 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
         statefulset,
         ..
     } = found;
+    let database =
+        dereference::read_database(ctx, pd, &resolved, &previous, job.as_ref(), database_url).await;
     let mut outcome = Outcome {
         job,
         statefulset,
         failures: Failures::carried(&previous, &resolved.target),
+        recreations: Recreations::carried(&previous, &resolved.target),
+        database,
         requeue: validated.requeue_within(ctx.options.status_interval),
         rejected: None,
     };
@@ -99,15 +103,6 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
         apply::apply(ctx, pd, &resolved, &previous, children, &mut outcome).await?;
     }
     let requeue = outcome.requeue;
-    update_status::update_status(
-        ctx,
-        pd,
-        &resolved,
-        &previous,
-        database_url.as_deref(),
-        validated,
-        outcome,
-    )
-    .await?;
+    update_status::update_status(ctx, pd, &resolved, &previous, validated, outcome).await?;
     Ok(Action::requeue(requeue))
 }

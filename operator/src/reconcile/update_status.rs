@@ -1,25 +1,24 @@
-//! The status step: the database's view (once the schema exists), the status computed from
-//! everything observed ([`status::compute`]), a Warning Event when `Degraded` turns to a
-//! problem of the operator's part or a perspective's lock conflicts turn persistent, and the
-//! status written when it changed.
+//! The status step: the status computed from everything observed ([`status::compute`]), a
+//! Warning Event when `Degraded` turns to a problem of the operator's part, when the database
+//! is lost (and a Normal one when it is back) or a perspective's lock conflicts turn
+//! persistent, and the status written when it changed.
 
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::ResourceExt;
 use perspective_worker::store::status::{
-    lock_contention_message, Status as DbStatus, PERSISTENT_LOCK_CONFLICTS_PER_MINUTE,
+    lock_contention_message, PERSISTENT_LOCK_CONFLICTS_PER_MINUTE,
 };
 use serde_json::json;
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::apply::Outcome;
 use super::context::Context;
 use super::error::Error;
 use super::resolve::Resolved;
 use super::validate::Validated;
-use crate::crd::{PerspectiveDeployment, PerspectiveDeploymentStatus};
+use crate::crd::{DatabaseState, PerspectiveDeployment, PerspectiveDeploymentStatus};
 use crate::events::{Event, EventType};
-use crate::migration_job::JobState;
 use crate::status::condition::DEGRADED;
 use crate::status::{self, Observed};
 
@@ -29,15 +28,9 @@ pub async fn update_status(
     pd: &PerspectiveDeployment,
     r: &Resolved,
     previous: &PerspectiveDeploymentStatus,
-    database_url: Option<&str>,
     validated: Validated,
     outcome: Outcome,
 ) -> Result<(), Error> {
-    let migrated = outcome.job == Some(JobState::Succeeded) || previous.migrated_hash.is_some();
-    let database = match database_url {
-        Some(url) if migrated => Some(read_database(ctx, pd, r, url).await),
-        _ => None,
-    };
     let observed = Observed {
         instance: r.name.clone(),
         generation: pd.metadata.generation,
@@ -51,38 +44,109 @@ pub async fn update_status(
         migration_failures: outcome.failures.count,
         statefulset: outcome.statefulset,
         desired_replicas: pd.spec.replicas,
-        database,
+        migrated_hash: previous.migrated_hash.clone(),
+        database: outcome.database,
     };
     let mut new_status = status::compute(previous, &observed, Timestamp::now());
     new_status.last_migration_failure = outcome.failures.last;
+    new_status.schema_recreations = outcome.recreations.count;
+    new_status.last_schema_recreation = outcome.recreations.last;
 
     report_degraded_change(ctx, pd, previous, &new_status).await;
+    report_database_change(ctx, pd, previous, &new_status).await;
     report_lock_contention(ctx, pd, previous, &new_status).await;
     if new_status != *previous {
         let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
         pds.patch_status(
             &r.name,
             &PatchParams::default(),
-            &Patch::Merge(json!({ "status": new_status })),
+            &Patch::Merge(status_patch(previous, &new_status)),
         )
         .await?;
     }
     Ok(())
 }
 
-/// The database's view of the deployment's schema (`Err` says why it could not be read).
-async fn read_database(
+/// The merge patch from `previous` to `new`: a field `new` leaves out (figures that became
+/// unknown) is `null`, so that the merge removes it instead of keeping the stale value.
+fn status_patch(
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) -> serde_json::Value {
+    let mut status = serde_json::to_value(new).unwrap_or_default();
+    if let (Some(fields), Ok(serde_json::Value::Object(old))) =
+        (status.as_object_mut(), serde_json::to_value(previous))
+    {
+        for key in old.keys() {
+            fields.entry(key.clone()).or_insert(serde_json::Value::Null);
+        }
+    }
+    json!({ "status": status })
+}
+
+/// The Event of a change of what the database read found: a Warning when it became
+/// unreachable or its schema went missing (the note is `Degraded`'s message), a Normal one when
+/// it is read again after either; once per change (nothing while it stays so, nor at the first
+/// read).
+fn database_change(
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) -> Option<Event> {
+    let (before, now) = (previous.database, new.database?);
+    if before == Some(now) {
+        return None;
+    }
+    let degraded = |reason: &str, otherwise: &str| {
+        new.conditions
+            .iter()
+            .find(|c| c.type_ == DEGRADED && c.reason == reason)
+            .map_or_else(|| otherwise.to_owned(), |c| c.message.clone())
+    };
+    let (type_, reason, note) = match now {
+        DatabaseState::Reachable if before.is_none() => return None,
+        DatabaseState::Reachable => (
+            EventType::Normal,
+            "DatabaseReachable",
+            "the database is read again; status figures are current".to_owned(),
+        ),
+        DatabaseState::Unreachable => (
+            EventType::Warning,
+            "DatabaseUnreachable",
+            degraded(
+                "DatabaseUnreachable",
+                "cannot read status from the database",
+            ),
+        ),
+        DatabaseState::SchemaMissing => (
+            EventType::Warning,
+            "SchemaMissing",
+            degraded("SchemaMissing", "the schema has gone from the database"),
+        ),
+    };
+    Some(Event {
+        type_,
+        reason,
+        note,
+        related: None,
+    })
+}
+
+/// Publishes [`database_change`]'s Event, with a log line.
+async fn report_database_change(
     ctx: &Context,
     pd: &PerspectiveDeployment,
-    r: &Resolved,
-    url: &str,
-) -> Result<DbStatus, String> {
-    let spec = &pd.spec;
-    let names: Vec<String> = spec.perspectives.iter().map(|p| p.name.clone()).collect();
-    let stale_after = f64::from(spec.worker.abandon_stale_instance_threshold_seconds);
-    ctx.lag
-        .read(&r.key, url, &spec.schema, &names, stale_after)
-        .await
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) {
+    let Some(event) = database_change(previous, new) else {
+        return;
+    };
+    if event.type_ == EventType::Warning {
+        warn!(namespace = pd.namespace().unwrap_or_default(), name = %pd.name_any(), reason = event.reason, problem = %event.note, "PerspectiveDeployment lost its database");
+    } else {
+        info!(namespace = pd.namespace().unwrap_or_default(), name = %pd.name_any(), "PerspectiveDeployment reads its database again");
+    }
+    ctx.publish(pd, event).await;
 }
 
 /// Degraded reasons that say the operator could not do its part; each new message is a Warning
@@ -236,6 +300,71 @@ mod tests {
         assert!(
             lock_contention_note(&PerspectiveDeploymentStatus::default(), &contended).is_some()
         );
+    }
+
+    fn with_database(state: Option<DatabaseState>) -> PerspectiveDeploymentStatus {
+        PerspectiveDeploymentStatus {
+            database: state,
+            ..degraded(
+                "True",
+                "DatabaseUnreachable",
+                "cannot read status from the database: x",
+            )
+        }
+    }
+
+    #[test]
+    fn a_lost_database_and_its_return_are_reported_once_per_change() {
+        use DatabaseState::*;
+        let event = |before, now| {
+            database_change(&with_database(before), &with_database(now))
+                .map(|e| (e.type_, e.reason, e.note))
+        };
+        let lost = event(Some(Reachable), Some(Unreachable)).expect("an Event");
+        assert_eq!(
+            lost,
+            (
+                EventType::Warning,
+                "DatabaseUnreachable",
+                "cannot read status from the database: x".into()
+            )
+        );
+        // Still unreachable, or not read: nothing.
+        assert!(event(Some(Unreachable), Some(Unreachable)).is_none());
+        assert!(event(Some(Unreachable), None).is_none());
+        let (type_, reason, _) = event(Some(Unreachable), Some(SchemaMissing)).unwrap();
+        assert_eq!((type_, reason), (EventType::Warning, "SchemaMissing"));
+        let (type_, reason, _) = event(Some(SchemaMissing), Some(Reachable)).unwrap();
+        assert_eq!((type_, reason), (EventType::Normal, "DatabaseReachable"));
+        assert!(event(Some(Unreachable), Some(Reachable)).is_some());
+        // The first read finds it reachable: nothing to report; unreachable: a Warning.
+        assert!(event(None, Some(Reachable)).is_none());
+        assert!(event(None, Some(Unreachable)).is_some());
+    }
+
+    #[test]
+    fn figures_that_became_unknown_are_removed_by_the_patch() {
+        let before = PerspectiveDeploymentStatus {
+            pending_events: Some(0),
+            lag: Some("0s".into()),
+            ..Default::default()
+        };
+        let after = PerspectiveDeploymentStatus {
+            lag: Some("Unknown".into()),
+            ..Default::default()
+        };
+        let patch = status_patch(&before, &after);
+        assert_eq!(patch["status"]["pendingEvents"], serde_json::Value::Null);
+        assert!(patch["status"]
+            .as_object()
+            .unwrap()
+            .contains_key("pendingEvents"));
+        assert_eq!(patch["status"]["lag"], "Unknown");
+        // Nothing else is nulled.
+        assert!(!patch["status"]
+            .as_object()
+            .unwrap()
+            .contains_key("deadLetters"));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use perspective_worker::store::status::{PerspectiveStatus, Status as DbStatus};
 
-use super::observed::Observed;
+use super::observed::{DatabaseProblem, Observed};
 use super::rollout::{self, Rollout, Step};
 use crate::migration_job::JobState;
 
@@ -25,8 +25,11 @@ pub struct Facts<'a> {
     pub migrated: bool,
     /// The database's view, when it could be read.
     pub db: Option<&'a DbStatus>,
-    /// Why the database could not be read, once the schema is migrated.
-    pub database_error: Option<&'a str>,
+    /// Why the database could not be read, when that is a problem: once the current target
+    /// is migrated, or was before (a re-run after the schema had gone); an unreachable
+    /// database also while a later target migrates. Not before the first migration, when no
+    /// schema is expected yet.
+    pub database_problem: Option<&'a DatabaseProblem>,
     pub dead_letters: i64,
     pub failed_streams: i64,
     /// One line per perspective whose lock conflicts persist (see
@@ -48,8 +51,8 @@ impl<'a> Facts<'a> {
             Some(Ok(s)) => Some(s),
             _ => None,
         };
-        let database_error = match &o.database {
-            Some(Err(e)) if migrated => Some(e.as_str()),
+        let database_problem = match &o.database {
+            Some(Err(p)) if counts(o, migrated, p) => Some(p),
             _ => None,
         };
         let sum = |field: fn(&PerspectiveStatus) -> i64| {
@@ -65,7 +68,7 @@ impl<'a> Facts<'a> {
             failed: matches!(o.job, Some(JobState::Failed { .. })),
             migrated,
             db,
-            database_error,
+            database_problem,
             dead_letters: sum(|p| p.dead_letters),
             failed_streams: sum(|p| p.failed_streams),
             lock_contention: db.map_or_else(Vec::new, |s| {
@@ -76,6 +79,18 @@ impl<'a> Facts<'a> {
             }),
             step: rollout::remaining_step(o, &rollout, migrated, db),
         }
+    }
+}
+
+/// Whether `problem` is one: once migrated, or when the status records this target as
+/// migrated before (its Job runs again); an unreachable database too while a later target
+/// migrates (the running workers need it), but a missing schema then is expected (a new
+/// `spec.schema`).
+fn counts(o: &Observed, migrated: bool, problem: &DatabaseProblem) -> bool {
+    let this_target_was_migrated = o.migrated_hash.as_deref() == Some(o.target.hash.as_str());
+    match problem {
+        DatabaseProblem::Unreachable(_) => migrated || o.migrated_hash.is_some(),
+        DatabaseProblem::SchemaMissing(_) => migrated || this_target_was_migrated,
     }
 }
 
@@ -111,6 +126,7 @@ pub mod fixture {
             migration_failures: 0,
             statefulset: None,
             desired_replicas: 3,
+            migrated_hash: None,
             database: None,
         }
     }
@@ -119,6 +135,7 @@ pub mod fixture {
     pub fn migrated(ready: i32) -> Observed {
         let mut o = observed();
         o.job = Some(JobState::Succeeded);
+        o.migrated_hash = Some("mh".into());
         o.statefulset = Some(statefulset("mh", "ch", ready, true));
         o
     }

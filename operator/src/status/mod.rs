@@ -18,10 +18,11 @@ pub mod summary;
 use k8s_openapi::jiff::Timestamp;
 use perspective_worker::store::status::Status as DbStatus;
 
-use crate::crd::{PerspectiveDeploymentStatus, PerspectiveLag, PerspectiveProgress};
+use crate::crd::{DatabaseState, PerspectiveDeploymentStatus, PerspectiveLag, PerspectiveProgress};
 use crate::labels;
 use condition::{degraded, merge, migrations_applied, progressing, ready, reconciliation_paused};
 use facts::Facts;
+use observed::DatabaseProblem;
 pub use observed::{Observed, SECRET_RECHECK};
 pub use summary::{format_lag, phase_summary, summary};
 
@@ -59,8 +60,20 @@ pub fn compute(
             status.migrated_hash = Some(o.target.hash.clone());
         }
     }
-    if let Some(db) = f.db {
-        database_figures(&mut status, db, f.dead_letters);
+    match (&o.database, f.db) {
+        (_, Some(db)) => {
+            database_figures(&mut status, db, f.dead_letters);
+            status.database = Some(DatabaseState::Reachable);
+        }
+        (Some(Err(_)), _) => {
+            unknown_figures(&mut status);
+            status.database = f.database_problem.map(|p| match p {
+                DatabaseProblem::Unreachable(_) => DatabaseState::Unreachable,
+                DatabaseProblem::SchemaMissing(_) => DatabaseState::SchemaMissing,
+            });
+        }
+        // Not read (nothing migrated yet, or no Secret): as before.
+        (None, None) | (Some(Ok(_)), None) => {}
     }
     status.summary = Some(summary(
         &status.conditions,
@@ -68,6 +81,21 @@ pub fn compute(
         status.phase.as_deref(),
     ));
     status
+}
+
+/// What `lag` and `phase` say while the database cannot be read.
+pub const UNKNOWN: &str = "Unknown";
+
+/// No figures while the database cannot be read: the counts absent (`kubectl get` shows
+/// `<none>`, never a stale 0), `lag` and `phase` [`UNKNOWN`].
+fn unknown_figures(status: &mut PerspectiveDeploymentStatus) {
+    status.perspectives.clear();
+    status.pending_events = None;
+    status.oldest_pending_seconds = None;
+    status.dead_letters = None;
+    status.live_instances = None;
+    status.lag = Some(UNKNOWN.to_owned());
+    status.phase = Some(UNKNOWN.to_owned());
 }
 
 /// The database's figures in `status`: per perspective, and the totals of the columns.
@@ -132,6 +160,53 @@ mod tests {
             progress: p.progress.as_ref().map(PerspectiveProgress::from),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn figures_are_unknown_while_the_database_cannot_be_read() {
+        use crate::status::facts::fixture;
+        let mut o = fixture::migrated(3);
+        let busy = PerspectiveStatus {
+            name: "a".into(),
+            pending_events: 7,
+            oldest_pending_seconds: Some(3.5),
+            ..Default::default()
+        };
+        o.database = Some(Ok(fixture::database(3, vec![busy])));
+        let read = compute(&Default::default(), &o, Timestamp::UNIX_EPOCH);
+        assert_eq!(read.pending_events, Some(7));
+        assert_eq!(read.lag.as_deref(), Some("3s"));
+        assert_eq!(read.database, Some(DatabaseState::Reachable));
+
+        o.database = Some(Err(DatabaseProblem::Unreachable("refused".into())));
+        let lost = compute(&read, &o, Timestamp::UNIX_EPOCH);
+        assert_eq!(lost.database, Some(DatabaseState::Unreachable));
+        assert_eq!(
+            (lost.pending_events, lost.oldest_pending_seconds),
+            (None, None)
+        );
+        assert_eq!((lost.dead_letters, lost.live_instances), (None, None));
+        assert!(lost.perspectives.is_empty());
+        assert_eq!(lost.lag.as_deref(), Some(UNKNOWN));
+        assert_eq!(lost.phase.as_deref(), Some(UNKNOWN));
+        assert_eq!(
+            lost.summary.as_deref(),
+            Some("Degraded: DatabaseUnreachable")
+        );
+
+        o.database = Some(Err(DatabaseProblem::SchemaMissing("gone".into())));
+        let missing = compute(&lost, &o, Timestamp::UNIX_EPOCH);
+        assert_eq!(missing.database, Some(DatabaseState::SchemaMissing));
+        assert_eq!(missing.pending_events, None);
+
+        o.database = Some(Ok(fixture::database(3, vec![])));
+        let back = compute(&missing, &o, Timestamp::UNIX_EPOCH);
+        assert_eq!(back.database, Some(DatabaseState::Reachable));
+        assert_eq!(
+            (back.pending_events, back.lag.as_deref()),
+            (Some(0), Some("0s"))
+        );
+        assert_eq!(back.phase.as_deref(), Some("Live"));
     }
 
     #[test]

@@ -33,6 +33,37 @@ pub struct Observed {
     pub migration_failures: i32,
     pub statefulset: Option<StatefulSet>,
     pub desired_replicas: i32,
+    /// The target the status records as migrated last (`status.migratedHash`).
+    pub migrated_hash: Option<String>,
     /// The database's view, when it was read (`Err` says why it could not be).
-    pub database: Option<Result<DbStatus, String>>,
+    pub database: Option<Result<DbStatus, DatabaseProblem>>,
+}
+
+/// Why the database's view of a deployment could not be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DatabaseProblem {
+    /// Connecting or reading failed; says what failed (e.g. `database "shop" does not exist`,
+    /// `connection refused`, `no answer within 5s`).
+    Unreachable(String),
+    /// The database answers, but the deployment's schema has no migration history: dropped,
+    /// or the database was recreated. Says which schema.
+    SchemaMissing(String),
+}
+
+impl DatabaseProblem {
+    /// The condition reason: `DatabaseUnreachable` or `SchemaMissing`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DatabaseProblem::Unreachable(_) => "DatabaseUnreachable",
+            DatabaseProblem::SchemaMissing(_) => "SchemaMissing",
+        }
+    }
+
+    /// What a condition or Event says about it.
+    pub fn message(&self) -> String {
+        match self {
+            DatabaseProblem::Unreachable(e) => format!("cannot read status from the database: {e}"),
+            DatabaseProblem::SchemaMissing(m) => m.clone(),
+        }
+    }
 }

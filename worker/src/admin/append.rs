@@ -99,7 +99,34 @@ fn check(ev: &NewEvent) -> Result<(), String> {
     if matches!(ev.stream_version, Some(v) if v < 1) {
         return Err("stream_version must be 1 or more".into());
     }
+    if ev.event_type.contains('\0') {
+        return Err(NUL_REFUSED.replace("{field}", "event_type"));
+    }
+    for (field, v) in [
+        ("event_data", &ev.event_data),
+        ("metadata", &ev.metadata),
+        ("scope", &ev.scope),
+    ] {
+        if holds_nul(v) {
+            return Err(NUL_REFUSED.replace("{field}", field));
+        }
+    }
     Ok(())
+}
+
+/// Valid JSON may escape a NUL (`\u0000`), but PostgreSQL's text and jsonb cannot hold one: the
+/// whole append would fail at the server, naming no line.
+const NUL_REFUSED: &str =
+    "{field} contains a NUL character (\\u0000), which PostgreSQL cannot store in text or jsonb";
+
+/// Whether any string of `value` (key or value, at any depth) contains a NUL.
+fn holds_nul(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(items) => items.iter().any(holds_nul),
+        serde_json::Value::Object(map) => map.iter().any(|(k, v)| k.contains('\0') || holds_nul(v)),
+        _ => false,
+    }
 }
 
 /// What was appended.
@@ -183,6 +210,37 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("line 7: missing field `stream_id`"), "{text}");
+    }
+
+    /// Issue 26, finding 7: an escaped NUL anywhere is refused naming its line (it used to
+    /// reach the server and fail the whole append with no line number).
+    #[test]
+    fn refuses_a_nul_naming_the_line_and_field() {
+        let input = concat!(
+            r#"{"stream_id": "0190f5c2-6c1a-7000-8000-000000000001", "event_type": "A"}"#,
+            "\n",
+            r#"{"stream_id": "0190f5c2-6c1a-7000-8000-000000000001", "event_type": "A", "event_data": {"a": ["x\u0000y"]}}"#,
+            "\n",
+            r#"{"stream_id": "0190f5c2-6c1a-7000-8000-000000000001", "event_type": "A\u0000"}"#,
+            "\n",
+            r#"{"stream_id": "0190f5c2-6c1a-7000-8000-000000000001", "event_type": "A", "metadata": {"k\u0000": 1}}"#,
+            "\n",
+        );
+        let err = parse_lines(input.as_bytes(), "stdin").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("line 2: event_data contains a NUL character"),
+            "{text}"
+        );
+        assert!(
+            text.contains("line 3: event_type contains a NUL character"),
+            "{text}"
+        );
+        assert!(
+            text.contains("line 4: metadata contains a NUL character"),
+            "{text}"
+        );
+        assert_eq!(err.problems.len(), 3, "{text}");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use sqlx::postgres::PgConnection;
 
 use super::context::{Context, InvalidInput};
 use super::out::{out, outln};
-use super::table::{Column, Style, Table};
+use super::table::{escape_control, Column, Style, Table};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum DeadLettersCommand {
@@ -109,7 +109,7 @@ async fn replay(
             Ok(()) => outln!("replayed dead letter {id}")?,
             Err(e) => {
                 failed += 1;
-                eprintln!("error: {e}");
+                eprintln!("error: {}", escape_control(&e.to_string()));
             }
         }
     }

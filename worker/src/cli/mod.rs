@@ -5,6 +5,7 @@ mod append;
 mod context;
 mod dead_letters;
 mod demo;
+mod grants;
 mod migrate;
 mod out;
 mod rebuild;
@@ -101,6 +102,10 @@ enum Command {
     /// conflicts between appliers over the last minute (from the live workers' heartbeats;
     /// from 10 a minute a hint names the perspective's `sequencing`).
     Status(status::StatusArgs),
+    /// Grant a database role the rights of a producer, a worker or a reader of this
+    /// deployment's schema, and nothing more (run it as the schema's owner, after `migrate`).
+    /// --print shows the statements instead of running them.
+    Grants(grants::GrantsArgs),
 }
 
 /// Load the config and run the command.
@@ -114,6 +119,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Rebuild(args) => rebuild::execute(&ctx, args).await,
         Command::DeadLetters(command) => dead_letters::execute(&ctx, command).await,
         Command::Status(args) => status::execute(&ctx, args).await,
+        Command::Grants(args) => grants::execute(&ctx, args).await,
     }
 }
 

@@ -1,6 +1,24 @@
 //! The one table printer of the command line: `status`, `dead-letters list` and the demo's
 //! read-model tables all render through it, so their columns line up the same way.
 
+/// `text` with every control character escaped (`\n`, `\t`, `\r`, others as `\u{1b}`): cells
+/// and messages can hold text that producers wrote (event types, handler errors quoting event
+/// data), and a raw escape sequence would reach the terminal (move the cursor, rewrite lines,
+/// set the window title) or break the table's lines.
+pub fn escape_control(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// Which side of its column a cell keeps to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Align {
@@ -64,10 +82,12 @@ impl Table {
         }
     }
 
-    /// Append a row; it must have one cell per column.
+    /// Append a row; it must have one cell per column. Control characters in a cell are
+    /// shown escaped (see [`escape_control`]).
     pub fn row(&mut self, cells: Vec<String>) {
         debug_assert_eq!(cells.len(), self.columns.len(), "one cell per column");
-        self.rows.push(cells);
+        self.rows
+            .push(cells.iter().map(|c| escape_control(c)).collect());
     }
 
     /// The header, the rule (Grid only) and the rows, one line each, every line ending in `\n`
@@ -126,6 +146,21 @@ impl Table {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 26, finding 7: text producers wrote reaches the terminal escaped.
+    #[test]
+    fn control_characters_in_cells_are_escaped() {
+        let mut t = Table::new(Style::Plain, vec![Column::left("A"), Column::left("B")]);
+        t.row(vec![
+            "x\u{1b}[2J\u{1b}]0;owned\u{7}".into(),
+            "line\nbreak\tand\r\u{9b}".into(),
+        ]);
+        let out = t.render();
+        assert!(!out.chars().any(|c| c.is_control() && c != '\n'), "{out:?}");
+        assert_eq!(out.lines().count(), 2, "{out:?}");
+        assert!(out.contains("x\\u{1b}[2J\\u{1b}]0;owned\\u{7}"), "{out}");
+        assert!(out.contains("line\\nbreak\\tand\\r\\u{9b}"), "{out}");
+    }
 
     #[test]
     fn plain_columns_take_the_widest_cell_and_align_each_side() {

@@ -97,15 +97,29 @@ impl Config {
             source: source.clone(),
             problems: vec![Problem::new("", message)],
         };
-        // Not read at all when too large (it could be a device that never ends).
-        let size = std::fs::metadata(path)
-            .map_err(|e| refused(format!("cannot read file: {e}")))?
-            .len();
+        // Not read at all when the file says it is too large, and never more than the limit
+        // plus one byte: a device or pipe reports no size, and may never end (`/dev/zero`).
+        let cannot_read = |e: std::io::Error| refused(format!("cannot read file: {e}"));
+        let size = std::fs::metadata(path).map_err(cannot_read)?.len();
         if size > yaml_limits::MAX_CONFIG_BYTES as u64 {
             return Err(refused(yaml_limits::too_large(size)));
         }
-        let text =
-            std::fs::read_to_string(path).map_err(|e| refused(format!("cannot read file: {e}")))?;
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(
+                std::fs::File::open(path).map_err(cannot_read)?,
+                yaml_limits::MAX_CONFIG_BYTES as u64 + 1,
+            ),
+            &mut bytes,
+        )
+        .map_err(cannot_read)?;
+        if bytes.len() > yaml_limits::MAX_CONFIG_BYTES {
+            return Err(refused(format!(
+                "the config is longer than {} bytes (1 MiB), the most that is read; stopped reading there",
+                yaml_limits::MAX_CONFIG_BYTES
+            )));
+        }
+        let text = String::from_utf8(bytes).map_err(|e| refused(format!("not UTF-8 text: {e}")))?;
         Config::from_yaml_str(&text, &source)
     }
 
@@ -411,6 +425,17 @@ perspectives:
 
         let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/shop.yaml");
         assert_eq!(Config::load(&example).unwrap().schema, "shop");
+    }
+
+    /// Issue 26, finding 7: a file that reports no size and never ends is read up to the limit
+    /// and refused (it used to be read until memory ran out).
+    #[test]
+    fn an_endless_file_is_read_only_up_to_the_limit() {
+        let error = Config::load(Path::new("/dev/zero")).unwrap_err();
+        assert!(
+            error.to_string().contains("stopped reading there"),
+            "{error}"
+        );
     }
 
     #[test]

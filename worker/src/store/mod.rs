@@ -29,6 +29,7 @@
 //! - [`vacuum`]: the queue tables' dead rows, and vacuuming them
 //! - [`append`]: the producer INSERT used by the `append` command
 //! - [`demo`]: reading a perspective's model table for the demo
+//! - [`grants`]: the rights of the producer, worker and reader roles
 
 pub mod append;
 pub mod apply;
@@ -42,6 +43,7 @@ pub mod demo;
 pub mod drain;
 pub mod failure;
 pub mod functions;
+pub mod grants;
 pub mod instances;
 pub mod lifecycle;
 pub mod migrations;

@@ -1,6 +1,7 @@
 //! `Degraded`: something needs a look — the first of: an invalid spec, a missing Secret, a
-//! refused child, a failed migration, an unreachable database, failing events, persistent lock
-//! contention between appliers (the events still apply, slowly).
+//! refused child, a failed migration, an unreachable database or a schema that has gone from it,
+//! failing events, persistent lock contention between appliers (the events still apply,
+//! slowly).
 
 use super::{Desired, DEGRADED};
 use crate::migration_job::JobState;
@@ -21,11 +22,8 @@ pub fn desired(f: &Facts) -> Desired {
     }) = &o.job
     {
         degraded("MigrationFailed", format!("{reason}: {message}"))
-    } else if let Some(e) = f.database_error {
-        degraded(
-            "DatabaseUnreachable",
-            format!("cannot read status from the database: {e}"),
-        )
+    } else if let Some(problem) = f.database_problem {
+        degraded(problem.reason(), problem.message())
     } else if f.dead_letters > 0 || f.failed_streams > 0 {
         degraded(
             "EventsFailing",
@@ -47,6 +45,7 @@ mod tests {
 
     use super::*;
     use crate::status::facts::fixture;
+    use crate::status::observed::DatabaseProblem;
     use crate::status::Observed;
 
     fn reason(o: &Observed) -> (bool, String) {
@@ -109,8 +108,16 @@ mod tests {
             failing.message,
             "2 dead letter(s) waiting for replay, 1 stream(s) retrying after a failure"
         );
-        o.database = Some(Err("connection refused".into()));
-        assert_eq!(reason(&o), (true, "DatabaseUnreachable".into()));
+        o.database = Some(Err(unreachable("connection refused")));
+        let unreachable = desired(&Facts::of(&o));
+        assert_eq!(
+            (unreachable.status, unreachable.reason.as_str()),
+            (true, "DatabaseUnreachable")
+        );
+        assert_eq!(
+            unreachable.message,
+            "cannot read status from the database: connection refused"
+        );
         o.job = Some(JobState::Failed {
             reason: "BackoffLimitExceeded".into(),
             message: "m".into(),
@@ -129,11 +136,48 @@ mod tests {
         assert_eq!(invalid.message, "spec.a: x; spec.b: y");
     }
 
+    fn unreachable(e: &str) -> DatabaseProblem {
+        DatabaseProblem::Unreachable(e.into())
+    }
+
+    fn schema_missing() -> DatabaseProblem {
+        DatabaseProblem::SchemaMissing("schema shop has no migration history".into())
+    }
+
     #[test]
     fn an_unreadable_database_counts_only_once_migrated() {
         let mut o = fixture::observed();
         o.job = Some(JobState::Running);
-        o.database = Some(Err("connection refused".into()));
+        o.database = Some(Err(unreachable("connection refused")));
+        assert_eq!(reason(&o), (false, "AsExpected".into()));
+        o.database = Some(Err(schema_missing()));
+        assert_eq!(reason(&o), (false, "AsExpected".into()));
+    }
+
+    #[test]
+    fn a_schema_that_has_gone_is_named() {
+        let mut o = fixture::migrated(3);
+        o.database = Some(Err(schema_missing()));
+        let d = desired(&Facts::of(&o));
+        assert_eq!((d.status, d.reason.as_str()), (true, "SchemaMissing"));
+        assert_eq!(d.message, "schema shop has no migration history");
+        // Its Job runs again: still missing until it succeeds.
+        o.job = Some(JobState::Running);
+        assert_eq!(reason(&o), (true, "SchemaMissing".into()));
+        o.job = None;
+        assert_eq!(reason(&o), (true, "SchemaMissing".into()));
+    }
+
+    #[test]
+    fn while_a_later_target_migrates_only_an_unreachable_database_counts() {
+        // The status records an earlier target as migrated; the new one's Job runs.
+        let mut o = fixture::migrated(3);
+        o.migrated_hash = Some("earlier".into());
+        o.job = Some(JobState::Running);
+        o.database = Some(Err(unreachable("connection refused")));
+        assert_eq!(reason(&o), (true, "DatabaseUnreachable".into()));
+        // A new spec.schema has no history until its Job ran: expected.
+        o.database = Some(Err(schema_missing()));
         assert_eq!(reason(&o), (false, "AsExpected".into()));
     }
 }

@@ -1,5 +1,5 @@
-//! `Ready`: the data plane serves — the current spec migrated, its pods ready and its workers
-//! registered; a deployment that was ready stays ready (`MinimumAvailable`) while a later spec
+//! `Ready`: the data plane serves — the current spec migrated, its database readable, its pods
+//! ready and its workers registered; a deployment that was ready stays ready (`MinimumAvailable`) while a later spec
 //! migrates or rolls out, as long as enough of its pods are.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -32,6 +32,11 @@ pub fn desired(f: &Facts, previous: &[Condition]) -> Desired {
             "MigrationFailed",
             "the migration failed (see MigrationsApplied)",
         );
+    }
+    if let Some(problem) = f.database_problem {
+        // Pods may still pass their probes; without the database nothing is applied.
+        let message = format!("{} (see Degraded)", problem.message());
+        return Desired::new(READY, false, problem.reason(), message);
     }
     let Some(step) = &f.step else {
         let message = match f.db {
@@ -80,6 +85,7 @@ mod tests {
     use crate::migration_job::JobState;
     use crate::status::condition::merge;
     use crate::status::facts::fixture;
+    use crate::status::observed::DatabaseProblem;
     use crate::status::Observed;
 
     fn ready(o: &Observed, was_ready: bool) -> Desired {
@@ -127,6 +133,33 @@ mod tests {
         o.problems = vec!["spec.a: x".into()];
         let r = ready(&o, true);
         assert_eq!((r.status, r.reason.as_str()), (false, "InvalidSpec"));
+    }
+
+    #[test]
+    fn a_lost_database_makes_it_unready_until_it_is_back() {
+        let mut o = fixture::migrated(3);
+        o.database = Some(Err(DatabaseProblem::Unreachable(
+            "database \"shop\" does not exist".into(),
+        )));
+        let lost = ready(&o, true);
+        assert_eq!(
+            (lost.status, lost.reason.as_str()),
+            (false, "DatabaseUnreachable")
+        );
+        assert_eq!(
+            lost.message,
+            "cannot read status from the database: database \"shop\" does not exist (see Degraded)"
+        );
+        o.database = Some(Err(DatabaseProblem::SchemaMissing("gone".into())));
+        assert_eq!(ready(&o, true).reason, "SchemaMissing");
+        // Its Job runs again: a deployment that was ready does not stay ready meanwhile.
+        o.job = Some(JobState::Running);
+        assert_eq!(ready(&o, true).reason, "SchemaMissing");
+        // Migrated again, the database read: ready by itself.
+        o.job = Some(JobState::Succeeded);
+        o.database = Some(Ok(fixture::database(3, vec![])));
+        let back = ready(&o, false);
+        assert_eq!((back.status, back.reason.as_str()), (true, "Available"));
     }
 
     #[test]
