@@ -54,7 +54,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -82,7 +82,10 @@ pub struct EngineOptions {
     /// Unique per process: `PERSPECTIVE_INSTANCE_ID`, else a fresh UUIDv7.
     pub instance_id: Uuid,
     pub service_name: String,
+    /// Size of the statements' pool (at least 2); `worker.database.maxConnections` by default.
     pub max_connections: u32,
+    /// How long each class of statement may wait for its answer (tests shorten them).
+    pub deadlines: crate::store::Deadlines,
     pub runner: Option<Arc<dyn PerspectiveRunner>>,
     pub metrics: Arc<WorkerMetrics>,
     pub readiness: Readiness,
@@ -92,11 +95,12 @@ pub struct EngineOptions {
 impl EngineOptions {
     pub fn new(config: Config, database_url: impl Into<String>) -> Self {
         EngineOptions {
+            max_connections: config.worker.database.max_connections,
             config: Arc::new(config),
             database_url: database_url.into(),
             instance_id: Uuid::now_v7(),
             service_name: "perspective-worker".into(),
-            max_connections: 10,
+            deadlines: crate::store::Deadlines::default(),
             runner: None,
             metrics: Arc::new(WorkerMetrics::new()),
             readiness: Readiness::new("starting"),
@@ -257,19 +261,27 @@ impl Engine {
     }
 }
 
-/// The engine's pool (connected, so a bad URL fails here) and the listener's (lazy).
+/// The engine's pool (connected, so a bad URL fails here) and the listener's (lazy); see
+/// [`crate::db::pool_options`] for their timeouts and session settings.
 async fn connect(options: &EngineOptions) -> Result<(Store, PgPool), EngineError> {
+    use crate::db::{pool_options, PoolRole};
     let connect = |app: &str| crate::db::connect_options(&options.database_url, app);
-    let pool = PgPoolOptions::new()
-        .max_connections(options.max_connections.max(2))
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
-        .await
-        .map_err(|e| db("connecting to PostgreSQL", e))?;
-    let listen_pool = PgPoolOptions::new().max_connections(1).connect_lazy_with(
+    let pool = pool_options(PoolRole::Statements {
+        max_connections: options.max_connections.max(2),
+    })
+    .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
+    .await
+    .map_err(|e| db("connecting to PostgreSQL", e))?;
+    let control_pool = pool_options(PoolRole::Control).connect_lazy_with(
+        connect("perspective-worker control").map_err(|e| db("parsing DATABASE_URL", e))?,
+    );
+    let listen_pool = pool_options(PoolRole::Listen).connect_lazy_with(
         connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
     );
-    Ok((Store::new(pool, &options.config.schema), listen_pool))
+    let store = Store::new(pool, &options.config.schema)
+        .with_quick_pool(control_pool)
+        .with_deadlines(options.deadlines);
+    Ok((store, listen_pool))
 }
 
 /// Every task of a started engine, joined by their channels: the listener, the job runner, the

@@ -67,15 +67,19 @@ impl Store {
     /// previous heartbeat had, by the server's clock (`None`: the instance was not registered:
     /// new, deregistered, or abandoned by a peer's sweep).
     pub async fn record_heartbeat(&self, info: &InstanceInfo) -> Result<Option<f64>, sqlx::Error> {
-        let (previous_age, _): (Option<f64>, Option<String>) =
-            sqlx::query_as(&self.sql(RECORD_HEARTBEAT))
-                .bind(info.instance_id)
-                .bind(&info.service_name)
-                .bind(&info.host_name)
-                .bind(info.process_id)
-                .bind(&info.metadata)
-                .fetch_one(self.pool())
-                .await?;
+        let mut c = self.quick_conn("record_heartbeat").await?;
+        let (previous_age, _): (Option<f64>, Option<String>) = c
+            .deadline()
+            .run(
+                sqlx::query_as(&self.sql(RECORD_HEARTBEAT))
+                    .bind(info.instance_id)
+                    .bind(&info.service_name)
+                    .bind(&info.host_name)
+                    .bind(info.process_id)
+                    .bind(&info.metadata)
+                    .fetch_one(&mut *c),
+            )
+            .await?;
         Ok(previous_age)
     }
 
@@ -86,18 +90,26 @@ impl Store {
         instance_id: Uuid,
         stale_seconds: f64,
     ) -> Result<i32, sqlx::Error> {
-        sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
-            .bind(instance_id)
-            .bind(stale_seconds)
-            .fetch_one(self.pool())
+        let mut c = self.quick_conn("cleanup_stale_instances").await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
+                    .bind(instance_id)
+                    .bind(stale_seconds)
+                    .fetch_one(&mut *c),
+            )
             .await
     }
 
     /// Graceful shutdown: retire drained streams, give back the rest, leave.
     pub async fn deregister_instance(&self, instance_id: Uuid) -> Result<(), sqlx::Error> {
-        sqlx::query(&self.sql(DEREGISTER_INSTANCE))
-            .bind(instance_id)
-            .execute(self.pool())
+        let mut c = self.quick_conn("deregister_instance").await?;
+        c.deadline()
+            .run(
+                sqlx::query(&self.sql(DEREGISTER_INSTANCE))
+                    .bind(instance_id)
+                    .execute(&mut *c),
+            )
             .await?;
         Ok(())
     }
