@@ -35,14 +35,14 @@ lint:
 postgres:
 	@$(PG) bindir >/dev/null
 
-# Two control planes: one with kwok nodes (pods simulated; tests named real_node::* skipped),
-# one with a real kubelet node (containerd, runc; the images built by tests/e2e/images.sh).
-# (Run side by side they took 5-6½ minutes instead of 7-9, but the load made two tests flaky:
-# node.sh's leftover check saw veths the kernel had not yet removed, and a completion-flush
-# test lost its race against a drain's retire. Sequential until both are fixed.)
+# Two control planes, one after the other: one with kwok nodes (pods simulated; tests named
+# real_node::* skipped), where tests/run-suites.sh runs the test binaries in three concurrent
+# streams (they mostly wait), and one with a real kubelet node (containerd, runc; the images
+# built by tests/e2e/images.sh). (The two control planes side by side made the real node's
+# teardown flaky: node.sh's leftover check saw veths the kernel had not yet removed.)
 test: postgres lint
 	$(CARGO) test --workspace --no-run
-	$(PG) with tests/e2e/with-control-plane.sh $(CARGO) test --workspace -- --skip real_node::
+	$(PG) with tests/e2e/with-control-plane.sh env CARGO=$(CARGO) tests/run-suites.sh
 	$(PG) with tests/e2e/with-control-plane.sh --real-node $(CARGO) test -p perspective-operator --test real_node
 
 # A fresh embedded PostgreSQL each time (no DATABASE_URL), removed afterwards.

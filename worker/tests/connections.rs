@@ -251,14 +251,19 @@ worker:
     let engine = common::RunningEngine::start_with(options).await;
     let streams: Vec<Uuid> = (0..16).map(|_| Uuid::now_v7()).collect();
     common::append_load(&schema, &streams, 2, 2, 8).await;
-    let sessions = "SELECT count(*) FROM pg_stat_activity \
-        WHERE application_name = 'perspective-worker' AND datname = current_database()";
+    // This engine's sessions: other tests' engines run beside it under the same
+    // application_name, but every statement of this one names its schema.
+    let sessions = format!(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name = 'perspective-worker' AND datname = current_database() \
+           AND query LIKE '%{schema}.%'"
+    );
     let applied = format!("SELECT count(*) FROM {schema}.slow_seen");
     let most = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
     wait_until("every event applied", Duration::from_secs(30), || {
-        let (applied, most) = (applied.clone(), most.clone());
+        let (applied, most, sessions) = (applied.clone(), most.clone(), sessions.clone());
         async move {
-            let now = common::scalar(sessions).await;
+            let now = common::scalar(&sessions).await;
             most.fetch_max(now, std::sync::atomic::Ordering::Relaxed);
             common::scalar(&applied).await == 32
         }

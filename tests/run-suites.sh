@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Runs every test of the workspace except the real node's (tests named real_node::*), in
+# STREAMS concurrent `cargo test` invocations against the one PostgreSQL and the one kwok
+# control plane the caller started (make test: tests/pg/pg.sh with
+# tests/e2e/with-control-plane.sh tests/run-suites.sh).
+#
+# Most of the suites' time is waiting (for engines, timers, the control plane), not CPU, and
+# `cargo test` runs its test binaries one after another: three streams take about half the time
+# of one. The binaries are dealt to the streams longest first (their usual durations, below);
+# a test file not listed goes to the stream with the least work, so none is ever left out. Each
+# binary still runs its own tests as `cargo test` does. Output goes to one log per stream,
+# printed whole when the stream fails, and the `test result` lines of all are printed at the end.
+#
+#   tests/run-suites.sh                 (needs TEST_DATABASE_URL and KUBECONFIG, see make test)
+#   STREAMS=1 tests/run-suites.sh       (one stream: as `cargo test --workspace` would)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+CARGO=${CARGO:-cargo}
+STREAMS=${STREAMS:-3}
+dir=$(mktemp -d "${TMPDIR:-/tmp}/perspective-suites.XXXXXX")
+trap 'rm -rf "$dir"' EXIT
+
+# Usual seconds of each test binary (a warm run on the project machine), to balance streams.
+declare -A SECONDS_OF=(
+  [operator]=90 [engine]=35 [backfill]=28 [failover]=25 [failures]=20 [partition]=18
+  [scale]=13 [sequencing_failures]=13 [sequencing_lifecycle]=13 [process]=12 [migrate]=11
+  [contention]=9 [options]=9 [sequencing]=7 [connections]=7 [rebuild]=4 [worker-units]=4
+)
+
+# The jobs: the operator's suites (its real-node binary runs with every test skipped), the
+# worker's unit tests and doc tests, and each worker test file.
+jobs=(operator worker-units worker-doc)
+for f in worker/tests/*.rs; do
+  jobs+=("$(basename "$f" .rs)")
+done
+
+args_of() {
+  case "$1" in
+    operator) echo "-p perspective-operator -- --skip real_node::" ;;
+    worker-units) echo "-p perspective-worker --lib --bins" ;;
+    worker-doc) echo "-p perspective-worker --doc" ;;
+    *) echo "-p perspective-worker --test $1" ;;
+  esac
+}
+
+# Deal the jobs, longest first, each to the stream with the least work so far.
+mapfile -t sorted < <(for j in "${jobs[@]}"; do echo "${SECONDS_OF[$j]:-2} $j"; done | sort -rn -k1,1 | awk '{print $2}')
+declare -a load streams_jobs
+for ((s = 0; s < STREAMS; s++)); do load[s]=0; streams_jobs[s]=""; done
+for j in "${sorted[@]}"; do
+  best=0
+  for ((s = 1; s < STREAMS; s++)); do ((load[s] < load[best])) && best=$s; done
+  load[best]=$((load[best] + ${SECONDS_OF[$j]:-2}))
+  streams_jobs[best]+="$j "
+done
+
+run_stream() { # index, jobs...
+  local s=$1 rc=0
+  shift
+  for j in "$@"; do
+    # shellcheck disable=SC2046
+    echo "=== cargo test $(args_of "$j")" >>"$dir/$s.log"
+    # shellcheck disable=SC2046
+    $CARGO test $(args_of "$j") >>"$dir/$s.log" 2>&1 || rc=1
+  done
+  echo "$rc" >"$dir/$s.rc"
+}
+
+started=$(date +%s)
+for ((s = 0; s < STREAMS; s++)); do
+  echo "[run-suites] stream $s (~${load[s]} s): ${streams_jobs[s]}"
+  # shellcheck disable=SC2086
+  run_stream "$s" ${streams_jobs[s]} &
+done
+wait
+
+status=0
+for ((s = 0; s < STREAMS; s++)); do
+  if [[ "$(cat "$dir/$s.rc" 2>/dev/null)" != 0 ]]; then
+    status=1
+    echo "[run-suites] stream $s FAILED; its whole log:"
+    cat "$dir/$s.log"
+  fi
+done
+echo "[run-suites] results:"
+for ((s = 0; s < STREAMS; s++)); do
+  grep -E "^(=== cargo test|test result:)|^test .* FAILED$" "$dir/$s.log" | sed "s/^/  [$s] /"
+done
+echo "[run-suites] $([[ $status == 0 ]] && echo passed || echo FAILED) in $(($(date +%s) - started)) s"
+exit "$status"
