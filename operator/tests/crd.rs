@@ -154,25 +154,32 @@ fn every_declared_integer_bound_is_in_the_crd() {
             Some(1),
             Some(i64::from(u32::MAX)),
         ),
+        // Issue 26, finding 6: every numeric option has an upper bound of its own.
+        (".spec.worker.perspectiveBatchSize", Some(1), Some(10_000)),
         (
-            ".spec.worker.perspectiveBatchSize",
+            ".spec.worker.maxConcurrentDrainConsumers",
             Some(1),
-            Some(i64::from(u32::MAX)),
+            Some(64),
         ),
         (
             ".spec.worker.heartbeatIntervalSeconds",
             Some(1),
-            Some(i64::from(u32::MAX)),
+            Some(3_600),
+        ),
+        (
+            ".spec.worker.failureRetryBaseMilliseconds",
+            Some(1),
+            Some(86_400_000),
         ),
         (
             ".spec.worker.retryOptions.maxBackoffSeconds",
             Some(0),
-            Some(i64::from(u32::MAX)),
+            Some(86_400),
         ),
         (
             ".spec.claimWorker.pollingIntervalMilliseconds",
             Some(1),
-            Some((1 << 53) - 1),
+            Some(3_600_000),
         ),
     ];
     for (path, min, max) in declared {

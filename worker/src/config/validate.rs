@@ -8,15 +8,15 @@
 use std::collections::HashSet;
 use std::fmt;
 
-use super::claim_options::ClaimWorkerOptions;
+use super::claim_options::{
+    ClaimWorkerOptions, MAX_POLLING_INTERVAL_MILLISECONDS, MAX_STREAMS_PER_BATCH,
+};
 use super::names::{
     check_event_type, check_identifier, check_schema_name, MAX_PERSPECTIVE_NAME_LEN,
 };
 use super::perspective::{Ordering, PerspectiveConfig, Sequencing};
 use super::sql_params;
-use super::worker_options::{
-    WorkerOptions, CONTENTION_METADATA_KEY, MAX_CONNECTIONS_RANGE, MAX_HANDLER_TIMEOUT_MILLISECONDS,
-};
+use super::worker_options::*;
 use super::Config;
 
 /// Statements that would end or split the worker's apply transaction.
@@ -284,37 +284,112 @@ fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mu
 
 /// The problems of the `worker:` options.
 fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
-    let at_least_one = [
-        ("leaseSeconds", worker.lease_seconds.into()),
+    let ranges: [(&str, u64, u64, u64); 17] = [
+        (
+            "leaseSeconds",
+            worker.lease_seconds.into(),
+            1,
+            MAX_LEASE_SECONDS.into(),
+        ),
         (
             "abandonStaleInstanceThresholdSeconds",
             worker.abandon_stale_instance_threshold_seconds.into(),
+            1,
+            MAX_STALE_THRESHOLD_SECONDS.into(),
         ),
-        ("idleThresholdPolls", worker.idle_threshold_polls.into()),
-        ("perspectiveBatchSize", worker.perspective_batch_size.into()),
+        (
+            "idleThresholdPolls",
+            worker.idle_threshold_polls.into(),
+            1,
+            MAX_IDLE_THRESHOLD_POLLS.into(),
+        ),
+        (
+            "perspectiveBatchSize",
+            worker.perspective_batch_size.into(),
+            1,
+            MAX_PERSPECTIVE_BATCH_SIZE.into(),
+        ),
         (
             "maxConcurrentPerspectives",
             worker.max_concurrent_perspectives.into(),
+            1,
+            MAX_CONCURRENT_PERSPECTIVES.into(),
         ),
         (
             "maxConcurrentDrainConsumers",
             worker.max_concurrent_drain_consumers.into(),
+            1,
+            MAX_DRAIN_CONSUMERS.into(),
         ),
         (
             "drainLoopMaxIterations",
             worker.drain_loop_max_iterations.into(),
+            1,
+            MAX_DRAIN_LOOP_ITERATIONS.into(),
         ),
         (
             "drainLoopRefetchMinBatch",
             worker.drain_loop_refetch_min_batch.into(),
+            1,
+            MAX_DRAIN_REFETCH_MIN_BATCH.into(),
         ),
-        ("drainBatcher.maxSize", worker.drain_batcher.max_size.into()),
         (
             "heartbeatIntervalSeconds",
             worker.heartbeat_interval_seconds.into(),
+            1,
+            MAX_HEARTBEAT_INTERVAL_SECONDS.into(),
+        ),
+        (
+            "failureRetryBaseMilliseconds",
+            worker.failure_retry_base_milliseconds,
+            1,
+            MAX_FAILURE_RETRY_BASE_MILLISECONDS,
+        ),
+        (
+            "failureRetryMaxMilliseconds",
+            worker.failure_retry_max_milliseconds,
+            1,
+            MAX_FAILURE_RETRY_MAX_MILLISECONDS,
+        ),
+        (
+            "drainBatcher.slidingWindowMilliseconds",
+            worker.drain_batcher.sliding_window_milliseconds,
+            0,
+            MAX_SLIDING_WINDOW_MILLISECONDS,
+        ),
+        (
+            "drainBatcher.maxWaitMilliseconds",
+            worker.drain_batcher.max_wait_milliseconds,
+            0,
+            MAX_BATCH_WAIT_MILLISECONDS,
+        ),
+        (
+            "drainBatcher.maxSize",
+            worker.drain_batcher.max_size.into(),
+            1,
+            MAX_DRAIN_BATCH_SIZE.into(),
+        ),
+        (
+            "retryOptions.retryTimeoutSeconds",
+            worker.retry_options.retry_timeout_seconds.into(),
+            0,
+            MAX_RETRY_TIMEOUT_SECONDS.into(),
+        ),
+        (
+            "retryOptions.maxBackoffSeconds",
+            worker.retry_options.max_backoff_seconds.into(),
+            0,
+            MAX_BACKOFF_SECONDS.into(),
+        ),
+        (
+            "maxPerspectiveEventAttempts",
+            // (0 has its own message below.)
+            worker.max_perspective_event_attempts.unwrap_or(1).into(),
+            0,
+            MAX_EVENT_ATTEMPTS.into(),
         ),
     ];
-    check_at_least_one("worker", &at_least_one, problems);
+    check_ranges("worker", &ranges, problems);
     if let Some(t) = worker.handler_timeout_milliseconds {
         if !(1..=MAX_HANDLER_TIMEOUT_MILLISECONDS).contains(&t) {
             problems.push(Problem::new(
@@ -352,10 +427,12 @@ fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
         ));
     }
     let multiplier = worker.retry_options.backoff_multiplier;
-    if !(multiplier.is_finite() && multiplier >= 1.0) {
+    if !(multiplier.is_finite() && (1.0..=MAX_BACKOFF_MULTIPLIER).contains(&multiplier)) {
         problems.push(Problem::new(
             "worker.retryOptions.backoffMultiplier",
-            format!("must be a number of at least 1.0, got {multiplier}"),
+            format!(
+                "must be a number of at least 1.0 and at most {MAX_BACKOFF_MULTIPLIER}, got {multiplier}"
+            ),
         ));
     }
     // A live instance that heartbeats less often than the abandonment threshold would
@@ -375,30 +452,47 @@ fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
 
 /// The problems of the `claimWorker:` options.
 fn check_claim_worker_options(claim: &ClaimWorkerOptions, problems: &mut Vec<Problem>) {
-    let at_least_one = [
+    let ranges = [
         (
             "pollingIntervalMilliseconds",
             claim.polling_interval_milliseconds,
+            1,
+            MAX_POLLING_INTERVAL_MILLISECONDS,
         ),
         (
             "notifyHealthyPollingIntervalMilliseconds",
             claim.notify_healthy_polling_interval_milliseconds,
+            1,
+            MAX_POLLING_INTERVAL_MILLISECONDS,
         ),
         (
             "pollingMaxIntervalMilliseconds",
             claim.polling_max_interval_milliseconds,
+            1,
+            MAX_POLLING_INTERVAL_MILLISECONDS,
         ),
-        ("maxStreamsPerBatch", claim.max_streams_per_batch.into()),
+        (
+            "maxStreamsPerBatch",
+            claim.max_streams_per_batch.into(),
+            1,
+            MAX_STREAMS_PER_BATCH.into(),
+        ),
     ];
-    check_at_least_one("claimWorker", &at_least_one, problems);
+    check_ranges("claimWorker", &ranges, problems);
 }
 
-fn check_at_least_one(prefix: &str, fields: &[(&str, u64)], problems: &mut Vec<Problem>) {
-    for (field, value) in fields {
-        if *value < 1 {
+/// Each (field, value, min, max) of `prefix` out of its range is a problem naming both ends.
+fn check_ranges(prefix: &str, fields: &[(&str, u64, u64, u64)], problems: &mut Vec<Problem>) {
+    for (field, value, min, max) in fields {
+        if value < min {
             problems.push(Problem::new(
                 format!("{prefix}.{field}"),
-                format!("must be at least 1, got {value}"),
+                format!("must be at least {min}, got {value}"),
+            ));
+        } else if value > max {
+            problems.push(Problem::new(
+                format!("{prefix}.{field}"),
+                format!("must be at most {max}, got {value}"),
             ));
         }
     }
@@ -665,7 +759,7 @@ mod tests {
             (
                 format!("{MINIMAL}worker:\n  retryOptions: {{ backoffMultiplier: 0.5 }}\n"),
                 "worker.retryOptions.backoffMultiplier",
-                "at least 1.0, got 0.5",
+                "at least 1.0 and at most 100, got 0.5",
             ),
             (
                 format!("{MINIMAL}worker:\n  heartbeatIntervalSeconds: 30\n"),
@@ -688,6 +782,63 @@ mod tests {
                 "unknown variant `Eventually`",
             ),
         ]
+    }
+
+    /// Issue 26, finding 6: the values that broke the worker are refused, naming the bound
+    /// (`maxConcurrentDrainConsumers: 4294967295` allocated until it aborted, a batch size of
+    /// 2^32 − 1 applied nothing, a retry delay of 2^64 − 1 ms overflowed the timestamps).
+    #[test]
+    fn finding_6_every_numeric_option_has_an_upper_bound() {
+        for (yaml, path, message) in [
+            (
+                "worker:\n  maxConcurrentDrainConsumers: 4294967295\n",
+                "worker.maxConcurrentDrainConsumers",
+                "must be at most 64, got 4294967295",
+            ),
+            (
+                "worker:\n  perspectiveBatchSize: 4294967295\n",
+                "worker.perspectiveBatchSize",
+                "must be at most 10000, got 4294967295",
+            ),
+            (
+                "worker:\n  failureRetryBaseMilliseconds: 18446744073709551615\n",
+                "worker.failureRetryBaseMilliseconds",
+                "must be at most 86400000",
+            ),
+            (
+                "worker:\n  failureRetryMaxMilliseconds: 18446744073709551615\n",
+                "worker.failureRetryMaxMilliseconds",
+                "must be at most 604800000",
+            ),
+            (
+                "worker:\n  retryOptions: { backoffMultiplier: 1000 }\n",
+                "worker.retryOptions.backoffMultiplier",
+                "at most 100, got 1000",
+            ),
+            (
+                "claimWorker:\n  maxStreamsPerBatch: 4294967295\n",
+                "claimWorker.maxStreamsPerBatch",
+                "must be at most 100000",
+            ),
+            (
+                "worker:\n  drainBatcher: { maxWaitMilliseconds: 18446744073709551615 }\n",
+                "worker.drainBatcher.maxWaitMilliseconds",
+                "must be at most 600000",
+            ),
+        ] {
+            let text = format!("{}{yaml}", super::super::tests::MINIMAL);
+            let error = crate::config::Config::from_yaml_str(&text, "test.yaml").unwrap_err();
+            let problem = error
+                .problems
+                .iter()
+                .find(|p| p.path == path)
+                .unwrap_or_else(|| panic!("no problem at {path}: {error}"));
+            assert!(
+                problem.message.contains(message),
+                "{path}: {}",
+                problem.message
+            );
+        }
     }
 
     /// Cases about handler and reset SQL.

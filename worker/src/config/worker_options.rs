@@ -22,6 +22,32 @@ pub enum CompletionStrategy {
 /// `statement_timeout` (a 32-bit count of ms).
 pub const MAX_HANDLER_TIMEOUT_MILLISECONDS: u64 = 1_000_000_000;
 
+/// Upper bounds of the numeric `worker:` options (DESIGN §12.3: every numeric option is
+/// bounded). Each is far above any useful value and far below what would break the worker:
+/// `maxConcurrentDrainConsumers: 4294967295` allocated until the process aborted, a batch size
+/// of 2^32 − 1 applied nothing, and a retry delay of 2^64 − 1 ms overflowed PostgreSQL's
+/// timestamps. `validate` checks them; the CRD's schema carries them too.
+pub const MAX_EVENT_ATTEMPTS: u32 = 1_000;
+pub const MAX_LEASE_SECONDS: u32 = 86_400;
+pub const MAX_STALE_THRESHOLD_SECONDS: u32 = 3_600;
+pub const MAX_IDLE_THRESHOLD_POLLS: u32 = 1_000;
+pub const MAX_PERSPECTIVE_BATCH_SIZE: u32 = 10_000;
+pub const MAX_CONCURRENT_PERSPECTIVES: u32 = 256;
+pub const MAX_DRAIN_CONSUMERS: u32 = 64;
+pub const MAX_DRAIN_LOOP_ITERATIONS: u32 = 1_000;
+pub const MAX_DRAIN_REFETCH_MIN_BATCH: u32 = 10_000;
+pub const MAX_HEARTBEAT_INTERVAL_SECONDS: u32 = 3_600;
+/// One day.
+pub const MAX_FAILURE_RETRY_BASE_MILLISECONDS: u64 = 86_400_000;
+/// A week.
+pub const MAX_FAILURE_RETRY_MAX_MILLISECONDS: u64 = 604_800_000;
+pub const MAX_SLIDING_WINDOW_MILLISECONDS: u64 = 60_000;
+pub const MAX_BATCH_WAIT_MILLISECONDS: u64 = 600_000;
+pub const MAX_DRAIN_BATCH_SIZE: u32 = 100_000;
+pub const MAX_RETRY_TIMEOUT_SECONDS: u32 = 3_600;
+pub const MAX_BACKOFF_MULTIPLIER: f64 = 100.0;
+pub const MAX_BACKOFF_SECONDS: u32 = 86_400;
+
 /// The key of an instance's metadata (`wh_service_instances.metadata`) under which its
 /// heartbeat publishes the lock conflicts of the last minute; `worker.instanceMetadata` may not
 /// use it.
@@ -32,33 +58,33 @@ pub const CONTENTION_METADATA_KEY: &str = "contention";
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct WorkerOptions {
     /// Apply attempts before a work row is dead-lettered; null never dead-letters (default 10).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_EVENT_ATTEMPTS))]
     pub max_perspective_event_attempts: Option<u32>,
     /// Custom PerspectiveRunner only: lease on the work rows handed to the runner (no other live instance takes a leased row before it expires), and how long the worker's dedup cache keeps skipping applied rows after their completion was flushed, in seconds (default 300). No effect on compiled SQL perspectives: wh_drain claims and applies rows in one transaction under the stream's ownership, without row leases or the dedup cache.
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_LEASE_SECONDS))]
     pub lease_seconds: u32,
     /// Seconds without a heartbeat before an instance is abandoned and its streams and leases released (default 30).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_STALE_THRESHOLD_SECONDS))]
     pub abandon_stale_instance_threshold_seconds: u32,
     /// Keep completed work rows for debugging, stamped with processed_at, instead of deleting them (default false).
     pub debug_mode: bool,
     /// Consecutive empty claim polls before the worker reports itself idle (the WorkProcessingIdle hook) (default 2).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_IDLE_THRESHOLD_POLLS))]
     pub idle_threshold_polls: u32,
     /// Most events of one (stream, perspective) handed to one call of its apply function (or of a custom PerspectiveRunner); the model change and the cursor advance of a call commit together (default 100).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_PERSPECTIVE_BATCH_SIZE))]
     pub perspective_batch_size: u32,
     /// Custom PerspectiveRunner only: (stream, perspective) groups of one drain batch applied concurrently, each on its own connection (default 30). No effect on compiled SQL perspectives: one wh_drain call applies a whole batch inside the database, so their parallelism is maxConcurrentDrainConsumers.
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_CONCURRENT_PERSPECTIVES))]
     pub max_concurrent_perspectives: u32,
     /// Parallel drain consumer loops, each applying its own batch of streams (default 4).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_DRAIN_CONSUMERS))]
     pub max_concurrent_drain_consumers: u32,
     /// Drain rounds one batch runs for a stream that still has due work before handing it back to the drain queue; 1 is single-pass (default 5).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_DRAIN_LOOP_ITERATIONS))]
     pub drain_loop_max_iterations: u32,
     /// Work rows a drain round must take for a stream (all perspectives together) for the stream to be fetched again in the same batch (default 2).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_DRAIN_REFETCH_MIN_BATCH))]
     pub drain_loop_refetch_min_batch: u32,
     /// Sliding-window batching of drain signals (defaults 300 ms window, 3000 ms max wait, 1000 signals).
     pub drain_batcher: DrainBatcherOptions,
@@ -67,13 +93,13 @@ pub struct WorkerOptions {
     /// When applied work rows are deleted: Batched (default) or Instant.
     pub completion_strategy: CompletionStrategy,
     /// Interval between heartbeats in wh_service_instances, in seconds (default 10).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_HEARTBEAT_INTERVAL_SECONDS))]
     pub heartbeat_interval_seconds: u32,
     /// First retry delay after a handler fails, in ms; doubles with each further failure of the event: 1 s, 2 s, 4 s … with the default, up to failureRetryMaxMilliseconds (default 1000).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_FAILURE_RETRY_BASE_MILLISECONDS))]
     pub failure_retry_base_milliseconds: u64,
     /// Longest retry delay after a handler fails, in ms (default 300000).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_FAILURE_RETRY_MAX_MILLISECONDS))]
     pub failure_retry_max_milliseconds: u64,
     /// Longest an event's SQL handler may run, in ms; null: no limit (default 30000). A handler still running is cancelled once it has run this long, at the latest twice this long (the bound is the statement timeout of the wh_drain call, which starts no event after this long), and the event fails like any other: retried with backoff, then dead-lettered. A wait for a lock held by another transaction is not a failure: past 100 ms it gives up, and the (stream, perspective) is drained again shortly after, uncounted (`perspective_contention_retries_total`). Compiled SQL perspectives only; a custom PerspectiveRunner bounds its own work. The worker itself waits for a wh_drain call at most twice this + 5 s (10 minutes with null) before it gives up on the connection.
     #[schemars(range(min = 1, max = 1_000_000_000))]
@@ -154,11 +180,13 @@ impl Default for DatabaseOptions {
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct DrainBatcherOptions {
     /// Quiet period that closes a batch of drain signals, in ms (default 300). Only while another batch is being applied: an idle worker drains a lone signal at once, and signals that arrive together never wait.
+    #[schemars(range(max = MAX_SLIDING_WINDOW_MILLISECONDS))]
     pub sliding_window_milliseconds: u64,
     /// Longest a batch of drain signals is held open, in ms (default 3000).
+    #[schemars(range(max = MAX_BATCH_WAIT_MILLISECONDS))]
     pub max_wait_milliseconds: u64,
     /// Stream ids that close a batch at once (default 1000). The worker sizes batches so that one drain call stays near 10000 rows: until a call has reported how many rows its streams had, and whenever they are deep, at 10000 / (perspectiveBatchSize × number of perspectives) ids (50 with the defaults and 2 perspectives); when the last call found fewer rows per stream, proportionally more, up to maxSize (1000 streams of one event each fill one call).
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = MAX_DRAIN_BATCH_SIZE))]
     pub max_size: u32,
 }
 
@@ -177,13 +205,15 @@ impl Default for DrainBatcherOptions {
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RetryOptions {
     /// Seconds before an unacknowledged report is retried the first time (default 1).
+    #[schemars(range(max = MAX_RETRY_TIMEOUT_SECONDS))]
     pub retry_timeout_seconds: u32,
     /// Multiply the retry timeout by backoffMultiplier on every retry (default true).
     pub enable_exponential_backoff: bool,
     /// Factor applied to the retry timeout per retry, at least 1.0 (default 2.0).
-    #[schemars(range(min = 1.0))]
+    #[schemars(range(min = 1.0, max = MAX_BACKOFF_MULTIPLIER))]
     pub backoff_multiplier: f64,
     /// Upper bound of the retry timeout, in seconds (default 60).
+    #[schemars(range(max = MAX_BACKOFF_SECONDS))]
     pub max_backoff_seconds: u32,
 }
 
