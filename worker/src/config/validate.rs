@@ -283,8 +283,9 @@ fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mu
 }
 
 /// The problems of the `worker:` options.
-fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
-    let ranges: [(&str, u64, u64, u64); 17] = [
+/// The `worker:` options that count things, with their bounds.
+fn worker_count_ranges(worker: &WorkerOptions) -> Vec<(&'static str, u64, u64, u64)> {
+    vec![
         (
             "leaseSeconds",
             worker.lease_seconds.into(),
@@ -340,6 +341,19 @@ fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
             MAX_HEARTBEAT_INTERVAL_SECONDS.into(),
         ),
         (
+            "maxPerspectiveEventAttempts",
+            // (0 has its own message below.)
+            worker.max_perspective_event_attempts.unwrap_or(1).into(),
+            0,
+            MAX_EVENT_ATTEMPTS.into(),
+        ),
+    ]
+}
+
+/// The `worker:` options that are durations, and the drain batcher's size, with their bounds.
+fn worker_time_ranges(worker: &WorkerOptions) -> Vec<(&'static str, u64, u64, u64)> {
+    vec![
+        (
             "failureRetryBaseMilliseconds",
             worker.failure_retry_base_milliseconds,
             1,
@@ -381,14 +395,12 @@ fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
             0,
             MAX_BACKOFF_SECONDS.into(),
         ),
-        (
-            "maxPerspectiveEventAttempts",
-            // (0 has its own message below.)
-            worker.max_perspective_event_attempts.unwrap_or(1).into(),
-            0,
-            MAX_EVENT_ATTEMPTS.into(),
-        ),
-    ];
+    ]
+}
+
+fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
+    let mut ranges = worker_count_ranges(worker);
+    ranges.extend(worker_time_ranges(worker));
     check_ranges("worker", &ranges, problems);
     if let Some(t) = worker.handler_timeout_milliseconds {
         if !(1..=MAX_HANDLER_TIMEOUT_MILLISECONDS).contains(&t) {
