@@ -230,3 +230,66 @@ async fn only_a_claim_short_of_a_full_batch_retires_idle_held_streams() {
     b.sort();
     assert_eq!(a, b, "what is still held is what has work");
 }
+
+/// Issue 26, finding 7: any role may `NOTIFY <schema>_work` (PostgreSQL has no rights on
+/// channels). A flood of 20 000 spoofed doorbells made 2 768 claims in 4 s; now the claims they
+/// start are paced (a burst of 20, then 100 a second). (Without the pacing this test saw
+/// hundreds of claims a second.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_7_a_flood_of_spoofed_doorbells_is_paced() {
+    use perspective_worker::engine::wake_limit::{BURST, PER_SECOND};
+    use std::time::{Duration, Instant};
+    let (schema, config) = migrated_schema("spoof").await;
+    let engine = RunningEngine::start(&config).await;
+    let metrics = engine.metrics.clone();
+    wait_until(
+        "the doorbell listened to",
+        Duration::from_secs(10),
+        || async { metrics.listener_connected.get() == 1 },
+    )
+    .await;
+    let claims_before = metrics.claim_duration.get_sample_count();
+    let wakeups_before = metrics.notify_wakeups.get();
+    // Notifications one transaction each, as fast as two sessions send them, for 3 s: each is
+    // delivered on its own (those of one transaction would be one burst the loop folds).
+    let started = Instant::now();
+    let spoofers: Vec<_> = (0..2)
+        .map(|_| {
+            let channel = format!("{schema}_work");
+            tokio::spawn(async move {
+                let mut conn = connect().await;
+                let mut sent = 0u64;
+                while started.elapsed() < Duration::from_secs(3) {
+                    sqlx::query("SELECT pg_notify($1, $2)")
+                        .bind(&channel)
+                        .bind(sent.to_string())
+                        .execute(&mut conn)
+                        .await
+                        .unwrap();
+                    sent += 1;
+                }
+                sent
+            })
+        })
+        .collect();
+    let mut sent = 0;
+    for s in spoofers {
+        sent += s.await.unwrap();
+    }
+    let window = Duration::from_secs(4);
+    tokio::time::sleep(window.saturating_sub(started.elapsed())).await;
+    let claims = metrics.claim_duration.get_sample_count() - claims_before;
+    let wakeups = metrics.notify_wakeups.get() - wakeups_before;
+    let elapsed = started.elapsed();
+    println!("{sent} doorbells sent, {wakeups} received, {claims} claims in {elapsed:?}");
+    assert!(
+        wakeups > 1000,
+        "the flood did not arrive: {wakeups} wake-ups"
+    );
+    let allowed = BURST + PER_SECOND * elapsed.as_secs_f64() + 5.0;
+    assert!(
+        (claims as f64) <= allowed,
+        "{claims} claims in {elapsed:?} from {wakeups} doorbells (at most {allowed:.0})"
+    );
+    engine.stop().await;
+}

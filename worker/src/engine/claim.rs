@@ -9,6 +9,7 @@ use uuid::Uuid;
 use super::backoff::FailureStreak;
 use super::drain::queue::{DrainQueue, Offer, Offered};
 use super::health::Probe;
+use super::wake_limit::WakeLimiter;
 use super::Shared;
 use crate::config::ClaimWorkerOptions;
 use crate::store::claim::ClaimArgs;
@@ -97,6 +98,7 @@ impl ClaimLoop {
         let idle_threshold = shared.config.worker.idle_threshold_polls as u64;
         let max_streams = shared.config.claim_worker.max_streams_per_batch as usize;
         let mut first = true;
+        let mut wakes = WakeLimiter::new(Instant::now());
         let mut failures = FailureStreak::new(
             "claim_work",
             Duration::from_millis(shared.config.claim_worker.polling_interval_milliseconds),
@@ -162,7 +164,16 @@ impl ClaimLoop {
             let backlog = claim_again_when_room(queued, max_streams, channel_full);
             tokio::select! {
                 _ = shared.shutdown.cancelled() => return,
-                _ = shared.hooks.wake_requested() => {}
+                _ = shared.hooks.wake_requested() => {
+                    // Paced: anyone may ring the doorbell (see wake_limit).
+                    let pause = wakes.take(Instant::now());
+                    if !pause.is_zero() {
+                        tokio::select! {
+                            _ = shared.shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                    }
+                }
                 _ = self.queue.room_below(max_streams.max(1)), if backlog => {}
                 _ = async {
                     match wait {

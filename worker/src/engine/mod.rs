@@ -29,6 +29,7 @@
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
 //!   once per event, orphan reconciliation;
 //! - [`vacuum`]: while busy, vacuums the queue tables between autovacuum's visits;
+//! - [`wake_limit`]: the pace of claims doorbells may start (anyone may NOTIFY);
 //! - [`hooks`]: what the engine did, for tests and embedding applications;
 //! - [`runner`]: the SQL runner, the [`PerspectiveRunner`] of compiled perspectives;
 //! - [`http`] and [`metrics`]: `/livez`, `/readyz` and `/metrics`, and the collectors behind them.
@@ -49,6 +50,7 @@ pub mod metrics;
 pub mod runner;
 pub mod statistics;
 pub mod vacuum;
+pub mod wake_limit;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};

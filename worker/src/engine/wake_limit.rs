@@ -1,0 +1,93 @@
+//! The pace of claims a doorbell may start: a token bucket.
+//!
+//! Any role that may connect can `NOTIFY <schema>_work` (PostgreSQL has no rights on channels),
+//! and each notification wakes the claim loop at once: 20 000 spoofed notifications made 2 768
+//! claims in 4 s. Genuine doorbells ring once per stream going from no pending work to some, and
+//! the loop folds the ones that arrive while it claims, so they rarely come faster than a claim
+//! takes; the bucket lets [`BURST`] through at once and then [`PER_SECOND`] a second, which costs
+//! a genuine doorbell nothing unless it comes in such a flood (and then at most 1/[`PER_SECOND`]
+//! of waiting, while the claim that follows takes every stream that rang meanwhile).
+
+use std::time::{Duration, Instant};
+
+/// Wake-ups let through at once.
+pub const BURST: f64 = 20.0;
+/// Wake-ups let through per second after the burst.
+pub const PER_SECOND: f64 = 100.0;
+
+#[derive(Debug)]
+pub struct WakeLimiter {
+    tokens: f64,
+    refilled: Instant,
+}
+
+impl WakeLimiter {
+    pub fn new(now: Instant) -> Self {
+        WakeLimiter {
+            tokens: BURST,
+            refilled: now,
+        }
+    }
+
+    /// How long a wake-up at `now` waits before its claim (zero while tokens are left); takes
+    /// its token.
+    pub fn take(&mut self, now: Instant) -> Duration {
+        let elapsed = now.saturating_duration_since(self.refilled).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * PER_SECOND).min(BURST);
+        self.refilled = now;
+        self.tokens -= 1.0;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / PER_SECOND)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_passes_then_the_rate_holds() {
+        let t0 = Instant::now();
+        let mut limiter = WakeLimiter::new(t0);
+        for _ in 0..BURST as usize {
+            assert_eq!(limiter.take(t0), Duration::ZERO);
+        }
+        // The next waits one token's refill, the one after two.
+        let wait = limiter.take(t0);
+        assert!(
+            (wait.as_secs_f64() - 1.0 / PER_SECOND).abs() < 1e-9,
+            "{wait:?}"
+        );
+        let wait = limiter.take(t0);
+        assert!(
+            (wait.as_secs_f64() - 2.0 / PER_SECOND).abs() < 1e-9,
+            "{wait:?}"
+        );
+    }
+
+    #[test]
+    fn wake_ups_at_the_rate_never_wait() {
+        let t0 = Instant::now();
+        let mut limiter = WakeLimiter::new(t0);
+        for i in 0..1000u64 {
+            let at = t0 + Duration::from_secs_f64(i as f64 / PER_SECOND);
+            assert_eq!(limiter.take(at), Duration::ZERO, "wake-up {i}");
+        }
+    }
+
+    #[test]
+    fn a_flood_is_held_to_the_rate() {
+        let t0 = Instant::now();
+        let mut limiter = WakeLimiter::new(t0);
+        // 20 000 wake-ups within a millisecond: the claims they start (each after its wait)
+        // spread over 200 s, not 4.
+        let mut last = Duration::ZERO;
+        for _ in 0..20_000 {
+            last = limiter.take(t0 + Duration::from_millis(1));
+        }
+        assert!(last.as_secs_f64() > 199.0, "{last:?}");
+    }
+}
