@@ -67,8 +67,12 @@ const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
         "perspectivedeployments/finalizers",
         &["update"],
     ),
-    ("", "configmaps", &["list", "create", "patch", "delete"]),
-    ("", "services", &["create", "patch"]),
+    (
+        "",
+        "configmaps",
+        &["get", "list", "create", "patch", "delete"],
+    ),
+    ("", "services", &["get", "create", "patch"]),
     ("", "secrets", &["get"]),
     ("", "pods", &[]),
     ("", "events", &[]),
@@ -83,7 +87,11 @@ const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
         "jobs",
         &["get", "list", "watch", "create", "patch", "delete"],
     ),
-    ("policy", "poddisruptionbudgets", &["create", "patch"]),
+    (
+        "policy",
+        "poddisruptionbudgets",
+        &["get", "create", "patch"],
+    ),
 ];
 
 /// Leader election, in the release namespace only.
