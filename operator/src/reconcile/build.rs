@@ -10,6 +10,7 @@ use super::resolve::Resolved;
 use crate::config_map;
 use crate::crd::PerspectiveDeploymentSpec;
 use crate::migration_job::{self, JobState};
+use crate::pod;
 use crate::workers;
 
 /// The children to apply.
@@ -36,7 +37,7 @@ pub fn children(
 ) -> Children {
     let (name, namespace) = (r.name.as_str(), r.namespace.as_str());
     let statefulset = if job == Some(&JobState::Succeeded) {
-        Some(workers::statefulset(
+        let mut desired = workers::statefulset(
             name,
             namespace,
             spec,
@@ -44,7 +45,11 @@ pub fn children(
             &r.config_map_name,
             &r.config_hash,
             &r.target.hash,
-        ))
+        );
+        if let Some(pod_spec) = desired.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            pod::harden(pod_spec, r.app_armor_runtime_default);
+        }
+        Some(desired)
     } else {
         existing
             .and_then(|sts| sts.spec.as_ref())
@@ -60,14 +65,18 @@ pub fn children(
     };
     Children {
         job: job.is_none().then(|| {
-            migration_job::build(
+            let mut job = migration_job::build(
                 name,
                 namespace,
                 spec,
                 &r.image,
                 &r.config_map_name,
                 &r.target,
-            )
+            );
+            if let Some(pod_spec) = job.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+                pod::harden(pod_spec, r.app_armor_runtime_default);
+            }
+            job
         }),
         config_map: config_map::build(name, namespace, &r.config),
         service: workers::service(name, namespace),
@@ -90,6 +99,8 @@ mod tests {
             status_interval: Duration::from_secs(30),
             migration_retry_base: Duration::from_secs(30),
             allowed_image_prefixes: vec![],
+            pod_policy: Default::default(),
+            app_armor_runtime_default: false,
         }
     }
 
