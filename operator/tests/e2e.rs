@@ -2403,3 +2403,64 @@ async fn finding_2_pod_level_settings_outside_the_policy_are_refused() {
     }
     w.shutdown().await;
 }
+
+/// Issue 26, finding 3: the API server refuses a deployment over the CRD's size bounds: one
+/// `setup` over 64 Ki characters, or perspectives whose text totals over 256 Ki characters (the
+/// CEL rule); just under the total is accepted. Server-side dry runs: nothing is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_3_the_api_server_refuses_oversized_deployments() {
+    let w = World::new("size", &[]).await;
+    let deployment = |setups: &[usize]| {
+        let perspectives: String = setups
+            .iter()
+            .enumerate()
+            .map(|(i, len)| {
+                format!(
+                    "    - name: p{i}\n      setup: \"SELECT 1 --{}\"\n      handlers: {{A: SELECT 1}}\n",
+                    "x".repeat(len - 11)
+                )
+            })
+            .collect();
+        format!(
+            "apiVersion: perspectives.dev/v1alpha1\nkind: PerspectiveDeployment\n\
+             metadata: {{name: big}}\nspec:\n  schema: {}\n  database: {{secretRef: {{name: shop-db}}}}\n  \
+             perspectives:\n{perspectives}",
+            w.schema
+        )
+    };
+    let dry_run = |yaml: &str| {
+        kubectl(
+            &[
+                "-n",
+                &w.ns,
+                "apply",
+                "--server-side",
+                "--dry-run=server",
+                "-f",
+                "-",
+            ],
+            Some(yaml),
+        )
+    };
+    let one_too_long = dry_run(&deployment(&[65_537]));
+    let stderr = String::from_utf8_lossy(&one_too_long.stderr);
+    assert!(!one_too_long.status.success(), "accepted");
+    assert!(
+        stderr.contains("spec.perspectives[0].setup") && stderr.contains("65536"),
+        "{stderr}"
+    );
+    let too_much = dry_run(&deployment(&[60_000; 5]));
+    let stderr = String::from_utf8_lossy(&too_much.stderr);
+    assert!(!too_much.status.success(), "accepted");
+    assert!(
+        stderr.contains("setup, reset, handlers and event types total more than 262144"),
+        "{stderr}"
+    );
+    let under = dry_run(&deployment(&[65_536, 65_536, 65_536, 65_000]));
+    assert!(
+        under.status.success(),
+        "{}",
+        String::from_utf8_lossy(&under.stderr)
+    );
+    w.shutdown().await;
+}
