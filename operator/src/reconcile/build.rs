@@ -125,6 +125,42 @@ spec:
         (pd, resolved)
     }
 
+    /// `--apparmor-runtime-default` reaches the Job's and the workers' pods; without it, no
+    /// AppArmor profile is set (kubelet would refuse the pods on a node without AppArmor).
+    #[test]
+    fn app_armor_runtime_default_follows_the_operators_flag() {
+        let profile = |on: bool| {
+            let (pd, mut r) = deployment(1);
+            r.app_armor_runtime_default = on;
+            let job = children(&pd.spec, &r, None, None).job.unwrap();
+            let sts = children(&pd.spec, &r, Some(&JobState::Succeeded), None)
+                .statefulset
+                .unwrap();
+            [
+                job.spec.unwrap().template.spec.unwrap(),
+                sts.spec.unwrap().template.spec.unwrap(),
+            ]
+            .map(|p| {
+                p.security_context
+                    .unwrap()
+                    .app_armor_profile
+                    .map(|a| a.type_)
+            })
+        };
+        assert_eq!(
+            profile(true),
+            [
+                Some("RuntimeDefault".to_owned()),
+                Some("RuntimeDefault".to_owned())
+            ]
+        );
+        assert_eq!(profile(false), [None, None]);
+        let mut on = options();
+        on.app_armor_runtime_default = true;
+        let (pd, _) = deployment(1);
+        assert!(Resolved::new(&pd, "ns", &on).app_armor_runtime_default);
+    }
+
     fn template_hash(sts: &StatefulSet) -> Option<String> {
         workers::template_migration_hash(&sts.spec.as_ref()?.template)
     }
