@@ -324,3 +324,27 @@ fn append_refuses_event_types_longer_than_the_config_allows() {
         text(&out)
     );
 }
+
+#[test]
+fn max_connections_is_bounded_and_overrides_the_config() {
+    let out = worker_bin().args(["run", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("overrides the config") && help.contains("worker.database.maxConnections"),
+        "{help}"
+    );
+    for bad in ["1", "1001"] {
+        let out = worker_bin()
+            .arg("--config")
+            .arg(config_file("t_maxconn"))
+            .args(["run", "--max-connections", bad])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(
+            text(&out).contains("--max-connections") && text(&out).contains("2..=1000"),
+            "{}",
+            text(&out)
+        );
+    }
+}

@@ -35,9 +35,10 @@ pub struct RuntimeArgs {
         default_value = ".perspective/pgdata"
     )]
     data_dir: PathBuf,
-    /// Maximum database connections of the engine.
-    #[arg(long, env = "PERSPECTIVE_MAX_CONNECTIONS", default_value_t = 10)]
-    max_connections: u32,
+    /// Connections of the engine's statement pool, 2 to 1000; overrides the config's
+    /// worker.database.maxConnections (default 10).
+    #[arg(long, env = "PERSPECTIVE_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(2..=1000))]
+    max_connections: Option<u32>,
 }
 
 pub async fn execute(ctx: &Context, args: &RunArgs) -> anyhow::Result<()> {
@@ -137,7 +138,7 @@ impl RunningEngine {
         let shutdown = CancellationToken::new();
         let mut options = EngineOptions::new(ctx.config.clone(), url);
         options.instance_id = instance_id;
-        options.max_connections = runtime.max_connections;
+        options.max_connections = max_connections(runtime.max_connections, &ctx.config);
         options.hooks = hooks;
         let (addr, http) = perspective_worker::engine::http::serve(
             runtime.http_addr,
@@ -202,5 +203,28 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The engine's pool size: `--max-connections` (`PERSPECTIVE_MAX_CONNECTIONS`) when given,
+/// else the config's `worker.database.maxConnections`.
+fn max_connections(flag: Option<u32>, config: &perspective_worker::config::Config) -> u32 {
+    flag.unwrap_or(config.worker.database.max_connections)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flag_overrides_the_configs_pool_size() {
+        let mut config = perspective_worker::config::Config::from_yaml_str(
+            "schema: s\nperspectives:\n  - name: p\n    handlers:\n      A: SELECT 1\n",
+            "test.yaml",
+        )
+        .unwrap();
+        config.worker.database.max_connections = 7;
+        assert_eq!(max_connections(None, &config), 7);
+        assert_eq!(max_connections(Some(3), &config), 3);
     }
 }

@@ -1,7 +1,9 @@
 //! `perspective-worker status`, and the status table the demo ends with.
 
 use perspective_worker::db;
+use perspective_worker::store::deadline;
 use perspective_worker::store::status::{read_status, Status};
+use perspective_worker::store::Deadlines;
 
 use super::context::Context;
 use super::out::{out, outln};
@@ -18,14 +20,20 @@ pub async fn execute(ctx: &Context, args: &StatusArgs) -> anyhow::Result<()> {
     let mut conn = ctx.connect("status").await?;
     let schema = &ctx.config.schema;
     let stale = ctx.config.worker.abandon_stale_instance_threshold_seconds as f64;
-    let st = read_status(&mut conn, schema, &ctx.perspective_names(), stale)
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "reading status of schema {schema}: {}",
-                db::describe_error(&e, None)
-            )
-        })?;
+    // A dead link must not hang the command: the routine statements' deadline.
+    let names = ctx.perspective_names();
+    let st = deadline::within(
+        Deadlines::default().routine,
+        "reading status",
+        read_status(&mut conn, schema, &names, stale),
+    )
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "reading status of schema {schema}: {}",
+            db::describe_error(&e, None)
+        )
+    })?;
     if args.json {
         outln!("{}", serde_json::to_string_pretty(&st)?)?;
     } else {

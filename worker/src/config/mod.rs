@@ -37,8 +37,9 @@ pub use names::{MAX_EVENT_TYPE_LEN, MAX_PERSPECTIVE_NAME_LEN, MAX_SCHEMA_LEN, SC
 pub use perspective::{Ordering, PerspectiveConfig, Sequencing};
 pub use validate::{ConfigError, Problem};
 pub use worker_options::{
-    CompletionStrategy, DrainBatcherOptions, RetryOptions, WorkerOptions, CONTENTION_METADATA_KEY,
-    DRAIN_ROWS_PER_FETCH, MAX_HANDLER_TIMEOUT_MILLISECONDS, REMOVED_OPTIONS,
+    CompletionStrategy, DatabaseOptions, DrainBatcherOptions, RetryOptions, WorkerOptions,
+    CONTENTION_METADATA_KEY, DRAIN_ROWS_PER_FETCH, MAX_CONNECTIONS_RANGE,
+    MAX_HANDLER_TIMEOUT_MILLISECONDS, REMOVED_OPTIONS,
 };
 
 /// A perspective deployment: one PostgreSQL schema, its perspectives and worker options.

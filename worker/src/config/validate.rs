@@ -15,7 +15,7 @@ use super::names::{
 use super::perspective::{Ordering, PerspectiveConfig, Sequencing};
 use super::sql_params;
 use super::worker_options::{
-    WorkerOptions, CONTENTION_METADATA_KEY, MAX_HANDLER_TIMEOUT_MILLISECONDS,
+    WorkerOptions, CONTENTION_METADATA_KEY, MAX_CONNECTIONS_RANGE, MAX_HANDLER_TIMEOUT_MILLISECONDS,
 };
 use super::Config;
 
@@ -324,6 +324,17 @@ fn check_worker_options(worker: &WorkerOptions, problems: &mut Vec<Problem>) {
                 ),
             ));
         }
+    }
+    let connections = worker.database.max_connections;
+    if !MAX_CONNECTIONS_RANGE.contains(&connections) {
+        problems.push(Problem::new(
+            "worker.database.maxConnections",
+            format!(
+                "must be between {} and {}, got {connections}",
+                MAX_CONNECTIONS_RANGE.start(),
+                MAX_CONNECTIONS_RANGE.end()
+            ),
+        ));
     }
     if worker
         .instance_metadata

@@ -75,13 +75,15 @@ pub struct WorkerOptions {
     /// Longest retry delay after a handler fails, in ms (default 300000).
     #[schemars(range(min = 1))]
     pub failure_retry_max_milliseconds: u64,
-    /// Longest an event's SQL handler may run, in ms; null: no limit (default 30000). A handler still running is cancelled once it has run this long, at the latest twice this long (the bound is the statement timeout of the wh_drain call, which starts no event after this long), and the event fails like any other: retried with backoff, then dead-lettered. A wait for a lock held by another transaction is not a failure: past 100 ms it gives up, and the (stream, perspective) is drained again shortly after, uncounted (`perspective_contention_retries_total`). Compiled SQL perspectives only; a custom PerspectiveRunner bounds its own work.
+    /// Longest an event's SQL handler may run, in ms; null: no limit (default 30000). A handler still running is cancelled once it has run this long, at the latest twice this long (the bound is the statement timeout of the wh_drain call, which starts no event after this long), and the event fails like any other: retried with backoff, then dead-lettered. A wait for a lock held by another transaction is not a failure: past 100 ms it gives up, and the (stream, perspective) is drained again shortly after, uncounted (`perspective_contention_retries_total`). Compiled SQL perspectives only; a custom PerspectiveRunner bounds its own work. The worker itself waits for a wh_drain call at most twice this + 5 s (10 minutes with null) before it gives up on the connection.
     #[schemars(range(min = 1, max = 1_000_000_000))]
     pub handler_timeout_milliseconds: Option<u64>,
     /// Lifecycle stages: fire the PostPerspective hook once per event and perspective after it is applied, and once every subscribed perspective applied an event, NOTIFY `<schema>_applied` with its id (read-your-writes) and fire the PostAllPerspectives / PostLifecycle hooks, recorded in wh_lifecycle_completions (default false).
     pub notify_applied: bool,
     /// Extra key/value metadata recorded with this instance in wh_service_instances (default empty). The key `contention` is the engine's: each heartbeat records there the lock conflicts between appliers of the last minute, by perspective.
     pub instance_metadata: BTreeMap<String, String>,
+    /// The worker's connections to PostgreSQL (default maxConnections 10).
+    pub database: DatabaseOptions,
 }
 
 impl Default for WorkerOptions {
@@ -106,6 +108,7 @@ impl Default for WorkerOptions {
             handler_timeout_milliseconds: Some(30_000),
             notify_applied: false,
             instance_metadata: BTreeMap::new(),
+            database: DatabaseOptions::default(),
         }
     }
 }
@@ -122,6 +125,27 @@ impl WorkerOptions {
     pub fn drain_batch_limit(&self, perspectives: usize) -> usize {
         let per_stream = self.perspective_batch_size.max(1) as usize * perspectives.max(1);
         (self.drain_batcher.max_size as usize).min((DRAIN_ROWS_PER_FETCH / per_stream).max(1))
+    }
+}
+
+/// Bounds of `worker.database.maxConnections`: the engine needs two connections at least (a
+/// drain and the heartbeat beside it); PostgreSQL's own `max_connections` is 100 by default.
+pub const MAX_CONNECTIONS_RANGE: std::ops::RangeInclusive<u32> = 2..=1000;
+
+/// The worker's connections to PostgreSQL.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct DatabaseOptions {
+    /// Connections of each worker's statement pool, 2 to 1000 (default 10); the LISTEN session is one more. Drain consumers, catch-up chunk loops, the completion flush, the claim loop, the heartbeat and the housekeepers share it; a statement waits up to 10 s for a free connection. `perspective-worker run --max-connections` overrides it.
+    #[schemars(range(min = 2, max = 1000))]
+    pub max_connections: u32,
+}
+
+impl Default for DatabaseOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 10,
+        }
     }
 }
 
@@ -231,6 +255,29 @@ claimWorker:
         assert_eq!(config.worker.instance_metadata["zone"], "eu-1");
         assert_eq!(config.worker.lease_seconds, 300);
         assert!(!config.claim_worker.enable_safety_net_poll);
+    }
+
+    #[test]
+    fn the_pool_size_is_read_and_bounded() {
+        assert_eq!(parse(MINIMAL).unwrap().worker.database.max_connections, 10);
+        let with = |n: i64| {
+            parse(&format!(
+                "{MINIMAL}worker:\n  database: {{ maxConnections: {n} }}\n"
+            ))
+        };
+        assert_eq!(with(2).unwrap().worker.database.max_connections, 2);
+        assert_eq!(with(1000).unwrap().worker.database.max_connections, 1000);
+        for bad in [0, 1, 1001] {
+            let error = with(bad).unwrap_err();
+            assert_eq!(
+                error.problems,
+                [crate::config::Problem::new(
+                    "worker.database.maxConnections",
+                    format!("must be between 2 and 1000, got {bad}")
+                )],
+                "{error}"
+            );
+        }
     }
 
     #[test]

@@ -4,19 +4,142 @@
 pub mod embedded;
 
 use std::str::FromStr;
+use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use sqlx::Connection;
 
+/// Server settings of every worker session, sent at connect (startup `options`). sqlx has no
+/// client-side TCP keepalive; these make the *server* shed a session whose worker vanished
+/// (a dead link, a partitioned or killed pod), instead of keeping the backend, and the locks of
+/// its open transaction, until the kernel gives up much later:
+/// - `tcp_keepalives_idle` / `_interval` / `_count`: an idle peer is probed after 10 s, every
+///   5 s, and given up after 3 unanswered probes (about 25 s);
+/// - `tcp_user_timeout`: data the server sent stays unacknowledged for at most 30 s;
+/// - `idle_in_transaction_session_timeout`: a session idle inside an open transaction for 60 s
+///   is ended (the worker's transactions never wait on anything but the database between their
+///   statements).
+///
+/// All known to every supported server (13+). Over a Unix socket the TCP ones read 0.
+pub const SESSION_SETTINGS: [(&str, &str); 5] = [
+    ("tcp_keepalives_idle", "10s"),
+    ("tcp_keepalives_interval", "5s"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "30s"),
+    ("idle_in_transaction_session_timeout", "60s"),
+];
+
+/// Set after connecting, only when the server knows them (PostgreSQL 14+; an unknown setting in
+/// the startup packet would refuse the connection): `client_connection_check_interval` makes a
+/// backend running a statement check every 5 s that its client is still there, so a statement
+/// the worker gave up on (its deadline expired, the connection closed) stops soon.
+pub const CHECK_CLIENT_SETTINGS: [(&str, &str); 1] = [("client_connection_check_interval", "5s")];
+
+/// `idle_session_timeout` of the engine's pooled sessions (PostgreSQL 14+): the server ends a
+/// session idle for this long. The pool closes its idle connections after
+/// [`POOL_IDLE_TIMEOUT`] (checked as often), well before; the server's timeout only catches
+/// sessions the worker lost track of. Not set on the LISTEN session, which idles by design.
+pub const IDLE_SESSION_TIMEOUT: &str = "300s";
+
+/// The pool closes connections idle this long (sqlx's default is 10 min): below
+/// [`IDLE_SESSION_TIMEOUT`] with room for the reaper's period (the same).
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the engine waits for a pooled connection: a free one, or a new one opened
+/// (TCP, TLS, authentication and the post-connect settings all count). sqlx's connect has no
+/// timeout of its own; this one bounds it.
+pub const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a connection given back to the pool may take to show it is still alive and idle
+/// (a round trip). sqlx tests every released connection so, without a bound: over a dead link,
+/// or with a statement abandoned mid-flight (a cancelled task), the test would hold the
+/// connection and its pool slot until the kernel gives up. Past this bound it is closed.
+pub const RELEASE_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long a one-shot command ([`connect`]) waits for its connection.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Connection options from a URL, tagged with an `application_name` so `pg_stat_activity`
-/// shows which part of the worker a session belongs to.
+/// shows which part of the worker a session belongs to, and carrying [`SESSION_SETTINGS`].
 pub fn connect_options(url: &str, application_name: &str) -> Result<PgConnectOptions, sqlx::Error> {
-    Ok(PgConnectOptions::from_str(url)?.application_name(application_name))
+    Ok(PgConnectOptions::from_str(url)?
+        .application_name(application_name)
+        .options(SESSION_SETTINGS))
 }
 
-/// One dedicated connection (migrations and other one-shot commands).
+/// Which of the engine's pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolRole {
+    /// The statements' pool: up to `max_connections`, with `idle_session_timeout`.
+    Statements { max_connections: u32 },
+    /// The quick statements' pool (heartbeat, abandonment, claim, deregistration): two
+    /// connections of their own, so they never wait behind long applies.
+    Control,
+    /// The LISTEN session: one connection that idles between notifications.
+    Listen,
+}
+
+/// The options of an engine pool: size, [`ACQUIRE_TIMEOUT`], [`POOL_IDLE_TIMEOUT`],
+/// [`RELEASE_CHECK_TIMEOUT`], and the settings PostgreSQL 14 added ([`CHECK_CLIENT_SETTINGS`], and [`IDLE_SESSION_TIMEOUT`] for
+/// the statements' pool) applied to each new connection where the server knows them.
+pub fn pool_options(role: PoolRole) -> PgPoolOptions {
+    let (max, idle_session) = match role {
+        PoolRole::Statements { max_connections } => (max_connections, true),
+        PoolRole::Control => (2, true),
+        PoolRole::Listen => (1, false),
+    };
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .idle_timeout(POOL_IDLE_TIMEOUT)
+        .after_connect(move |conn, _| {
+            Box::pin(async move { apply_newer_settings(conn, idle_session).await })
+        })
+        .after_release(|conn, _| {
+            Box::pin(async move {
+                match tokio::time::timeout(RELEASE_CHECK_TIMEOUT, conn.ping()).await {
+                    Ok(alive) => alive.map(|()| true),
+                    // An error: sqlx closes the connection without a goodbye.
+                    Err(_) => Err(sqlx::Error::Io(std::io::ErrorKind::TimedOut.into())),
+                }
+            })
+        })
+}
+
+/// `SET` each setting the server knows, in one statement.
+const SET_KNOWN_SETTINGS: &str = "SELECT set_config(v.name, v.setting, false)
+    FROM unnest($1::text[], $2::text[]) AS v(name, setting)
+    JOIN pg_settings s ON s.name = v.name";
+
+async fn apply_newer_settings(
+    conn: &mut PgConnection,
+    idle_session: bool,
+) -> Result<(), sqlx::Error> {
+    let mut settings = CHECK_CLIENT_SETTINGS.to_vec();
+    if idle_session {
+        settings.push(("idle_session_timeout", IDLE_SESSION_TIMEOUT));
+    }
+    let (names, values): (Vec<&str>, Vec<&str>) = settings.into_iter().unzip();
+    sqlx::query(SET_KNOWN_SETTINGS)
+        .bind(names)
+        .bind(values)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// One dedicated connection (migrations and other one-shot commands), within
+/// [`CONNECT_TIMEOUT`].
 pub async fn connect(url: &str, application_name: &str) -> Result<PgConnection, sqlx::Error> {
-    PgConnection::connect_with(&connect_options(url, application_name)?).await
+    let options = connect_options(url, application_name)?;
+    tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
+        .await
+        .unwrap_or_else(|_| {
+            Err(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no connection to PostgreSQL within {CONNECT_TIMEOUT:?}"),
+            )))
+        })
 }
 
 /// A one-line description of a database error: the server's message, its detail and hint, and,

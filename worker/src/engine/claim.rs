@@ -6,20 +6,25 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
+use super::backoff::FailureStreak;
 use super::drain::queue::{DrainQueue, Offer, Offered};
+use super::health::Probe;
 use super::Shared;
 use crate::config::ClaimWorkerOptions;
-use crate::engine::http::Readiness;
 use crate::store::claim::ClaimArgs;
 
-/// The claim task: polls, feeds the drain channel, marks the engine ready after its first claim.
+/// The longest wait after failed claims (they double from `pollingIntervalMilliseconds`).
+const FAILURE_BACKOFF_CAP: Duration = Duration::from_secs(5);
+
+/// The claim task: polls, feeds the drain channel, reports each claim's outcome to the engine's
+/// health (the first success makes it ready; a failure, or a claim unanswered for a few seconds,
+/// not ready), backs off while claims fail.
 pub(crate) struct ClaimLoop {
     pub shared: Arc<Shared>,
     /// Streams to drain, out.
     pub queue: Arc<DrainQueue>,
     /// Whether the LISTEN connection is up (set by the listener).
     pub listener_healthy: Arc<AtomicBool>,
-    pub readiness: Readiness,
     /// When a claim last found work, out (the job runner paces itself by it).
     pub last_work: Arc<super::catchup::LastWork>,
 }
@@ -70,18 +75,16 @@ impl ClaimLoop {
     async fn claim(&self, max_streams: usize, offered: usize) -> Result<Vec<Uuid>, sqlx::Error> {
         let shared = &self.shared;
         let started = Instant::now();
-        let streams = shared
-            .store
-            .claim_work(ClaimArgs {
-                instance_id: shared.instance_id,
-                max_streams: max_streams.max(1).min(i32::MAX as usize) as i32,
-                offered: offered.min(i32::MAX as usize) as i32,
-                stale_seconds: shared
-                    .config
-                    .worker
-                    .abandon_stale_instance_threshold_seconds as f64,
-            })
-            .await;
+        let claim = shared.store.claim_work(ClaimArgs {
+            instance_id: shared.instance_id,
+            max_streams: max_streams.max(1).min(i32::MAX as usize) as i32,
+            offered: offered.min(i32::MAX as usize) as i32,
+            stale_seconds: shared
+                .config
+                .worker
+                .abandon_stale_instance_threshold_seconds as f64,
+        });
+        let streams = shared.health.watch(Probe::Claim, claim).await;
         shared
             .metrics
             .claim_duration
@@ -93,7 +96,12 @@ impl ClaimLoop {
         let shared = &self.shared;
         let idle_threshold = shared.config.worker.idle_threshold_polls as u64;
         let max_streams = shared.config.claim_worker.max_streams_per_batch as usize;
-        let mut ready = false;
+        let mut first = true;
+        let mut failures = FailureStreak::new(
+            "claim_work",
+            Duration::from_millis(shared.config.claim_worker.polling_interval_milliseconds),
+            FAILURE_BACKOFF_CAP,
+        );
         loop {
             if shared.shutdown.is_cancelled() {
                 return;
@@ -101,16 +109,20 @@ impl ClaimLoop {
             let offered = self.queue.len();
             let streams = match self.claim(max_streams, offered).await {
                 Ok(s) => {
-                    if !ready {
-                        ready = true;
-                        self.readiness.set_ready();
+                    failures.succeeded();
+                    if first {
+                        first = false;
                         tracing::info!(instance_id = %shared.instance_id, "first claim succeeded; ready");
                     }
                     s
                 }
                 Err(e) => {
-                    tracing::warn!(error = %crate::db::describe_error(&e, None), "claim_work failed");
-                    Vec::new()
+                    let wait = failures.failed(&crate::db::describe_error(&e, None));
+                    tokio::select! {
+                        _ = shared.shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                    continue;
                 }
             };
             let n = streams.len();

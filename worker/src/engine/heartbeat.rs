@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::backoff::FailureStreak;
+use super::health::Probe;
 use super::Shared;
 use crate::store::instances::{heartbeat_metadata, InstanceInfo};
 
@@ -50,14 +52,19 @@ impl Heartbeat {
         }
     }
 
-    /// One heartbeat plus a stale-instance sweep. Returns how many instances were abandoned.
-    pub(crate) async fn beat(&mut self) -> Result<i32, sqlx::Error> {
+    /// One heartbeat: the previous heartbeat's age (`None`: the instance was not registered).
+    async fn record(&mut self) -> Result<Option<f64>, sqlx::Error> {
         let shared = &self.shared;
         self.instance.metadata = heartbeat_metadata(
             &shared.config.worker.instance_metadata,
             &shared.contention.per_minute(),
         );
-        shared.store.record_heartbeat(&self.instance).await?;
+        shared.store.record_heartbeat(&self.instance).await
+    }
+
+    /// Abandons the silent peers (which can take a while: their streams are released).
+    async fn sweep(&self) -> Result<(), sqlx::Error> {
+        let shared = &self.shared;
         let abandoned = shared
             .store
             .cleanup_stale_instances(
@@ -68,14 +75,6 @@ impl Heartbeat {
                     .abandon_stale_instance_threshold_seconds as f64,
             )
             .await?;
-        // Lag per perspective for /metrics: one aggregate per heartbeat, spaced out when it is
-        // expensive (see COUNT_SPACING).
-        let started = Instant::now();
-        if count_pending_due(started, self.last_count) {
-            let pending = shared.store.pending_per_perspective().await?;
-            self.last_count = Some((started, started.elapsed()));
-            self.set_pending_gauges(&pending);
-        }
         if abandoned > 0 {
             tracing::warn!(
                 abandoned,
@@ -83,7 +82,27 @@ impl Heartbeat {
             );
             shared.hooks.request_immediate_poll();
         }
-        Ok(abandoned)
+        Ok(())
+    }
+
+    /// Lag per perspective for /metrics: one aggregate per heartbeat, spaced out when it is
+    /// expensive (see COUNT_SPACING).
+    async fn count_pending(&mut self) -> Result<(), sqlx::Error> {
+        let started = Instant::now();
+        if count_pending_due(started, self.last_count) {
+            let pending = self.shared.store.pending_per_perspective().await?;
+            self.last_count = Some((started, started.elapsed()));
+            self.set_pending_gauges(&pending);
+        }
+        Ok(())
+    }
+
+    /// Registers the instance (a new one, or one registering again after it was abandoned:
+    /// whatever row it had does not matter), sweeps silent peers and counts the pending events.
+    pub(crate) async fn register(&mut self) -> Result<(), sqlx::Error> {
+        self.record().await?;
+        self.sweep().await?;
+        self.count_pending().await
     }
 
     fn set_pending_gauges(&self, pending: &[(String, i64, f64)]) {
@@ -107,24 +126,90 @@ impl Heartbeat {
         }
     }
 
+    /// Heartbeats until shutdown, or until one finds that peers may have abandoned this
+    /// instance (then it tells the engine's health and stops: the engine registers again).
     pub(crate) async fn run(mut self) {
         let every =
             Duration::from_secs(self.shared.config.worker.heartbeat_interval_seconds.max(1) as u64);
+        let stale = self
+            .shared
+            .config
+            .worker
+            .abandon_stale_instance_threshold_seconds as f64;
+        let health = self.shared.health.clone();
+        // The interval stays fixed (peers judge us by it); the streaks only pace the logs.
+        let mut failures = FailureStreak::new("heartbeat", every, every);
+        let mut count_failures = FailureStreak::new("counting pending events", every, every);
         loop {
             tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
-            if let Err(e) = self.beat().await {
-                tracing::warn!(error = %crate::db::describe_error(&e, None), "heartbeat failed");
+            let started = Instant::now();
+            // Only the heartbeat itself is watched: a sweep that releases many streams may
+            // take seconds.
+            let previous_age = match health.watch(Probe::Heartbeat, self.record()).await {
+                Ok(age) => age,
+                Err(e) => {
+                    failures.failed(&crate::db::describe_error(&e, None));
+                    continue;
+                }
+            };
+            if let Some(reason) = abandoned_by(previous_age, stale) {
+                health.abandoned(reason);
+                return;
+            }
+            health.beat_recorded(started);
+            if let Err(e) = self.sweep().await {
+                let error = crate::db::describe_error(&e, None);
+                health.report(
+                    Probe::Heartbeat,
+                    Err(format!("cleanup_stale_instances failed: {error}")),
+                );
+                failures.failed(&error);
+                continue;
+            }
+            failures.succeeded();
+            match self.count_pending().await {
+                Ok(()) => count_failures.succeeded(),
+                Err(e) => {
+                    count_failures.failed(&crate::db::describe_error(&e, None));
+                }
             }
         }
+    }
+}
+
+/// Whether a heartbeat that found the previous one `previous_age` seconds old (`None`: no row)
+/// means peers may have abandoned this instance (`stale`: their threshold), and why.
+pub(crate) fn abandoned_by(previous_age: Option<f64>, stale: f64) -> Option<String> {
+    match previous_age {
+        None => Some(
+            "its instance row was gone (a peer's heartbeat sweep abandoned it): its streams \
+             went to other instances"
+                .into(),
+        ),
+        Some(age) if age > stale => Some(format!(
+            "its previous heartbeat was {age:.1} s old, over the stale threshold ({stale} s): \
+             peers may have taken its streams"
+        )),
+        Some(_) => None,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_heartbeat_that_finds_its_row_gone_or_stale_means_abandoned() {
+        assert_eq!(abandoned_by(Some(1.0), 30.0), None);
+        assert_eq!(abandoned_by(Some(30.0), 30.0), None);
+        let gone = abandoned_by(None, 30.0).unwrap();
+        assert!(gone.contains("row was gone"), "{gone}");
+        let stale = abandoned_by(Some(31.5), 30.0).unwrap();
+        assert!(stale.contains("31.5 s old"), "{stale}");
+    }
 
     #[test]
     fn the_first_heartbeat_counts() {

@@ -3,13 +3,18 @@
 //! Kubernetes probes and Prometheus scrape these (the operator points the StatefulSet's probes
 //! and metrics port at them, DESIGN §7), so their semantics are deliberately narrow:
 //!
-//! - `/livez` answers 200 `ok` as long as the process serves HTTP at all. It never checks the
-//!   database: a database outage must not make the kubelet restart every worker pod, which
-//!   would only add a thundering herd to the outage.
+//! - `/livez` answers 200 `ok` while the process serves HTTP, and 503 with the reason once the
+//!   engine gave up through [`Readiness::set_not_live`]. It sends nothing to the database
+//!   itself: the engine fails it only when its peers abandoned it (its heartbeat went stale)
+//!   and its attempts to register again got no answer at all for a further stale threshold (a
+//!   dead link; the engine's `health` and `epoch` modules). A database that answers with errors
+//!   (down, dropped, not migrated) never fails it: restarting every worker pod would only add a
+//!   thundering herd to the outage.
 //! - `/readyz` answers 200 `ready` once the engine has said so through the shared
 //!   [`Readiness`] handle (schema verified, first claim done), and 503 with the reason
-//!   otherwise, so `kubectl describe pod` tells a person *why* a pod is not ready. Shutdown flips
-//!   it back to not ready first.
+//!   otherwise, so `kubectl describe pod` tells a person *why* a pod is not ready: it goes
+//!   not ready within seconds when a claim or heartbeat fails or goes unanswered, and while an
+//!   abandoned worker registers again. Shutdown flips it back to not ready first.
 //! - `/metrics` renders [`WorkerMetrics`] in the Prometheus text format.
 //!
 //! The server binds before returning, so `127.0.0.1:0` yields a free port that the caller
@@ -51,6 +56,8 @@ pub struct Readiness {
 struct ReadinessInner {
     ready: AtomicBool,
     reason: Mutex<String>,
+    /// Why `/livez` fails; `None` while the worker is live.
+    not_live: Mutex<Option<String>>,
 }
 
 impl Readiness {
@@ -60,6 +67,7 @@ impl Readiness {
             inner: Arc::new(ReadinessInner {
                 ready: AtomicBool::new(false),
                 reason: Mutex::new(reason.into()),
+                not_live: Mutex::new(None),
             }),
         }
     }
@@ -90,6 +98,22 @@ impl Readiness {
         }
     }
 
+    /// Makes `/livez` fail with `reason` (the kubelet restarts the pod after its failure
+    /// threshold): for a worker that cannot recover by itself.
+    pub fn set_not_live(&self, reason: impl Into<String>) {
+        *lock(&self.inner.not_live) = Some(reason.into());
+    }
+
+    /// Makes `/livez` answer 200 again.
+    pub fn set_live(&self) {
+        *lock(&self.inner.not_live) = None;
+    }
+
+    /// Why `/livez` fails; `None` while the worker is live (the default).
+    pub fn not_live(&self) -> Option<String> {
+        lock(&self.inner.not_live).clone()
+    }
+
     fn reason_lock(&self) -> std::sync::MutexGuard<'_, String> {
         // A panic while holding the lock cannot leave a String half-written; keep serving.
         self.inner
@@ -97,6 +121,11 @@ impl Readiness {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// A panic while holding the lock cannot leave the value half-written; keep serving.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Default for Readiness {
@@ -143,8 +172,15 @@ pub fn router<M: MetricsSource + 'static>(readiness: Readiness, metrics: Arc<M>)
         .with_state(AppState { readiness, metrics })
 }
 
-async fn livez() -> &'static str {
-    "ok"
+async fn livez(State(state): State<AppState>) -> Response {
+    match state.readiness.not_live() {
+        None => (StatusCode::OK, "ok").into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not live: {reason}"),
+        )
+            .into_response(),
+    }
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
@@ -354,6 +390,24 @@ mod tests {
     #[tokio::test]
     async fn livez_is_ok() {
         let (addr, _task, _r, _m, token) = start().await;
+        let reply = get(addr, "/livez").await.unwrap();
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.body, "ok");
+        token.cancel();
+    }
+
+    #[tokio::test]
+    async fn livez_fails_with_the_reason_once_the_engine_gives_up() {
+        let (addr, _task, readiness, _m, token) = start().await;
+        readiness.set_not_live("abandoned and could not register again for 30 s");
+        let reply = get(addr, "/livez").await.unwrap();
+        assert_eq!(reply.status, 503);
+        assert!(
+            reply.body.contains("could not register again"),
+            "{}",
+            reply.body
+        );
+        readiness.set_live();
         let reply = get(addr, "/livez").await.unwrap();
         assert_eq!(reply.status, 200);
         assert_eq!(reply.body, "ok");

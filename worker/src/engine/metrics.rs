@@ -76,6 +76,10 @@ pub struct WorkerMetrics {
     pub notify_wakeups: IntCounter,
     /// `perspective_listener_connected`: 1 while the LISTEN connection is healthy.
     pub listener_connected: IntGauge,
+    /// `perspective_reregistrations_total`: times this worker found that its peers may have
+    /// abandoned it (heartbeat stale or instance row gone), dropped the work it held and
+    /// registered again.
+    pub reregistrations: IntCounter,
     /// `perspective_completions_flushed_total`: completed work rows deleted by the flush worker.
     pub completions_flushed: IntCounter,
     /// `perspective_completion_flush_failures_total`: flushes that failed (their rows are
@@ -122,6 +126,7 @@ impl WorkerMetrics {
             apply_latency: apply_latency(&r),
             notify_wakeups: notify_wakeups(&r),
             listener_connected: listener_connected(&r),
+            reregistrations: reregistrations(&r),
             completions_flushed: completions_flushed(&r),
             completion_flush_failures: completion_flush_failures(&r),
             tables_analyzed: tables_analyzed(&r),
@@ -341,6 +346,13 @@ fn notify_wakeups(r: &Registrar) -> IntCounter {
     )
 }
 
+fn reregistrations(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_reregistrations_total",
+        "Times the worker found its peers may have abandoned it and registered again.",
+    )
+}
+
 fn listener_connected(r: &Registrar) -> IntGauge {
     r.int_gauge(
         "perspective_listener_connected",
@@ -435,6 +447,7 @@ mod tests {
         "perspective_apply_latency_seconds",
         "perspective_notify_wakeups_total",
         "perspective_listener_connected",
+        "perspective_reregistrations_total",
         "perspective_completions_flushed_total",
         "perspective_completion_flush_failures_total",
         "perspective_tables_analyzed_total",
@@ -465,6 +478,7 @@ mod tests {
         m.apply_latency.observe(0.04);
         m.notify_wakeups.inc();
         m.listener_connected.set(1);
+        m.reregistrations.inc();
         m.completions_flushed.inc_by(10);
         m.completion_flush_failures.inc();
         m.tables_analyzed.with_label_values(&["orders"]).inc();

@@ -2,7 +2,10 @@
 //!
 //! Tasks, joined by channels and stopped by one cancellation token. Each owns what it uses (its
 //! channels in, its handles out) plus the `Shared` part: config, instance id, store, hooks,
-//! metrics, shutdown.
+//! metrics, health, shutdown. One set of tasks with its pool is an *epoch*: a worker that finds
+//! its peers may have abandoned it (see [`health`]) ends the epoch — dropping its queued
+//! streams and unflushed completions, aborting statements stuck on a dead link —, connects
+//! again and registers anew, and `/livez` fails if it cannot for one more stale threshold.
 //! - [`claim`]: polls `claim_work` (tight while NOTIFY is down, relaxed while it is healthy),
 //!   woken at once by the doorbell or [`Hooks::request_immediate_poll`]; feeds stream ids into
 //!   the drain queue; marks the engine ready after its first claim;
@@ -18,6 +21,9 @@
 //!   instances), and their progress;
 //! - [`heartbeat`]: liveness in `wh_service_instances` and abandonment of silent peers;
 //!   [`contention_rate`]: the lock conflicts of the last minute each heartbeat publishes;
+//! - [`health`]: whether the database answers the claims and heartbeats (`/readyz`) and
+//!   whether peers may have abandoned this instance; `backoff`: the waits and the logs of
+//!   repeated failures;
 //! - [`statistics`]: while busy, ANALYZE of the schema's tables that outgrew their planner
 //!   statistics (so cached plans of tables that grew from empty stop scanning them);
 //! - [`lifecycle`]: PostPerspective per event and perspective, PostAllPerspectives / PostLifecycle
@@ -27,10 +33,13 @@
 //! - [`runner`]: the SQL runner, the [`PerspectiveRunner`] of compiled perspectives;
 //! - [`http`] and [`metrics`]: `/livez`, `/readyz` and `/metrics`, and the collectors behind them.
 
+mod backoff;
 pub mod catchup;
 pub mod claim;
 pub mod contention_rate;
 pub mod drain;
+mod epoch;
+pub(crate) mod health;
 pub mod heartbeat;
 pub mod hooks;
 pub mod http;
@@ -45,7 +54,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::PgPool;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -73,7 +82,10 @@ pub struct EngineOptions {
     /// Unique per process: `PERSPECTIVE_INSTANCE_ID`, else a fresh UUIDv7.
     pub instance_id: Uuid,
     pub service_name: String,
+    /// Size of the statements' pool (at least 2); `worker.database.maxConnections` by default.
     pub max_connections: u32,
+    /// How long each class of statement may wait for its answer (tests shorten them).
+    pub deadlines: crate::store::Deadlines,
     pub runner: Option<Arc<dyn PerspectiveRunner>>,
     pub metrics: Arc<WorkerMetrics>,
     pub readiness: Readiness,
@@ -83,11 +95,12 @@ pub struct EngineOptions {
 impl EngineOptions {
     pub fn new(config: Config, database_url: impl Into<String>) -> Self {
         EngineOptions {
+            max_connections: config.worker.database.max_connections,
             config: Arc::new(config),
             database_url: database_url.into(),
             instance_id: Uuid::now_v7(),
             service_name: "perspective-worker".into(),
-            max_connections: 10,
+            deadlines: crate::store::Deadlines::default(),
             runner: None,
             metrics: Arc::new(WorkerMetrics::new()),
             readiness: Readiness::new("starting"),
@@ -135,12 +148,11 @@ pub(crate) struct Shared {
     pub metrics: Arc<WorkerMetrics>,
     /// Lock conflicts of the last minute, by perspective, for the heartbeat.
     pub contention: contention_rate::ContentionRate,
+    /// The engine's (not the epoch's): readiness, abandonment.
+    pub health: Arc<health::Health>,
+    /// This epoch's: a child of the engine's shutdown token.
     pub shutdown: CancellationToken,
 }
-
-/// How long in-flight `wh_drain` calls may run on after shutdown before they are cancelled: well
-/// inside the pod's default 30 s termination grace period.
-const DRAIN_SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// A custom runner applies the groups the worker fetches, stream by stream: it cannot keep
 /// the events of one key (or of the whole perspective) from applying concurrently.
@@ -165,12 +177,11 @@ fn refuse_sequencing_with_a_custom_runner(options: &EngineOptions) -> Result<(),
 
 /// A running engine.
 pub struct Engine {
-    shared: Arc<Shared>,
-    readiness: Readiness,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-    flush_task: tokio::task::JoinHandle<()>,
-    /// Ends the flush task once the other tasks (the drain consumers) have stopped.
-    flush_stop: CancellationToken,
+    options: EngineOptions,
+    health: Arc<health::Health>,
+    /// The caller's: cancelling it stops the engine.
+    shutdown: CancellationToken,
+    epoch: epoch::Epoch,
 }
 
 impl Engine {
@@ -189,105 +200,88 @@ impl Engine {
         options
             .hooks
             .count_drops_in(options.metrics.hook_events_dropped.clone());
-        let shared = Arc::new(Shared {
-            config: config.clone(),
-            instance_id: options.instance_id,
-            store,
-            hooks: options.hooks.clone(),
-            metrics: options.metrics.clone(),
-            contention: contention_rate::ContentionRate::default(),
-            shutdown,
-        });
-        let readiness = options.readiness.clone();
-        readiness.set_not_ready("first claim pending");
-
-        // Register before the first claim, so it ranks us among the live instances.
-        let mut heartbeat = heartbeat::Heartbeat::new(shared.clone(), &options.service_name);
-        heartbeat
-            .beat()
-            .await
-            .map_err(|e| db("registering the instance", e))?;
-        tracing::info!(instance_id = %shared.instance_id, schema = %config.schema, "worker instance registered");
-        if config.worker.notify_applied {
-            lifecycle::reconcile_orphans(&shared).await;
-        }
-        let (tasks, flush_task, flush_stop) =
-            spawn_tasks(&shared, &options, listen_pool, heartbeat);
+        let health = Arc::new(health::Health::new(
+            options.readiness.clone(),
+            Duration::from_secs(config.worker.heartbeat_interval_seconds.max(1) as u64),
+            Duration::from_secs(config.worker.abandon_stale_instance_threshold_seconds as u64),
+        ));
+        let epoch = epoch::Epoch::start(&options, &health, &shutdown, store, listen_pool).await?;
         Ok(Engine {
-            shared,
-            readiness,
-            tasks,
-            flush_task,
-            flush_stop,
+            options,
+            health,
+            shutdown,
+            epoch,
         })
     }
 
     pub fn hooks(&self) -> &Hooks {
-        &self.shared.hooks
+        &self.options.hooks
     }
 
     pub fn instance_id(&self) -> Uuid {
-        self.shared.instance_id
+        self.options.instance_id
     }
 
-    /// Wait for the shutdown token, then stop: no new claims, in-flight batches finish,
-    /// completions are flushed, leases and streams are released, the instance deregisters.
+    /// Run until the shutdown token is cancelled, then stop: no new claims, in-flight batches
+    /// finish, completions are flushed, leases and streams are released, the instance
+    /// deregisters — within 13 s even when the database cannot be reached (a deregistration
+    /// that fails or gets no answer is logged, not returned: peers abandon the instance after
+    /// the stale threshold). Meanwhile, if peers may have abandoned this instance (see
+    /// [`health`]), drop everything it holds, connect and register again.
     pub async fn run_until_stopped(self) -> Result<(), EngineError> {
-        let shared = self.shared;
-        shared.shutdown.cancelled().await;
-        tracing::info!("stopping: finishing in-flight work");
-        self.readiness.set_not_ready("shutting down");
-        let tasks = futures::future::join_all(self.tasks);
-        tokio::pin!(tasks);
-        // A drain stuck in a hung handler would hold the worker until its statement timeout
-        // (twice handlerTimeoutMilliseconds, or never): past a short grace, cancel it. The
-        // cancelled event fails like a timed-out one; the rest of its call commits.
-        let mut grace = DRAIN_SHUTDOWN_GRACE;
+        let Engine {
+            options,
+            health,
+            shutdown,
+            mut epoch,
+        } = self;
         loop {
             tokio::select! {
-                _ = &mut tasks => break,
-                _ = tokio::time::sleep(grace) => {}
-            }
-            match shared.store.cancel_drains(shared.instance_id).await {
-                Ok(0) => {}
-                Ok(n) => tracing::warn!(
-                    cancelled = n,
-                    "in-flight wh_drain calls did not finish in time; cancelled"
-                ),
-                Err(e) => {
-                    tracing::warn!(error = %crate::db::describe_error(&e, None), "could not cancel in-flight wh_drain calls")
+                _ = shutdown.cancelled() => break,
+                reason = health.until_abandoned() => {
+                    tracing::warn!(instance_id = %options.instance_id, reason,
+                        "this instance may have been abandoned by its peers: dropping the work it holds, \
+                         reconnecting and registering again");
+                    epoch.abandon().await;
+                    match epoch::reregister(&options, &health, &shutdown, reason).await {
+                        Some(next) => epoch = next,
+                        None => {
+                            health.stopping();
+                            tracing::info!("stopped while registering again");
+                            return Ok(());
+                        }
+                    }
                 }
             }
-            grace = Duration::from_secs(1);
         }
-        // Last: the completions the drain consumers queued, flushed at once (not after their
-        // retry backoff).
-        self.flush_stop.cancel();
-        let _ = self.flush_task.await;
-        shared
-            .store
-            .deregister_instance(shared.instance_id)
-            .await
-            .map_err(|e| db("deregistering the instance", e))?;
-        shared.store.close().await;
-        tracing::info!(instance_id = %shared.instance_id, "stopped; leases released and instance deregistered");
+        tracing::info!("stopping: finishing in-flight work");
+        health.stopping();
+        epoch.stop().await;
         Ok(())
     }
 }
 
-/// The engine's pool (connected, so a bad URL fails here) and the listener's (lazy).
+/// The engine's pool (connected, so a bad URL fails here) and the listener's (lazy); see
+/// [`crate::db::pool_options`] for their timeouts and session settings.
 async fn connect(options: &EngineOptions) -> Result<(Store, PgPool), EngineError> {
+    use crate::db::{pool_options, PoolRole};
     let connect = |app: &str| crate::db::connect_options(&options.database_url, app);
-    let pool = PgPoolOptions::new()
-        .max_connections(options.max_connections.max(2))
-        .acquire_timeout(Duration::from_secs(30))
-        .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
-        .await
-        .map_err(|e| db("connecting to PostgreSQL", e))?;
-    let listen_pool = PgPoolOptions::new().max_connections(1).connect_lazy_with(
+    let pool = pool_options(PoolRole::Statements {
+        max_connections: options.max_connections.max(2),
+    })
+    .connect_with(connect("perspective-worker").map_err(|e| db("parsing DATABASE_URL", e))?)
+    .await
+    .map_err(|e| db("connecting to PostgreSQL", e))?;
+    let control_pool = pool_options(PoolRole::Control).connect_lazy_with(
+        connect("perspective-worker control").map_err(|e| db("parsing DATABASE_URL", e))?,
+    );
+    let listen_pool = pool_options(PoolRole::Listen).connect_lazy_with(
         connect("perspective-worker listen").map_err(|e| db("parsing DATABASE_URL", e))?,
     );
-    Ok((Store::new(pool, &options.config.schema), listen_pool))
+    let store = Store::new(pool, &options.config.schema)
+        .with_quick_pool(control_pool)
+        .with_deadlines(options.deadlines);
+    Ok((store, listen_pool))
 }
 
 /// Every task of a started engine, joined by their channels: the listener, the job runner, the
@@ -365,7 +359,6 @@ fn spawn_tasks(
         shared: shared.clone(),
         queue,
         listener_healthy,
-        readiness: options.readiness.clone(),
         last_work,
     };
     tasks.push(tokio::spawn(claim_loop.run()));

@@ -23,12 +23,16 @@ impl Store {
     /// Streams this instance should drain now: the ones it owns with due work, plus unowned ones
     /// of its partition share (see `functions/claim_work.sql`).
     pub async fn claim_work(&self, args: ClaimArgs) -> Result<Vec<Uuid>, sqlx::Error> {
-        sqlx::query_scalar(&self.sql(CLAIM_WORK))
-            .bind(args.instance_id)
-            .bind(args.max_streams)
-            .bind(args.stale_seconds)
-            .bind(args.offered)
-            .fetch_all(self.pool())
+        let mut c = self.quick_conn("claim_work").await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(CLAIM_WORK))
+                    .bind(args.instance_id)
+                    .bind(args.max_streams)
+                    .bind(args.stale_seconds)
+                    .bind(args.offered)
+                    .fetch_all(&mut *c),
+            )
             .await
     }
 }

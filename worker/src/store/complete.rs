@@ -23,10 +23,16 @@ impl Store {
     /// transaction holds for more than 10 ms (they are being deleted, or are left at or below
     /// their cursor for the next drain to retire). Returns how many.
     pub async fn complete_events(&self, work_ids: &[i64], debug: bool) -> Result<i32, sqlx::Error> {
-        sqlx::query_scalar(&self.sql(COMPLETE_APPLIED_EVENTS))
-            .bind(work_ids)
-            .bind(debug)
-            .fetch_one(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "complete_applied_events")
+            .await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(COMPLETE_APPLIED_EVENTS))
+                    .bind(work_ids)
+                    .bind(debug)
+                    .fetch_one(&mut *c),
+            )
             .await
     }
 
@@ -39,10 +45,17 @@ impl Store {
         instance_id: Uuid,
         streams: &[Uuid],
     ) -> Result<Vec<Uuid>, sqlx::Error> {
-        let mut settled: Vec<Uuid> = sqlx::query_scalar(&self.sql(CLEANUP_COMPLETED_STREAMS))
-            .bind(instance_id)
-            .bind(streams)
-            .fetch_all(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "cleanup_completed_streams")
+            .await?;
+        let mut settled: Vec<Uuid> = c
+            .deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(CLEANUP_COMPLETED_STREAMS))
+                    .bind(instance_id)
+                    .bind(streams)
+                    .fetch_all(&mut *c),
+            )
             .await?;
         if settled.len() < streams.len() {
             let retired: std::collections::HashSet<&Uuid> = settled.iter().collect();
@@ -51,10 +64,14 @@ impl Store {
                 .filter(|s| !retired.contains(s))
                 .copied()
                 .collect();
-            let not_held: Vec<Uuid> = sqlx::query_scalar(&self.sql(NOT_HELD))
-                .bind(instance_id)
-                .bind(&rest)
-                .fetch_all(self.pool())
+            let not_held: Vec<Uuid> = c
+                .limit(self.deadlines.routine, "streams not held")
+                .run(
+                    sqlx::query_scalar(&self.sql(NOT_HELD))
+                        .bind(instance_id)
+                        .bind(&rest)
+                        .fetch_all(&mut *c),
+                )
                 .await?;
             settled.extend(not_held);
         }

@@ -62,10 +62,16 @@ impl Store {
         instance_id: Uuid,
         work_ids: &[i64],
     ) -> Result<i32, sqlx::Error> {
-        sqlx::query_scalar(&self.sql(MOVE_TO_DEAD_LETTERS))
-            .bind(instance_id)
-            .bind(work_ids)
-            .fetch_one(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "move_to_dead_letters")
+            .await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(MOVE_TO_DEAD_LETTERS))
+                    .bind(instance_id)
+                    .bind(work_ids)
+                    .fetch_one(&mut *c),
+            )
             .await
     }
 }

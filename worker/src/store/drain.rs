@@ -164,16 +164,25 @@ impl Store {
         args: DrainArgs,
     ) -> Result<Vec<PairOutcome>, sqlx::Error> {
         let sql = drain_sql(self.schema(), streams, &args);
-        let rows = sqlx::raw_sql(&sql).fetch_all(self.pool()).await?;
+        let limit = self.deadlines.drain(args.handler_timeout_ms);
+        let mut c = self.conn(limit, "wh_drain").await?;
+        let rows = c
+            .deadline()
+            .run(sqlx::Executor::fetch_all(&mut *c, sqlx::raw_sql(&sql)))
+            .await?;
         rows.iter().map(PairOutcome::from_row).collect()
     }
 
     /// Cancel the `wh_drain` calls `instance_id` is running (shutdown: a hung handler must not
     /// hold the worker past its grace period). Returns how many were cancelled.
     pub async fn cancel_drains(&self, instance_id: Uuid) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar(CANCEL_DRAINS)
-            .bind(format!("{}.{}", self.schema(), drain_marker(instance_id)))
-            .fetch_one(self.pool())
+        let mut c = self.quick_conn("cancel_drains").await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(CANCEL_DRAINS)
+                    .bind(format!("{}.{}", self.schema(), drain_marker(instance_id)))
+                    .fetch_one(&mut *c),
+            )
             .await
     }
 
@@ -183,15 +192,24 @@ impl Store {
         streams: &[Uuid],
         args: FetchArgs,
     ) -> Result<Vec<WorkItem>, sqlx::Error> {
-        sqlx::query_as(&self.sql(CLAIM_AND_FETCH))
-            .bind(args.instance_id)
-            .bind(streams)
-            .bind(args.lease_seconds)
-            .bind(args.max_rows)
-            .bind(args.per_pair)
-            .bind(args.debug)
-            .bind(args.payloads)
-            .fetch_all(self.pool())
+        let mut c = self
+            .conn(
+                self.deadlines.routine,
+                "claim_and_fetch_pending_perspective_events",
+            )
+            .await?;
+        c.deadline()
+            .run(
+                sqlx::query_as(&self.sql(CLAIM_AND_FETCH))
+                    .bind(args.instance_id)
+                    .bind(streams)
+                    .bind(args.lease_seconds)
+                    .bind(args.max_rows)
+                    .bind(args.per_pair)
+                    .bind(args.debug)
+                    .bind(args.payloads)
+                    .fetch_all(&mut *c),
+            )
             .await
     }
 }

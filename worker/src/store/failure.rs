@@ -60,14 +60,18 @@ impl Store {
         // `attempts` already counts the failed lease: it is the failure count.
         let statement =
             RECORD_FAILURE.replace("{retry_delay}", &retry_delay_sql("$5", "$6", "w.attempts"));
-        sqlx::query_scalar(&self.sql(&statement))
-            .bind(failure.stream_id)
-            .bind(failure.perspective)
-            .bind(failure.event_work_id)
-            .bind(failure.error)
-            .bind(retry_base_ms)
-            .bind(retry_max_ms)
-            .fetch_optional(self.pool())
+        let mut c = self.conn(self.deadlines.routine, "record_failure").await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(&statement))
+                    .bind(failure.stream_id)
+                    .bind(failure.perspective)
+                    .bind(failure.event_work_id)
+                    .bind(failure.error)
+                    .bind(retry_base_ms)
+                    .bind(retry_max_ms)
+                    .fetch_optional(&mut *c),
+            )
             .await
     }
 }

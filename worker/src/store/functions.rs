@@ -261,9 +261,10 @@ impl Store {
     /// Why the schema's engine functions are not the ones this binary runs with, if they are
     /// not: none recorded, recorded by another binary, or changed since they were installed.
     pub async fn functions_problem(&self) -> Result<Option<String>, sqlx::Error> {
-        let mut conn = self.pool().acquire().await?;
+        let limit = self.deadlines.routine;
+        let mut conn = self.conn(limit, "recorded engine functions").await?;
         let schema = self.schema();
-        let Some(recorded) = recorded(&mut conn, schema).await? else {
+        let Some(recorded) = conn.deadline().run(recorded(&mut conn, schema)).await? else {
             return Ok(Some("has no engine functions recorded as installed".into()));
         };
         let expected = hash(schema);
@@ -273,7 +274,12 @@ impl Store {
                 recorded.hash
             )));
         }
-        if recorded.catalog_digest != catalog_digest(&mut conn, schema).await? {
+        if recorded.catalog_digest
+            != conn
+                .limit(limit, "engine functions' catalog digest")
+                .run(catalog_digest(&mut conn, schema))
+                .await?
+        {
             return Ok(Some(
                 "has engine functions that were changed, dropped or overloaded since `migrate` installed them"
                     .into(),

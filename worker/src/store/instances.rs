@@ -7,7 +7,12 @@ use uuid::Uuid;
 
 use super::Store;
 
-const RECORD_HEARTBEAT: &str = "SELECT {schema}.record_heartbeat($1, $2, $3, $4, $5)";
+// The subquery reads the row as it was before the heartbeat (one statement, one snapshot; the
+// function's write is not visible to it).
+const RECORD_HEARTBEAT: &str =
+    "SELECT (SELECT extract(epoch FROM now() - i.last_heartbeat_at)::float8
+                                  FROM {schema}.wh_service_instances i WHERE i.instance_id = $1),
+                                 {schema}.record_heartbeat($1, $2, $3, $4, $5)::text";
 const CLEANUP_STALE_INSTANCES: &str = "SELECT {schema}.cleanup_stale_instances($1, $2)";
 const DEREGISTER_INSTANCE: &str = "SELECT {schema}.deregister_instance($1)";
 
@@ -58,17 +63,24 @@ pub fn heartbeat_metadata(
 }
 
 impl Store {
-    /// Register the instance or refresh its heartbeat.
-    pub async fn record_heartbeat(&self, info: &InstanceInfo) -> Result<(), sqlx::Error> {
-        sqlx::query(&self.sql(RECORD_HEARTBEAT))
-            .bind(info.instance_id)
-            .bind(&info.service_name)
-            .bind(&info.host_name)
-            .bind(info.process_id)
-            .bind(&info.metadata)
-            .execute(self.pool())
+    /// Register the instance or refresh its heartbeat. Returns the age in seconds the
+    /// previous heartbeat had, by the server's clock (`None`: the instance was not registered:
+    /// new, deregistered, or abandoned by a peer's sweep).
+    pub async fn record_heartbeat(&self, info: &InstanceInfo) -> Result<Option<f64>, sqlx::Error> {
+        let mut c = self.quick_conn("record_heartbeat").await?;
+        let (previous_age, _): (Option<f64>, Option<String>) = c
+            .deadline()
+            .run(
+                sqlx::query_as(&self.sql(RECORD_HEARTBEAT))
+                    .bind(info.instance_id)
+                    .bind(&info.service_name)
+                    .bind(&info.host_name)
+                    .bind(info.process_id)
+                    .bind(&info.metadata)
+                    .fetch_one(&mut *c),
+            )
             .await?;
-        Ok(())
+        Ok(previous_age)
     }
 
     /// Abandon instances (other than `instance_id`) silent for longer than `stale_seconds`:
@@ -78,18 +90,26 @@ impl Store {
         instance_id: Uuid,
         stale_seconds: f64,
     ) -> Result<i32, sqlx::Error> {
-        sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
-            .bind(instance_id)
-            .bind(stale_seconds)
-            .fetch_one(self.pool())
+        let mut c = self.quick_conn("cleanup_stale_instances").await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
+                    .bind(instance_id)
+                    .bind(stale_seconds)
+                    .fetch_one(&mut *c),
+            )
             .await
     }
 
     /// Graceful shutdown: retire drained streams, give back the rest, leave.
     pub async fn deregister_instance(&self, instance_id: Uuid) -> Result<(), sqlx::Error> {
-        sqlx::query(&self.sql(DEREGISTER_INSTANCE))
-            .bind(instance_id)
-            .execute(self.pool())
+        let mut c = self.quick_conn("deregister_instance").await?;
+        c.deadline()
+            .run(
+                sqlx::query(&self.sql(DEREGISTER_INSTANCE))
+                    .bind(instance_id)
+                    .execute(&mut *c),
+            )
             .await?;
         Ok(())
     }

@@ -29,10 +29,16 @@ impl Store {
         event_ids: &[Uuid],
         instance_id: Uuid,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query(&self.sql(RECORD_COMPLETIONS))
-            .bind(event_ids)
-            .bind(instance_id)
-            .execute(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "record_lifecycle_completions")
+            .await?;
+        c.deadline()
+            .run(
+                sqlx::query(&self.sql(RECORD_COMPLETIONS))
+                    .bind(event_ids)
+                    .bind(instance_id)
+                    .execute(&mut *c),
+            )
             .await?;
         Ok(())
     }
@@ -42,9 +48,15 @@ impl Store {
         &self,
         retention_seconds: f64,
     ) -> Result<u64, sqlx::Error> {
-        Ok(sqlx::query(&self.sql(DELETE_OLD_COMPLETIONS))
-            .bind(retention_seconds)
-            .execute(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "delete_old_lifecycle_completions")
+            .await?;
+        Ok(c.deadline()
+            .run(
+                sqlx::query(&self.sql(DELETE_OLD_COMPLETIONS))
+                    .bind(retention_seconds)
+                    .execute(&mut *c),
+            )
             .await?
             .rows_affected())
     }
@@ -56,10 +68,16 @@ impl Store {
         lookback_seconds: f64,
         limit: i64,
     ) -> Result<Vec<(Uuid, Uuid)>, sqlx::Error> {
-        sqlx::query_as(&self.sql(ORPHANED_EVENTS))
-            .bind(lookback_seconds)
-            .bind(limit)
-            .fetch_all(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "orphaned_lifecycles")
+            .await?;
+        c.deadline()
+            .run(
+                sqlx::query_as(&self.sql(ORPHANED_EVENTS))
+                    .bind(lookback_seconds)
+                    .bind(limit)
+                    .fetch_all(&mut *c),
+            )
             .await
     }
 }

@@ -7,6 +7,7 @@
 //! The names shared with the SQL side (channels, cursor status flags, dead-letter states, job
 //! kinds) are defined once in [`names`].
 //!
+//! - [`deadline`]: the deadline on every statement, and what tells its expiry apart
 //! - [`names`]: channels, cursor status flags, dead-letter recovery states
 //! - [`migrations`]: the embedded, versioned schema SQL (tables, indexes, types, data)
 //! - [`functions`]: the engine's server-side functions, one `.sql` file each in `functions/`,
@@ -37,6 +38,7 @@ pub mod claim;
 pub mod complete;
 pub mod cursor;
 pub mod dead_letters;
+pub mod deadline;
 pub mod demo;
 pub mod drain;
 pub mod failure;
@@ -56,6 +58,8 @@ use std::sync::Arc;
 
 use sqlx::postgres::PgPool;
 
+pub use deadline::{is_deadline_exceeded, is_unreachable, Conn, DeadlineExceeded, Deadlines};
+
 /// `template` with its placeholders filled: `{schema}` by `schema` (a validated identifier: no
 /// quoting needed) and the shared flags of [`names`] by their values.
 pub(crate) fn sql(schema: &str, template: &str) -> String {
@@ -74,19 +78,58 @@ pub(crate) fn sql(schema: &str, template: &str) -> String {
         )
 }
 
-/// The engine's handle on its deployment's schema: a connection pool and the schema name.
+/// The engine's handle on its deployment's schema: its connection pools, the schema name, and
+/// the deadlines of its statements.
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: PgPool,
+    /// The quick statements' pool (heartbeat, abandonment, claim, deregistration, drain
+    /// cancellation), so they never wait behind long applies for a connection.
+    quick_pool: PgPool,
     schema: Arc<str>,
+    deadlines: Deadlines,
 }
 
 impl Store {
+    /// A store on one pool (for every statement class).
     pub fn new(pool: PgPool, schema: &str) -> Self {
         Store {
+            quick_pool: pool.clone(),
             pool,
             schema: schema.into(),
+            deadlines: Deadlines::default(),
         }
+    }
+
+    /// The same store with a pool of its own for the quick statements.
+    pub fn with_quick_pool(mut self, pool: PgPool) -> Self {
+        self.quick_pool = pool;
+        self
+    }
+
+    /// The same store with other statement deadlines (tests use short ones).
+    pub fn with_deadlines(mut self, deadlines: Deadlines) -> Self {
+        self.deadlines = deadlines;
+        self
+    }
+
+    pub fn deadlines(&self) -> &Deadlines {
+        &self.deadlines
+    }
+
+    /// A connection of the pool within `limit`, for statements under that same deadline
+    /// (`conn.deadline().run(query.execute(&mut *conn))`, see [`Conn`]).
+    pub async fn conn(
+        &self,
+        limit: std::time::Duration,
+        what: &'static str,
+    ) -> Result<Conn, sqlx::Error> {
+        Conn::acquire(&self.pool, limit, what).await
+    }
+
+    /// A connection of the quick statements' pool, within [`Deadlines::quick`].
+    async fn quick_conn(&self, what: &'static str) -> Result<Conn, sqlx::Error> {
+        Conn::acquire(&self.quick_pool, self.deadlines.quick, what).await
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -102,9 +145,10 @@ impl Store {
         sql(&self.schema, template)
     }
 
-    /// Close the pool (after deregistering).
+    /// Close the pools (after deregistering).
     pub async fn close(&self) {
         self.pool.close().await;
+        self.quick_pool.close().await;
     }
 }
 

@@ -230,14 +230,22 @@ pub async fn count_events_of_types(
 impl Store {
     /// The highest applied migration, None when the schema has none.
     pub async fn latest_migration(&self) -> Result<Option<i32>, sqlx::Error> {
-        let mut conn = self.pool().acquire().await?;
-        latest_migration(&mut conn, self.schema()).await
+        let mut conn = self
+            .conn(self.deadlines.routine, "latest migration")
+            .await?;
+        conn.deadline()
+            .run(latest_migration(&mut conn, self.schema()))
+            .await
     }
 
     /// Definition hash of every compiled perspective, by name.
     pub async fn compiled_definitions(&self) -> Result<HashMap<String, String>, sqlx::Error> {
-        let rows: Vec<(String, String)> = sqlx::query_as(&self.sql(COMPILED_DEFINITIONS))
-            .fetch_all(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "compiled definitions")
+            .await?;
+        let rows: Vec<(String, String)> = c
+            .deadline()
+            .run(sqlx::query_as(&self.sql(COMPILED_DEFINITIONS)).fetch_all(&mut *c))
             .await?;
         Ok(rows.into_iter().collect())
     }

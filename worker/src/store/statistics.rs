@@ -35,9 +35,14 @@ pub struct TableSize {
 impl Store {
     /// The size of every table of the schema.
     pub async fn table_sizes(&self) -> Result<Vec<TableSize>, sqlx::Error> {
-        let rows: Vec<(String, i64, f64, bool)> = sqlx::query_as(TABLE_SIZES)
-            .bind(self.schema())
-            .fetch_all(self.pool())
+        let mut c = self.conn(self.deadlines.routine, "table sizes").await?;
+        let rows: Vec<(String, i64, f64, bool)> = c
+            .deadline()
+            .run(
+                sqlx::query_as(TABLE_SIZES)
+                    .bind(self.schema())
+                    .fetch_all(&mut *c),
+            )
             .await?;
         Ok(rows
             .into_iter()
@@ -60,7 +65,10 @@ impl Store {
             self.schema(),
             quote_ident(table)
         );
-        sqlx::raw_sql(&sql).execute(self.pool()).await?;
+        let mut c = self.conn(self.deadlines.long, "ANALYZE").await?;
+        c.deadline()
+            .run(sqlx::Executor::execute(&mut *c, sqlx::raw_sql(&sql)))
+            .await?;
         Ok(())
     }
 }

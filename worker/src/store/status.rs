@@ -191,8 +191,11 @@ impl super::Store {
     /// Work rows not yet applied, and the age in seconds of the oldest, per perspective that has
     /// any.
     pub async fn pending_per_perspective(&self) -> Result<Vec<(String, i64, f64)>, sqlx::Error> {
-        sqlx::query_as(&self.sql(PENDING_PER_PERSPECTIVE))
-            .fetch_all(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "pending per perspective")
+            .await?;
+        c.deadline()
+            .run(sqlx::query_as(&self.sql(PENDING_PER_PERSPECTIVE)).fetch_all(&mut *c))
             .await
     }
 }

@@ -36,10 +36,17 @@ pub struct TableRows {
 impl Store {
     /// Live and dead rows of each of [`QUEUE_TABLES`].
     pub async fn queue_table_rows(&self) -> Result<Vec<TableRows>, sqlx::Error> {
-        let rows = sqlx::query(QUEUE_TABLE_ROWS)
-            .bind(self.schema())
-            .bind(QUEUE_TABLES)
-            .fetch_all(self.pool())
+        let mut c = self
+            .conn(self.deadlines.routine, "queue table rows")
+            .await?;
+        let rows = c
+            .deadline()
+            .run(
+                sqlx::query(QUEUE_TABLE_ROWS)
+                    .bind(self.schema())
+                    .bind(QUEUE_TABLES)
+                    .fetch_all(&mut *c),
+            )
             .await?;
         Ok(rows
             .into_iter()
@@ -58,22 +65,38 @@ impl Store {
     /// lock.
     pub async fn vacuum_queue_table(&self, table: &str) -> Result<bool, sqlx::Error> {
         debug_assert!(QUEUE_TABLES.contains(&table));
-        let mut conn = self.pool().acquire().await?;
-        let locked: bool = sqlx::query_scalar(TRY_LOCK)
-            .bind(self.schema())
-            .fetch_one(&mut *conn)
+        let mut conn = self.conn(self.deadlines.routine, "vacuum lock").await?;
+        let locked: bool = conn
+            .deadline()
+            .run(
+                sqlx::query_scalar(TRY_LOCK)
+                    .bind(self.schema())
+                    .fetch_one(&mut *conn),
+            )
             .await?;
         if !locked {
             return Ok(false);
         }
         let statement = self.sql(VACUUM).replace("{table}", table);
-        let vacuumed = sqlx::query(&statement)
-            .persistent(false)
-            .execute(&mut *conn)
+        let vacuumed = conn
+            .limit(self.deadlines.long, "VACUUM")
+            .run(
+                sqlx::query(&statement)
+                    .persistent(false)
+                    .execute(&mut *conn),
+            )
             .await;
-        let unlocked = sqlx::query_scalar::<_, bool>(UNLOCK)
-            .bind(self.schema())
-            .fetch_one(&mut *conn)
+        if conn.is_expired() {
+            // Past its deadline the connection is closed, and its advisory lock goes with it.
+            return vacuumed.map(|_| true);
+        }
+        let unlocked = conn
+            .limit(self.deadlines.quick, "vacuum unlock")
+            .run(
+                sqlx::query_scalar::<_, bool>(UNLOCK)
+                    .bind(self.schema())
+                    .fetch_one(&mut *conn),
+            )
             .await;
         vacuumed?;
         unlocked?;

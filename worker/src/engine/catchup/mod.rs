@@ -124,6 +124,12 @@ pub(crate) struct JobRunner {
 impl JobRunner {
     pub(crate) async fn run(self) {
         let mut failures = 0u32;
+        // Only its logs: the waits are next_wait's.
+        let mut streak = super::backoff::FailureStreak::new(
+            "perspective job turn",
+            Duration::ZERO,
+            Duration::ZERO,
+        );
         loop {
             if self.shared.shutdown.is_cancelled() {
                 return;
@@ -131,11 +137,12 @@ impl JobRunner {
             let turn = match self.turn().await {
                 Ok(turn) => {
                     failures = 0;
+                    streak.succeeded();
                     Ok(turn)
                 }
                 Err(e) => {
                     failures += 1;
-                    tracing::warn!(error = %e, "perspective job turn failed; retrying");
+                    streak.failed(&e.to_string());
                     Err(())
                 }
             };
@@ -154,8 +161,12 @@ impl JobRunner {
     async fn turn(&self) -> Result<Turn, JobError> {
         let shared = &self.shared;
         let schema = shared.store.schema();
-        let mut conn = shared.store.pool().acquire().await?;
-        let active = store::active(&mut conn, schema).await?;
+        let long = shared.store.deadlines().long;
+        let mut conn = shared.store.conn(long, "active catch-up jobs").await?;
+        let active = conn
+            .deadline()
+            .run(store::active(&mut conn, schema))
+            .await?;
         if !active.is_empty() {
             // Before the chunks too: a turn can last long.
             self.publish(&mut conn).await?;
@@ -167,7 +178,11 @@ impl JobRunner {
             let Some(perspective) = shared.config.perspective(name) else {
                 continue;
             };
-            match store::advance(&mut conn, schema, name).await? {
+            let state = conn
+                .limit(long, "advancing a catch-up job")
+                .run(store::advance(&mut conn, schema, name))
+                .await?;
+            match state {
                 JobState::Queueing => {
                     let loops = shared.config.worker.max_concurrent_drain_consumers.max(1);
                     let results = futures::future::join_all(
@@ -216,7 +231,8 @@ impl JobRunner {
         } else {
             Requeue::Queue
         };
-        let mut conn = shared.store.pool().acquire().await?;
+        let long = shared.store.deadlines().long;
+        let mut conn = shared.store.conn(long, "catch-up chunk").await?;
         let mut taken = 0;
         while taken < CHUNKS_PER_TURN && !shared.shutdown.is_cancelled() {
             let (loops, pause) = pace(
@@ -228,7 +244,11 @@ impl JobRunner {
             }
             let schema = shared.store.schema();
             let started = std::time::Instant::now();
-            match plan::run_chunk(&mut conn, schema, perspective, kind, how).await? {
+            let chunk = conn
+                .limit(long, "catch-up chunk")
+                .run(plan::run_chunk(&mut conn, schema, perspective, kind, how))
+                .await?;
+            match chunk {
                 Some(chunk) => {
                     taken += 1;
                     if pause > 0.0 {
@@ -247,9 +267,12 @@ impl JobRunner {
     }
 
     /// Each configured perspective's phase and progress, in `/metrics`.
-    async fn publish(&self, conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+    async fn publish(&self, conn: &mut crate::store::Conn) -> Result<(), sqlx::Error> {
         let shared = &self.shared;
-        let rows = store::progress(conn, shared.store.schema()).await?;
+        let rows = conn
+            .limit(shared.store.deadlines().routine, "catch-up progress")
+            .run(store::progress(conn, shared.store.schema()))
+            .await?;
         for p in &shared.config.perspectives {
             match rows.iter().find(|j| j.perspective == p.name) {
                 Some(job) => {

@@ -305,8 +305,11 @@ enum Applied {
 }
 async fn apply_group(ctx: &Drainer, group: &Group, mode: ApplyMode) -> Applied {
     let outcome = async {
-        let mut conn = ctx.shared.store.pool().acquire().await?;
-        ctx.runner.apply(&mut conn, group, mode).await
+        let long = ctx.shared.store.deadlines().long;
+        let mut conn = ctx.shared.store.conn(long, "custom runner group").await?;
+        conn.deadline()
+            .run(ctx.runner.apply(&mut conn, group, mode))
+            .await
     }
     .await;
     let o = match outcome {

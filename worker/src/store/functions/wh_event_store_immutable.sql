@@ -1,6 +1,6 @@
 -- Trigger function that keeps the event store append-only. Fired before UPDATE, DELETE and
 -- TRUNCATE of wh_event_store (statement triggers), it refuses them with SQLSTATE WH405 and a hint
--- to append a compensating event; fired again before DELETE for each row (migration 0019), it
+-- to append a compensating event; fired again before DELETE for each row (its second trigger), it
 -- lets through only retention (wh_delete_applied_events), and only events nothing still needs:
 --   * the transaction must carry the `perspective.retention` setting naming this schema (set by
 --     wh_delete_applied_events), so a plain DELETE is refused as append-only;
