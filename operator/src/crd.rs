@@ -21,6 +21,27 @@ use serde::{Deserialize, Serialize};
 /// API group of the CRD.
 pub const GROUP: &str = "perspectives.dev";
 
+/// At most this many perspectives in one deployment.
+pub const MAX_PERSPECTIVES: u32 = 100;
+/// At most this many handlers in one perspective.
+pub const MAX_HANDLERS: u32 = 100;
+/// At most this many characters in one `setup`, `reset` or handler.
+pub const MAX_SQL_LEN: u32 = 65_536;
+/// At most this many characters in all perspectives' `setup`, `reset`, handlers and event
+/// types together: a quarter of the worker's 1 MiB config limit, so that the rendered config
+/// always loads, and a bound on what the operator caches per deployment.
+pub const MAX_PERSPECTIVES_TEXT: u32 = 262_144;
+/// At most this many entries in `nodeSelector`, `podAnnotations`, `tolerations` and
+/// `imagePullSecrets`.
+pub const MAX_POD_ENTRIES: u32 = 64;
+
+/// The CEL rule bounding [`MAX_PERSPECTIVES_TEXT`] (`sum()` is Kubernetes' list library).
+const TEXT_RULE: &str = "self.perspectives.map(p, (has(p.setup) ? size(p.setup) : 0) + \
+     (has(p.reset) ? size(p.reset) : 0) + p.handlers.map(k, size(k) + size(p.handlers[k])).sum())\
+     .sum() <= 262144";
+
+// Every list, map and string of the spec is bounded (issue 26, finding 3): the operator caches
+// every deployment whole, so one namespace's many large objects must not exhaust it.
 /// Desired state of a perspective deployment: the worker config plus how to run it.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -47,12 +68,17 @@ pub const GROUP: &str = "perspectives.dev";
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": TEXT_RULE,
+    "message": "spec.perspectives: setup, reset, handlers and event types total more than 262144 characters",
+    "fieldPath": ".perspectives",
+}]))]
 pub struct PerspectiveDeploymentSpec {
     /// PostgreSQL schema holding this deployment's event store, work tables and models (lower-case, at most 40 characters).
     #[schemars(pattern(SCHEMA_PATTERN))]
     pub schema: String,
     /// The perspectives (read models) to keep up to date; at least one.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = MAX_PERSPECTIVES), transform = bound_perspective)]
     pub perspectives: Vec<PerspectiveConfig>,
     /// Tuning of the perspective worker that applies events; every field has a default.
     #[serde(default)]
@@ -63,12 +89,14 @@ pub struct PerspectiveDeploymentSpec {
 
     /// Worker image (runs `perspective-worker`); defaults to the operator's --default-worker-image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
     pub image: Option<String>,
     /// Image pull policy of the worker and migration containers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<String>,
     /// Secrets for pulling the worker image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_POD_ENTRIES))]
     pub image_pull_secrets: Option<Vec<LocalObjectReference>>,
     /// Number of worker pods (default 1); `kubectl scale pd/NAME --replicas=N` sets it.
     #[serde(default = "default_replicas")]
@@ -87,26 +115,73 @@ pub struct PerspectiveDeploymentSpec {
     pub resources: Option<ResourceRequirements>,
     /// Node selector of the worker and migration pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = MAX_POD_ENTRIES), transform = bound_values)]
     pub node_selector: Option<BTreeMap<String, String>>,
     /// Tolerations of the worker and migration pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_POD_ENTRIES))]
     pub tolerations: Option<Vec<Toleration>>,
     /// Affinity of the worker pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity: Option<Affinity>,
     /// Priority class of the worker pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub priority_class_name: Option<String>,
     /// Service account of the worker and migration pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub service_account_name: Option<String>,
     /// Extra annotations on the worker pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxProperties" = MAX_POD_ENTRIES), transform = bound_values)]
     pub pod_annotations: Option<BTreeMap<String, String>>,
     /// Seconds a worker gets after SIGTERM to finish in-flight work and deregister (default 30).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub termination_grace_period_seconds: Option<i64>,
+}
+
+/// Bounds the worker's perspective type where the deployment embeds it: the length of
+/// `setup`, `reset` and each handler, and the number of handlers.
+fn bound_perspective(schema: &mut schemars::Schema) {
+    let Some(fields) = schema
+        .get_mut("items")
+        .and_then(|items| items.get_mut("properties"))
+        .and_then(serde_json::Value::as_object_mut)
+    else {
+        return;
+    };
+    for sql in ["setup", "reset"] {
+        if let Some(field) = fields
+            .get_mut(sql)
+            .and_then(serde_json::Value::as_object_mut)
+        {
+            field.insert("maxLength".into(), MAX_SQL_LEN.into());
+        }
+    }
+    if let Some(handlers) = fields
+        .get_mut("handlers")
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        handlers.insert("maxProperties".into(), MAX_HANDLERS.into());
+        if let Some(value) = handlers
+            .get_mut("additionalProperties")
+            .and_then(serde_json::Value::as_object_mut)
+        {
+            value.insert("maxLength".into(), MAX_SQL_LEN.into());
+        }
+    }
+}
+
+/// Bounds each value of a string map (labels and annotations: at most 4096 characters).
+fn bound_values(schema: &mut schemars::Schema) {
+    if let Some(value) = schema
+        .get_mut("additionalProperties")
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        value.insert("maxLength".into(), 4096.into());
+    }
 }
 
 fn default_replicas() -> i32 {

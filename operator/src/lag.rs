@@ -3,7 +3,9 @@
 //! Read-only: one pooled connection per deployment, each read in a `READ ONLY` transaction with
 //! a statement timeout, so a slow or unreachable database delays nothing but the status. A read
 //! that fails says why ([`DatabaseProblem`]): unreachable, or the schema's migration history
-//! missing (the migration Job then runs again).
+//! missing (the migration Job then runs again). What it says is for the deployment's author
+//! and so never the server's error text, which can name hosts, users and databases: that goes
+//! to the operator's log, once per change ([`summary`]).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -14,6 +16,7 @@ use perspective_worker::store::status::{read_status, Status};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Connection;
 use tokio::sync::Mutex;
+use tracing::warn;
 
 use crate::status::observed::DatabaseProblem;
 
@@ -24,6 +27,26 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Default)]
 pub struct LagReader {
     pools: Mutex<HashMap<String, (String, PgPool)>>,
+    /// The last server error logged per deployment, so that each is logged once.
+    logged: Mutex<HashMap<String, String>>,
+}
+
+/// What the status says about a failed read: the kind of failure and, for an error the server
+/// answered with, its SQLSTATE (e.g. `3D000`: no such database; `28P01`: wrong password).
+pub fn summary(err: &sqlx::Error) -> String {
+    match err {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => format!("the server refused the read (SQLSTATE {code})"),
+            None => "the server refused the read".to_owned(),
+        },
+        sqlx::Error::PoolTimedOut => {
+            format!("could not connect within {}s", READ_TIMEOUT.as_secs())
+        }
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::PoolClosed => {
+            "could not connect".to_owned()
+        }
+        _ => "the read failed".to_owned(),
+    }
 }
 
 impl LagReader {
@@ -58,13 +81,27 @@ impl LagReader {
             tx.rollback().await?;
             Ok::<_, sqlx::Error>(Some(status))
         };
-        match tokio::time::timeout(READ_TIMEOUT + Duration::from_secs(1), read).await {
+        let result = tokio::time::timeout(READ_TIMEOUT + Duration::from_secs(1), read).await;
+        let mut logged = self.logged.lock().await;
+        match &result {
+            Ok(Err(err)) => {
+                let text = describe_error(err, None);
+                if logged.get(key) != Some(&text) {
+                    warn!(deployment = key, error = %text, "cannot read status from the database");
+                    logged.insert(key.to_owned(), text);
+                }
+            }
+            _ => {
+                logged.remove(key);
+            }
+        }
+        match result {
             Ok(Ok(Some(status))) => Ok(status),
             Ok(Ok(None)) => Err(DatabaseProblem::SchemaMissing(format!(
                 "schema {schema} has no migration history in the database (dropped, or the \
                  database was recreated); the migration Job runs again"
             ))),
-            Ok(Err(err)) => Err(DatabaseProblem::Unreachable(describe_error(&err, None))),
+            Ok(Err(err)) => Err(DatabaseProblem::Unreachable(summary(&err))),
             Err(_) => Err(DatabaseProblem::Unreachable(format!(
                 "no answer within {}s",
                 READ_TIMEOUT.as_secs()
@@ -74,6 +111,7 @@ impl LagReader {
 
     /// Forgets a deleted deployment's pool.
     pub async fn forget(&self, key: &str) {
+        self.logged.lock().await.remove(key);
         if let Some((_, pool)) = self.pools.lock().await.remove(key) {
             pool.close().await;
         }
@@ -101,5 +139,25 @@ impl LagReader {
             old.close().await;
         }
         Ok(pool)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finding_7_a_failed_read_is_summarized_without_the_servers_text() {
+        let io = sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "connect to db.internal.example:5432 as user shop_owner refused",
+        ));
+        assert_eq!(summary(&io), "could not connect");
+        assert_eq!(
+            summary(&sqlx::Error::PoolTimedOut),
+            "could not connect within 5s"
+        );
+        let protocol = sqlx::Error::Protocol("role \"shop_owner\" at db.internal".into());
+        assert_eq!(summary(&protocol), "the read failed");
     }
 }

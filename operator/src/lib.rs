@@ -2,7 +2,8 @@
 //! worker StatefulSet, and reports readiness, lag and dead letters as status.
 //!
 //! - [`crd`]: the custom resource (spec embeds the worker's config types) and its CRD YAML
-//! - [`validate`]: spec checks beyond the CRD schema, each naming its field
+//! - [`validate`]: spec checks beyond the CRD schema, each naming its field; [`pod_policy`]:
+//!   what a deployment's author may set on its pods
 //! - [`labels`]: names, labels and selectors of the children
 //! - builders of the desired children, pure functions: [`config_map`], [`migration_job`],
 //!   [`workers`] (StatefulSet, headless Service, PodDisruptionBudget), with [`pod`] shared
@@ -26,6 +27,7 @@ pub mod leader;
 pub mod metrics;
 pub mod migration_job;
 pub mod pod;
+pub mod pod_policy;
 pub mod reconcile;
 pub mod status;
 pub mod validate;

@@ -15,6 +15,7 @@ use perspective_operator::events::Publisher;
 use perspective_operator::lag::LagReader;
 use perspective_operator::leader::{self, Election};
 use perspective_operator::metrics::OperatorMetrics;
+use perspective_operator::pod_policy::PodPolicy;
 use perspective_operator::reconcile::{Context, Options};
 use perspective_worker::engine::http::Readiness;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +65,18 @@ struct RunArgs {
     /// ending prefixes with `:` or `@` or `/` so that `repo` does not also allow `repo-evil`.
     #[arg(long = "allowed-image-prefix", value_name = "PREFIX")]
     allowed_image_prefixes: Vec<String>,
+    /// A priority class deployments may name in `spec.priorityClassName` (repeatable; default:
+    /// none, so worker pods get the cluster's default priority). Any other is `InvalidSpec`.
+    #[arg(long = "allowed-priority-class", value_name = "NAME")]
+    allowed_priority_classes: Vec<String>,
+    /// A service account deployments may name in `spec.serviceAccountName` besides `default`
+    /// (repeatable; default: only `default`). Any other is `InvalidSpec`.
+    #[arg(long = "allowed-service-account", value_name = "NAME")]
+    allowed_service_accounts: Vec<String>,
+    /// Give worker and migration pods AppArmor `RuntimeDefault` (pod securityContext). Only
+    /// when every node runs AppArmor: kubelet refuses such pods on a node without it.
+    #[arg(long)]
+    apparmor_runtime_default: bool,
     /// How often each deployment's status (lag, dead letters) is refreshed from its database.
     #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..))]
     status_interval_seconds: u64,
@@ -180,6 +193,11 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             status_interval: Duration::from_secs(args.status_interval_seconds),
             migration_retry_base: Duration::from_secs(args.migration_retry_seconds),
             allowed_image_prefixes: args.allowed_image_prefixes,
+            pod_policy: PodPolicy {
+                priority_classes: args.allowed_priority_classes,
+                service_accounts: args.allowed_service_accounts,
+            },
+            app_armor_runtime_default: args.apparmor_runtime_default,
         },
         lag: LagReader::default(),
     });

@@ -1,9 +1,13 @@
 //! Pieces shared by the migration Job's and the worker StatefulSet's pod templates.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, EnvVar, EnvVarSource, ObjectFieldSelector,
-    PodSpec, SeccompProfile, SecretKeySelector, SecurityContext, Volume, VolumeMount,
+    AppArmorProfile, Capabilities, ConfigMapVolumeSource, Container, EnvVar, EnvVarSource,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, ResourceRequirements, SeccompProfile,
+    SecretKeySelector, SecurityContext, Volume, VolumeMount,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::config_map::{CONFIG_DIR, CONFIG_FILE};
 use crate::crd::PerspectiveDeploymentSpec;
@@ -50,6 +54,29 @@ pub fn field_env(name: &str, field_path: &str) -> EnvVar {
     }
 }
 
+/// What a worker or migration container requests and may use when the spec sets no
+/// `resources` (README, "Resources"): (cpu, memory) requested, (cpu, memory) at most.
+pub const DEFAULT_REQUESTS: (&str, &str) = ("100m", "128Mi");
+pub const DEFAULT_LIMITS: (&str, &str) = ("1", "512Mi");
+
+/// `spec.resources`, or [`DEFAULT_REQUESTS`] and [`DEFAULT_LIMITS`] when the spec sets none, so
+/// that no pod runs unbounded.
+pub fn resources(spec: &PerspectiveDeploymentSpec) -> ResourceRequirements {
+    let pair = |(cpu, memory): (&str, &str)| {
+        BTreeMap::from([
+            ("cpu".to_owned(), Quantity(cpu.to_owned())),
+            ("memory".to_owned(), Quantity(memory.to_owned())),
+        ])
+    };
+    spec.resources
+        .clone()
+        .unwrap_or_else(|| ResourceRequirements {
+            requests: Some(pair(DEFAULT_REQUESTS)),
+            limits: Some(pair(DEFAULT_LIMITS)),
+            ..ResourceRequirements::default()
+        })
+}
+
 /// A worker container running `perspective-worker <args>` with the config mounted.
 pub fn container(
     name: &str,
@@ -65,6 +92,7 @@ pub fn container(
         command: Some(vec!["perspective-worker".to_owned()]),
         args: Some(args.iter().map(|a| (*a).to_owned()).collect()),
         env: Some(env),
+        resources: Some(resources(spec)),
         volume_mounts: Some(vec![VolumeMount {
             name: CONFIG_VOLUME.to_owned(),
             mount_path: CONFIG_DIR.to_owned(),
@@ -116,6 +144,28 @@ pub fn pod_spec(
         image_pull_secrets: spec.image_pull_secrets.clone(),
         // The workers talk to PostgreSQL only; no API token in the pods.
         automount_service_account_token: Some(false),
+        // Pod-wide too, so that no container the pod gets later runs unconfined.
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".to_owned(),
+                ..SeccompProfile::default()
+            }),
+            ..PodSecurityContext::default()
+        }),
         ..PodSpec::default()
     }
+}
+
+/// Gives `pod` AppArmor `RuntimeDefault` when `app_armor` (`--apparmor-runtime-default`): the
+/// container runtime's default profile even where the node's default would be unconfined.
+pub fn harden(pod: &mut PodSpec, app_armor: bool) {
+    if !app_armor {
+        return;
+    }
+    let context = pod.security_context.get_or_insert_with(Default::default);
+    context.app_armor_profile = Some(AppArmorProfile {
+        type_: "RuntimeDefault".to_owned(),
+        ..AppArmorProfile::default()
+    });
 }

@@ -113,7 +113,6 @@ pub fn pod_template(
     }]);
     container.readiness_probe = Some(probe("/readyz", 5, 3));
     container.liveness_probe = Some(probe("/livez", 10, 6));
-    container.resources = spec.resources.clone();
 
     let mut pod_spec = pod::pod_spec(spec, config_map, container, "Always");
     pod_spec.affinity = spec.affinity.clone();

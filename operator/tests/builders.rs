@@ -776,3 +776,71 @@ fn the_status_column_explains_a_false_ready() {
     let s = compute(&Default::default(), &o, now);
     assert_eq!(s.summary.as_deref(), Some("WaitingForPods"));
 }
+
+fn pod_specs(spec: &PerspectiveDeploymentSpec) -> Vec<k8s_openapi::api::core::v1::PodSpec> {
+    let target = migration_job::target("shop", spec, "worker:1");
+    let job = migration_job::build("shop", "ns", spec, "worker:1", "cm", &target);
+    let sts = workers::statefulset("shop", "ns", spec, "worker:1", "cm", "h", &target.hash);
+    vec![
+        job.spec.unwrap().template.spec.unwrap(),
+        sts.spec.unwrap().template.spec.unwrap(),
+    ]
+}
+
+/// Issue 26, finding 2: seccomp `RuntimeDefault` on every container and on the pod; AppArmor
+/// `RuntimeDefault` only when the operator is told every node has AppArmor.
+#[test]
+fn finding_2_every_pod_and_container_runs_with_seccomp_runtime_default() {
+    for pod in pod_specs(&spec()) {
+        let context = pod.security_context.clone().expect("a pod securityContext");
+        assert_eq!(context.seccomp_profile.unwrap().type_, "RuntimeDefault");
+        assert_eq!(context.run_as_non_root, Some(true));
+        assert_eq!(context.app_armor_profile, None, "off by default");
+        for c in &pod.containers {
+            let sc = c.security_context.clone().unwrap();
+            assert_eq!(sc.seccomp_profile.unwrap().type_, "RuntimeDefault");
+            assert_eq!(sc.allow_privilege_escalation, Some(false));
+        }
+        let mut hardened = pod.clone();
+        perspective_operator::pod::harden(&mut hardened, true);
+        let apparmor = hardened
+            .security_context
+            .unwrap()
+            .app_armor_profile
+            .unwrap();
+        assert_eq!(apparmor.type_, "RuntimeDefault");
+        let mut unchanged = pod.clone();
+        perspective_operator::pod::harden(&mut unchanged, false);
+        assert_eq!(unchanged, pod);
+    }
+}
+
+/// Issue 26, finding 6: workers and the migration Job request and are limited to the defaults
+/// when the spec gives no resources; the spec's own replace them whole.
+#[test]
+fn finding_6_pods_get_default_requests_and_limits() {
+    use perspective_operator::pod::{DEFAULT_LIMITS, DEFAULT_REQUESTS};
+    let quantity = |r: &Option<std::collections::BTreeMap<String, _>>, k: &str| {
+        let q: &k8s_openapi::apimachinery::pkg::api::resource::Quantity =
+            r.as_ref().unwrap().get(k).unwrap();
+        q.0.clone()
+    };
+    for pod in pod_specs(&spec()) {
+        let resources = pod.containers[0].resources.clone().expect("resources");
+        assert_eq!(quantity(&resources.requests, "cpu"), DEFAULT_REQUESTS.0);
+        assert_eq!(quantity(&resources.requests, "memory"), DEFAULT_REQUESTS.1);
+        assert_eq!(quantity(&resources.limits, "cpu"), DEFAULT_LIMITS.0);
+        assert_eq!(quantity(&resources.limits, "memory"), DEFAULT_LIMITS.1);
+    }
+    let mut own = spec();
+    own.resources = serde_yaml::from_str("{limits: {memory: 1Gi}}").unwrap();
+    for pod in pod_specs(&own) {
+        let resources = pod.containers[0].resources.clone().unwrap();
+        assert_eq!(resources.requests, None, "the spec's, whole");
+        assert_eq!(quantity(&resources.limits, "memory"), "1Gi");
+    }
+    assert_eq!(
+        (DEFAULT_REQUESTS, DEFAULT_LIMITS),
+        (("100m", "128Mi"), ("1", "512Mi"))
+    );
+}

@@ -67,8 +67,12 @@ const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
         "perspectivedeployments/finalizers",
         &["update"],
     ),
-    ("", "configmaps", &["list", "create", "patch", "delete"]),
-    ("", "services", &["create", "patch"]),
+    (
+        "",
+        "configmaps",
+        &["get", "list", "create", "patch", "delete"],
+    ),
+    ("", "services", &["get", "create", "patch"]),
     ("", "secrets", &["get"]),
     ("", "pods", &[]),
     ("", "events", &[]),
@@ -83,7 +87,11 @@ const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
         "jobs",
         &["get", "list", "watch", "create", "patch", "delete"],
     ),
-    ("policy", "poddisruptionbudgets", &["create", "patch"]),
+    (
+        "policy",
+        "poddisruptionbudgets",
+        &["get", "create", "patch"],
+    ),
 ];
 
 /// Leader election, in the release namespace only.
@@ -475,6 +483,10 @@ fn renders_options() {
             "image.repository=registry.example/op,image.tag=1.2.3,workerImage=registry.example/w:9",
             "--set",
             "allowedImagePrefixes={registry.example/w:,registry.example/team/}",
+            "--set",
+            "allowedPriorityClasses={workers-low},allowedServiceAccounts={shop-sa,other-sa}",
+            "--set",
+            "appArmorRuntimeDefault=true",
             // Large integers must not come out as 1e+06.
             "--set",
             "statusIntervalSeconds=1000000",
@@ -521,6 +533,10 @@ fn renders_options() {
             "--default-worker-image=registry.example/w:9",
             "--allowed-image-prefix=registry.example/w:",
             "--allowed-image-prefix=registry.example/team/",
+            "--allowed-priority-class=workers-low",
+            "--allowed-service-account=shop-sa",
+            "--allowed-service-account=other-sa",
+            "--apparmor-runtime-default",
             "--status-interval-seconds=1000000",
             "--log-format=text",
         ]

@@ -279,3 +279,53 @@ fn min_opt(a: Option<i64>, b: Option<i64>) -> Option<i64> {
         (a, b) => a.or(b),
     }
 }
+
+/// Issue 26, finding 3: every list, map and string an author can make large is bounded in the
+/// CRD (the API server refuses more), and a CEL rule bounds the perspectives' text in total.
+/// (The memory of an operator facing many maximum-size deployments is not measured here: too
+/// slow for `make test`.)
+#[test]
+fn finding_3_the_crd_bounds_the_size_of_a_deployment() {
+    use perspective_operator::crd::{
+        MAX_HANDLERS, MAX_PERSPECTIVES, MAX_PERSPECTIVES_TEXT, MAX_POD_ENTRIES, MAX_SQL_LEN,
+    };
+    let crd: Value = serde_yaml::from_str(&crd_yaml()).unwrap();
+    let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    let field = |name: &str| &spec["properties"][name];
+    let perspective = &field("perspectives")["items"]["properties"];
+    assert_eq!(field("perspectives")["maxItems"], MAX_PERSPECTIVES);
+    assert_eq!(perspective["setup"]["maxLength"], MAX_SQL_LEN);
+    assert_eq!(perspective["reset"]["maxLength"], MAX_SQL_LEN);
+    assert_eq!(perspective["handlers"]["maxProperties"], MAX_HANDLERS);
+    assert_eq!(
+        perspective["handlers"]["additionalProperties"]["maxLength"],
+        MAX_SQL_LEN
+    );
+    assert_eq!(perspective["sequencingKey"]["maxLength"], 4096);
+    for list in ["tolerations", "imagePullSecrets"] {
+        assert_eq!(field(list)["maxItems"], MAX_POD_ENTRIES, "{list}");
+    }
+    for map in ["nodeSelector", "podAnnotations"] {
+        assert_eq!(field(map)["maxProperties"], MAX_POD_ENTRIES, "{map}");
+        assert_eq!(
+            field(map)["additionalProperties"]["maxLength"],
+            4096,
+            "{map}"
+        );
+    }
+    assert_eq!(field("image")["maxLength"], 1024);
+    assert_eq!(field("priorityClassName")["maxLength"], 253);
+    assert_eq!(field("serviceAccountName")["maxLength"], 253);
+    let rule = spec["x-kubernetes-validations"][0]["rule"]
+        .as_str()
+        .unwrap();
+    assert!(
+        rule.ends_with(&format!("<= {MAX_PERSPECTIVES_TEXT}")),
+        "the CEL rule's bound is MAX_PERSPECTIVES_TEXT: {rule}"
+    );
+    // A quarter of the worker's config limit: the rendered config always loads.
+    assert!(
+        MAX_PERSPECTIVES_TEXT as usize * 4
+            <= perspective_worker::config::yaml_limits::MAX_CONFIG_BYTES
+    );
+}

@@ -896,7 +896,7 @@ async fn invalid_specs_are_rejected_or_reported() {
         (
             "missing Secret",
             valid.replace("name: shop-db", "name: no-such-secret"),
-            Ok("spec.database.secretRef.name"),
+            Ok("spec.database.secretRef:"),
         ),
         (
             "missing Secret key",
@@ -904,7 +904,7 @@ async fn invalid_specs_are_rejected_or_reported() {
                 "secretRef: {name: shop-db}",
                 "secretRef: {name: shop-db, key: nope}",
             ),
-            Ok("spec.database.secretRef.key"),
+            Ok("spec.database.secretRef:"),
         ),
         (
             "duplicate perspective",
@@ -1368,15 +1368,19 @@ async fn failed_migration_is_retried_with_backoff() {
 /// Secret deleted later is reported the same way and its re-creation recovers in seconds (a short
 /// re-check, not the status interval, which is 10 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_missing_secret_is_reported_until_it_exists() {
+async fn finding_7_a_missing_secret_is_reported_generically_until_it_exists() {
     let w = World::new("secret", &[("op", &["--status-interval-seconds=10"])]).await;
     w.apply(&pd_yaml("shop", &w.schema, 1, "v1", "").replace("name: shop-db", "name: later-db"));
     let pd = w
         .wait_condition("shop", "Degraded", "True", Some("SecretMissing"))
         .await;
     let message = condition(&pd, "Degraded").message;
+    // Issue 26, finding 7: the field, not the Secret's name or key, nor whether it exists.
     assert!(
-        message.contains("spec.database.secretRef.name") && message.contains("later-db"),
+        message.contains("spec.database.secretRef:")
+            && message.contains("missing or has no value under its key")
+            && !message.contains("later-db")
+            && !message.contains("\"url\""),
         "{message}"
     );
     assert_eq!(condition(&pd, "Ready").reason, "SecretMissing");
@@ -2105,10 +2109,18 @@ async fn a_lost_database_is_not_ready_and_migrated_again_once_back() {
         (degraded.status.as_str(), degraded.reason.as_str()),
         ("True", "DatabaseUnreachable")
     );
+    // Issue 26, finding 7: the SQLSTATE, not the server's text (it names the database); that
+    // is in the operator's log.
+    assert_eq!(
+        degraded.message,
+        "cannot read status from the database: the server refused the read (SQLSTATE 3D000)"
+    );
     assert!(
-        degraded.message.contains("does not exist"),
-        "{}",
-        degraded.message
+        w.operators[0]
+            .log()
+            .contains(&format!("database \\\"{database}\\\" does not exist")),
+        "the server's text is logged:\n{}",
+        tail(&w.operators[0].log(), 3000)
     );
     let st = lost.status.clone().unwrap();
     assert_eq!(st.pending_events, None, "no stale Pending: {st:#?}");
@@ -2124,6 +2136,7 @@ async fn a_lost_database_is_not_ready_and_migrated_again_once_back() {
     .await
     .unwrap();
     assert_eq!(warning.1, "Warning");
+    assert!(!warning.2.contains(&database), "{}", warning.2);
     assert_eq!(w.jobs().await.len(), 1, "no Job while the database is down");
 
     // Recreated empty: the same Job runs again by itself, and the deployment is ready again.
@@ -2169,4 +2182,285 @@ async fn a_lost_database_is_not_ready_and_migrated_again_once_back() {
     let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
         .execute(&mut admin)
         .await;
+}
+
+/// Issue 26, finding 1: a deployment named like a neighbour's objects never takes them over.
+/// An admin's PodDisruptionBudget `victim` and Service `victim-workers` exist; the deployment
+/// `victim` (whose workers' PDB and Service take those names) is `Degraded=ChildRejected`
+/// naming both, with one Warning Event; neither object changes (no owner reference, the same
+/// spec) and none of the deployment's children is written. Once they are gone it comes up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_1_a_neighbours_objects_are_never_taken_over() {
+    use k8s_openapi::api::events::v1::Event;
+    let w = World::new("takeover", &[("op", &[])]).await;
+    w.apply(
+        r#"apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata: {name: victim, labels: {owner: admin}}
+spec:
+  minAvailable: 2
+  selector: {matchLabels: {app: admins-app}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: victim-workers, labels: {owner: admin}}
+spec:
+  selector: {app: admins-app}
+  ports: [{name: web, port: 80}]
+"#,
+    );
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(w.client.clone(), &w.ns);
+    let services: Api<Service> = Api::namespaced(w.client.clone(), &w.ns);
+    let (pdb_before, svc_before) = (
+        pdbs.get("victim").await.unwrap(),
+        services.get("victim-workers").await.unwrap(),
+    );
+    w.apply(&pd_yaml("victim", &w.schema, 1, "v1", ""));
+    let pd = w
+        .wait_condition("victim", "Degraded", "True", Some("ChildRejected"))
+        .await;
+    let message = condition(&pd, "Degraded").message;
+    assert!(
+        message.contains("Service victim-workers")
+            && message.contains("PodDisruptionBudget victim")
+            && message.contains("not controlled by this PerspectiveDeployment"),
+        "{message}"
+    );
+    assert_eq!(condition(&pd, "Ready").reason, "ChildRejected");
+    // Two more reconciles (a status refresh a second) write nothing either.
+    let reconciles = || -> anyhow::Result<f64> {
+        let addr = w.operators[0]
+            .http_addr()
+            .context("no HTTP address logged yet")?;
+        Ok(http_get(&addr, "/metrics")?
+            .lines()
+            .find_map(|l| l.strip_prefix("perspective_operator_reconciles_total "))
+            .map_or(0.0, |v| v.trim().parse().unwrap_or(0.0)))
+    };
+    let seen = reconciles().unwrap();
+    poll("two more reconciles", LONG, || async {
+        Ok((reconciles()? >= seen + 2.0).then_some(()))
+    })
+    .await
+    .unwrap();
+    let (pdb_after, svc_after) = (
+        pdbs.get("victim").await.unwrap(),
+        services.get("victim-workers").await.unwrap(),
+    );
+    for (kind, before, after) in [
+        ("PDB", &pdb_before.metadata, &pdb_after.metadata),
+        ("Service", &svc_before.metadata, &svc_after.metadata),
+    ] {
+        assert_eq!(after.owner_references, None, "{kind}: no owner reference");
+        assert_eq!(
+            after.resource_version, before.resource_version,
+            "{kind}: not written at all"
+        );
+        assert_eq!(after.labels, before.labels, "{kind}: labels");
+    }
+    assert_eq!(pdb_after.spec, pdb_before.spec);
+    assert_eq!(svc_after.spec, svc_before.spec);
+    let instance = ListParams::default().labels("app.kubernetes.io/instance=victim");
+    assert_eq!(
+        count::<ConfigMap>(&w, &instance).await.unwrap(),
+        0,
+        "no ConfigMap"
+    );
+    assert!(w.jobs().await.is_empty(), "no migration Job");
+    assert!(w.statefulset("victim").await.is_none(), "no StatefulSet");
+
+    // The neighbour's objects gone: the deployment comes up and owns its own.
+    pdbs.delete("victim", &Default::default()).await.unwrap();
+    services
+        .delete("victim-workers", &Default::default())
+        .await
+        .unwrap();
+    w.wait_condition("victim", "Ready", "True", None).await;
+    w.wait_condition("victim", "Degraded", "False", None).await;
+    let pdb = pdbs.get("victim").await.unwrap();
+    assert_eq!(
+        pdb.metadata.owner_references.unwrap()[0].uid,
+        w.pd("victim").await.metadata.uid.unwrap()
+    );
+    // One Warning Event for the one change, however often it was reconciled meanwhile.
+    let events: Api<Event> = Api::namespaced(w.client.clone(), &w.ns);
+    let rejected: Vec<Event> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("ChildRejected"))
+        .collect();
+    assert_eq!(rejected.len(), 1, "{rejected:#?}");
+    assert_eq!(rejected[0].type_.as_deref(), Some("Warning"));
+    assert!(
+        rejected[0].series.is_none(),
+        "published once: {rejected:#?}"
+    );
+    w.shutdown().await;
+}
+
+/// Issue 26, finding 2: pod-level settings outside the operator's policy are refused, each
+/// `Degraded=InvalidSpec` naming its field, and get no child: a priority class or service
+/// account not on the allow-lists, an AppArmor or seccomp annotation (any key under
+/// kubernetes.io), a toleration of the control plane's taint or of every taint. What the lists
+/// allow is passed to the pods, which run with seccomp `RuntimeDefault`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_2_pod_level_settings_outside_the_policy_are_refused() {
+    let w = World::new(
+        "podpolicy",
+        &[(
+            "op",
+            &[
+                "--allowed-priority-class=workers-low",
+                "--allowed-service-account=shop-sa",
+            ],
+        )],
+    )
+    .await;
+    let cases = [
+        (
+            "prio",
+            "  priorityClassName: system-node-critical\n",
+            "spec.priorityClassName: \"system-node-critical\" is not allowed",
+        ),
+        (
+            "account",
+            "  serviceAccountName: admin-sa\n",
+            "spec.serviceAccountName: \"admin-sa\" is not allowed",
+        ),
+        (
+            "apparmor",
+            "  podAnnotations:\n    container.apparmor.security.beta.kubernetes.io/worker: unconfined\n",
+            "spec.podAnnotations: key \"container.apparmor.security.beta.kubernetes.io/worker\"",
+        ),
+        (
+            "seccomp",
+            "  podAnnotations:\n    seccomp.security.alpha.kubernetes.io/pod: unconfined\n",
+            "spec.podAnnotations: key \"seccomp.security.alpha.kubernetes.io/pod\"",
+        ),
+        (
+            "controlplane",
+            "  tolerations:\n    - {key: node-role.kubernetes.io/control-plane, operator: Exists}\n",
+            "spec.tolerations[0]: \"node-role.kubernetes.io/control-plane\" is refused",
+        ),
+        (
+            "everywhere",
+            "  tolerations:\n    - {operator: Exists}\n",
+            "spec.tolerations[0]: a toleration without a key",
+        ),
+    ];
+    for (name, extra, _) in &cases {
+        w.apply(&pd_yaml(name, &w.schema, 1, "v1", extra));
+    }
+    for (name, _, field) in &cases {
+        let pd = w
+            .wait_condition(name, "Degraded", "True", Some("InvalidSpec"))
+            .await;
+        let message = condition(&pd, "Degraded").message;
+        assert!(message.contains(field), "{name}: {message}");
+        let instance = ListParams::default().labels(&format!("app.kubernetes.io/instance={name}"));
+        assert_eq!(
+            count::<Job>(&w, &instance).await.unwrap(),
+            0,
+            "{name}: a Job"
+        );
+        assert_eq!(
+            count::<ConfigMap>(&w, &instance).await.unwrap(),
+            0,
+            "{name}"
+        );
+        assert!(w.statefulset(name).await.is_none(), "{name}: a StatefulSet");
+    }
+
+    // What the lists allow runs, with the pod-level seccomp profile.
+    w.apply(
+        "apiVersion: scheduling.k8s.io/v1\nkind: PriorityClass\nmetadata: {name: workers-low}\n\
+         value: 10\n---\napiVersion: v1\nkind: ServiceAccount\nmetadata: {name: shop-sa}\n",
+    );
+    w.apply(&pd_yaml(
+        "allowed",
+        &w.schema,
+        1,
+        "v1",
+        "  priorityClassName: workers-low\n  serviceAccountName: shop-sa\n",
+    ));
+    w.wait_condition("allowed", "Ready", "True", None).await;
+    let sts = w.statefulset("allowed").await.unwrap();
+    let job = w
+        .jobs()
+        .await
+        .into_iter()
+        .next()
+        .expect("the migration Job");
+    let pod = sts.spec.unwrap().template.spec.unwrap();
+    assert_eq!(pod.priority_class_name.as_deref(), Some("workers-low"));
+    for pod in [pod, job.spec.unwrap().template.spec.unwrap()] {
+        assert_eq!(pod.service_account_name.as_deref(), Some("shop-sa"));
+        let seccomp = pod.security_context.unwrap().seccomp_profile.unwrap();
+        assert_eq!(seccomp.type_, "RuntimeDefault");
+    }
+    w.shutdown().await;
+}
+
+/// Issue 26, finding 3: the API server refuses a deployment over the CRD's size bounds: one
+/// `setup` over 64 Ki characters, or perspectives whose text totals over 256 Ki characters (the
+/// CEL rule); just under the total is accepted. Server-side dry runs: nothing is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_3_the_api_server_refuses_oversized_deployments() {
+    let w = World::new("size", &[]).await;
+    let deployment = |setups: &[usize]| {
+        let perspectives: String = setups
+            .iter()
+            .enumerate()
+            .map(|(i, len)| {
+                format!(
+                    "    - name: p{i}\n      setup: \"SELECT 1 --{}\"\n      handlers: {{A: SELECT 1}}\n",
+                    "x".repeat(len - 11)
+                )
+            })
+            .collect();
+        format!(
+            "apiVersion: perspectives.dev/v1alpha1\nkind: PerspectiveDeployment\n\
+             metadata: {{name: big}}\nspec:\n  schema: {}\n  database: {{secretRef: {{name: shop-db}}}}\n  \
+             perspectives:\n{perspectives}",
+            w.schema
+        )
+    };
+    let dry_run = |yaml: &str| {
+        kubectl(
+            &[
+                "-n",
+                &w.ns,
+                "apply",
+                "--server-side",
+                "--dry-run=server",
+                "-f",
+                "-",
+            ],
+            Some(yaml),
+        )
+    };
+    let one_too_long = dry_run(&deployment(&[65_537]));
+    let stderr = String::from_utf8_lossy(&one_too_long.stderr);
+    assert!(!one_too_long.status.success(), "accepted");
+    assert!(
+        stderr.contains("spec.perspectives[0].setup") && stderr.contains("65536"),
+        "{stderr}"
+    );
+    let too_much = dry_run(&deployment(&[60_000; 5]));
+    let stderr = String::from_utf8_lossy(&too_much.stderr);
+    assert!(!too_much.status.success(), "accepted");
+    assert!(
+        stderr.contains("setup, reset, handlers and event types total more than 262144"),
+        "{stderr}"
+    );
+    let under = dry_run(&deployment(&[65_536, 65_536, 65_536, 65_000]));
+    assert!(
+        under.status.success(),
+        "{}",
+        String::from_utf8_lossy(&under.stderr)
+    );
+    w.shutdown().await;
 }

@@ -20,6 +20,7 @@ use super::build::Children;
 use super::context::Context;
 use super::error::{is_rejection, Error};
 use super::migration_retry::{self, Failures, Known, Next, Recreations, Retry};
+use super::ownership;
 use super::resolve::Resolved;
 use crate::crd::{PerspectiveDeployment, PerspectiveDeploymentStatus};
 use crate::events::{Event, EventType};
@@ -316,6 +317,12 @@ impl Step<'_> {
         }
     }
 
+    /// Whether this deployment controls the object of `meta`: labels anyone can set, so an
+    /// object is deleted only when it is the deployment's own ([`ownership`]).
+    fn controls(&self, meta: &kube::api::ObjectMeta) -> bool {
+        ownership::controlled_by(meta, &self.owner.uid)
+    }
+
     /// Deletes migration Jobs of earlier targets: a new target supersedes them.
     async fn delete_superseded_jobs(&self) -> Result<(), Error> {
         let jobs: Api<Job> = self.api();
@@ -326,7 +333,10 @@ impl Step<'_> {
             .items
         {
             let name = job.name_any();
-            if name != self.r.target.job_name && job.meta().deletion_timestamp.is_none() {
+            if name != self.r.target.job_name
+                && job.meta().deletion_timestamp.is_none()
+                && self.controls(job.meta())
+            {
                 info!(namespace = %self.r.namespace, name = %self.r.name, job = %name, "deleting superseded migration Job");
                 delete_ignoring_gone(&jobs, &name).await?;
             }
@@ -344,7 +354,10 @@ impl Step<'_> {
             .items
         {
             let name = cm.name_any();
-            if name != self.r.config_map_name && Some(&name) != running.as_ref() {
+            if name != self.r.config_map_name
+                && Some(&name) != running.as_ref()
+                && self.controls(cm.meta())
+            {
                 delete_ignoring_gone(&api, &name).await?;
             }
         }

@@ -10,6 +10,7 @@ use super::resolve::Resolved;
 use crate::config_map;
 use crate::crd::PerspectiveDeploymentSpec;
 use crate::migration_job::{self, JobState};
+use crate::pod;
 use crate::workers;
 
 /// The children to apply.
@@ -36,7 +37,7 @@ pub fn children(
 ) -> Children {
     let (name, namespace) = (r.name.as_str(), r.namespace.as_str());
     let statefulset = if job == Some(&JobState::Succeeded) {
-        Some(workers::statefulset(
+        let mut desired = workers::statefulset(
             name,
             namespace,
             spec,
@@ -44,7 +45,11 @@ pub fn children(
             &r.config_map_name,
             &r.config_hash,
             &r.target.hash,
-        ))
+        );
+        if let Some(pod_spec) = desired.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            pod::harden(pod_spec, r.app_armor_runtime_default);
+        }
+        Some(desired)
     } else {
         existing
             .and_then(|sts| sts.spec.as_ref())
@@ -60,14 +65,18 @@ pub fn children(
     };
     Children {
         job: job.is_none().then(|| {
-            migration_job::build(
+            let mut job = migration_job::build(
                 name,
                 namespace,
                 spec,
                 &r.image,
                 &r.config_map_name,
                 &r.target,
-            )
+            );
+            if let Some(pod_spec) = job.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+                pod::harden(pod_spec, r.app_armor_runtime_default);
+            }
+            job
         }),
         config_map: config_map::build(name, namespace, &r.config),
         service: workers::service(name, namespace),
@@ -90,6 +99,8 @@ mod tests {
             status_interval: Duration::from_secs(30),
             migration_retry_base: Duration::from_secs(30),
             allowed_image_prefixes: vec![],
+            pod_policy: Default::default(),
+            app_armor_runtime_default: false,
         }
     }
 
@@ -112,6 +123,42 @@ spec:
         .unwrap();
         let resolved = Resolved::new(&pd, "ns", &options());
         (pd, resolved)
+    }
+
+    /// `--apparmor-runtime-default` reaches the Job's and the workers' pods; without it, no
+    /// AppArmor profile is set (kubelet would refuse the pods on a node without AppArmor).
+    #[test]
+    fn app_armor_runtime_default_follows_the_operators_flag() {
+        let profile = |on: bool| {
+            let (pd, mut r) = deployment(1);
+            r.app_armor_runtime_default = on;
+            let job = children(&pd.spec, &r, None, None).job.unwrap();
+            let sts = children(&pd.spec, &r, Some(&JobState::Succeeded), None)
+                .statefulset
+                .unwrap();
+            [
+                job.spec.unwrap().template.spec.unwrap(),
+                sts.spec.unwrap().template.spec.unwrap(),
+            ]
+            .map(|p| {
+                p.security_context
+                    .unwrap()
+                    .app_armor_profile
+                    .map(|a| a.type_)
+            })
+        };
+        assert_eq!(
+            profile(true),
+            [
+                Some("RuntimeDefault".to_owned()),
+                Some("RuntimeDefault".to_owned())
+            ]
+        );
+        assert_eq!(profile(false), [None, None]);
+        let mut on = options();
+        on.app_armor_runtime_default = true;
+        let (pd, _) = deployment(1);
+        assert!(Resolved::new(&pd, "ns", &on).app_armor_runtime_default);
     }
 
     fn template_hash(sts: &StatefulSet) -> Option<String> {

@@ -12,6 +12,7 @@ use crate::crd::PerspectiveDeployment;
 use crate::events::{self, Event};
 use crate::lag::LagReader;
 use crate::metrics::OperatorMetrics;
+use crate::pod_policy::PodPolicy;
 
 /// Operator-wide settings.
 #[derive(Debug, Clone)]
@@ -25,6 +26,11 @@ pub struct Options {
     pub migration_retry_base: Duration,
     /// Worker images must start with one of these (`--allowed-image-prefix`); empty: any image.
     pub allowed_image_prefixes: Vec<String>,
+    /// Priority classes and service accounts a deployment may name.
+    pub pod_policy: PodPolicy,
+    /// Pods get AppArmor `RuntimeDefault` (`--apparmor-runtime-default`; kubelet refuses such
+    /// pods on nodes without AppArmor).
+    pub app_armor_runtime_default: bool,
 }
 
 /// Shared state of all reconciles.

@@ -7,6 +7,7 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
 use kube::Client;
+use tracing::debug;
 
 use perspective_worker::store::status::Status as DbStatus;
 
@@ -80,6 +81,11 @@ pub async fn read_database(
     )
 }
 
+/// Why a deployment has no database URL, in its status and Events: the same words whether the
+/// Secret or only its key is missing.
+pub const SECRET_MISSING: &str = "spec.database.secretRef: the Secret it names is missing or \
+     has no value under its key (looked at again every few seconds)";
+
 /// The database URL from the Secret named in the spec, or why there is none: a missing Secret
 /// or key is reported (`SecretMissing`) and looked at again soon, not a reconcile error.
 async fn read_database_url(
@@ -93,34 +99,33 @@ async fn read_database_url(
         return Ok((None, None));
     }
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
-    let Some(secret) = secrets.get_opt(&secret_ref.name).await? else {
-        return Ok((
-            None,
-            Some(format!(
-                "spec.database.secretRef.name: Secret {:?} not found in namespace {namespace:?}",
-                secret_ref.name
-            )),
-        ));
-    };
-    let value = secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(&secret_ref.key))
-        .map(|v| String::from_utf8_lossy(&v.0).into_owned())
-        .or_else(|| {
-            secret
-                .string_data
-                .as_ref()
-                .and_then(|d| d.get(&secret_ref.key).cloned())
-        });
+    let secret = secrets.get_opt(&secret_ref.name).await?;
+    let value = secret.as_ref().and_then(|secret| {
+        secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(&secret_ref.key))
+            .map(|v| String::from_utf8_lossy(&v.0).into_owned())
+            .or_else(|| {
+                secret
+                    .string_data
+                    .as_ref()
+                    .and_then(|d| d.get(&secret_ref.key).cloned())
+            })
+    });
     match value {
         Some(url) if !url.trim().is_empty() => Ok((Some(url.trim().to_owned()), None)),
-        _ => Ok((
-            None,
-            Some(format!(
-                "spec.database.secretRef.key: Secret {:?} has no key {:?}",
-                secret_ref.name, secret_ref.key
-            )),
-        )),
+        _ => {
+            // Which of the two is for the operator's log: the status says neither, so that it
+            // tells no one who cannot read Secrets which ones exist and what keys they hold.
+            debug!(
+                namespace,
+                secret = %secret_ref.name,
+                key = %secret_ref.key,
+                exists = secret.is_some(),
+                "database Secret missing or without its key"
+            );
+            Ok((None, Some(SECRET_MISSING.to_owned())))
+        }
     }
 }

@@ -5,7 +5,8 @@
 //!    migration Job, the worker StatefulSet, and (once migrated) the database's view;
 //! 3. [`validate`] — the spec and the Secret; an invalid spec changes no child and is reported
 //!    as `Degraded`, never as an error loop, and nothing changes while `spec.paused` is set;
-//! 4. [`build`] the desired children with the pure builders;
+//! 4. [`build`] the desired children with the pure builders, once [`ownership`] found no
+//!    object of their names that this deployment does not control;
 //! 5. [`apply`] them with server-side apply, gated: the StatefulSet takes a new template only
 //!    after that template's migration Job succeeded; a failed Job, or a succeeded one whose
 //!    schema has gone from the database, runs again as [`migration_retry`] decides (pure);
@@ -20,6 +21,7 @@ pub mod context;
 pub mod dereference;
 pub mod error;
 pub mod migration_retry;
+pub mod ownership;
 pub mod resolve;
 pub mod update_status;
 pub mod validate;
@@ -94,6 +96,20 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
         rejected: None,
     };
     if validated.may_apply() {
+        let uid = pd
+            .metadata
+            .uid
+            .as_deref()
+            .ok_or(Error::MissingField("metadata.uid"))?;
+        let foreign = ownership::foreign_children(&ctx.client, &resolved, uid).await?;
+        if !foreign.is_empty() {
+            // Nothing is written, and nothing of the neighbour's counts as ours in the status.
+            outcome.rejected = Some(ownership::foreign_message(&foreign));
+            outcome.job = None;
+            outcome.statefulset = None;
+        }
+    }
+    if validated.may_apply() && outcome.rejected.is_none() {
         let children = build::children(
             &pd.spec,
             &resolved,

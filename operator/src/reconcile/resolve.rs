@@ -25,6 +25,8 @@ pub struct Resolved {
     pub config_hash: String,
     pub target: MigrationTarget,
     pub config_map_name: String,
+    /// Pods get AppArmor `RuntimeDefault` (the operator's `--apparmor-runtime-default`).
+    pub app_armor_runtime_default: bool,
 }
 
 impl Resolved {
@@ -48,6 +50,7 @@ impl Resolved {
             config_hash,
             target,
             config_map_name,
+            app_armor_runtime_default: options.app_armor_runtime_default,
         }
     }
 }

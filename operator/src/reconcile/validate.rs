@@ -1,5 +1,5 @@
 //! Whether the reconciler may change anything: the spec's problems ([`crate::validate`], plus
-//! the image allow-list) and the Secret's. An invalid spec changes no child and is reported as
+//! the image allow-list and [`crate::pod_policy`]) and the Secret's. An invalid spec changes no child and is reported as
 //! `Degraded`, never as an error loop. Pure.
 
 use std::time::Duration;
@@ -8,6 +8,7 @@ use super::context::Options;
 use super::dereference::Found;
 use super::resolve::Resolved;
 use crate::crd::PerspectiveDeployment;
+use crate::pod_policy;
 use crate::status::SECRET_RECHECK;
 use crate::validate;
 
@@ -52,6 +53,7 @@ pub fn validate(
         pd.spec.image.is_none(),
         &options.allowed_image_prefixes,
     ));
+    problems.extend(pod_policy::problems(&pd.spec, &options.pod_policy));
     Validated {
         problems,
         secret_problem: found.secret_problem.clone(),

@@ -42,8 +42,8 @@ pub struct Observed {
 /// Why the database's view of a deployment could not be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DatabaseProblem {
-    /// Connecting or reading failed; says what failed (e.g. `database "shop" does not exist`,
-    /// `connection refused`, `no answer within 5s`).
+    /// Connecting or reading failed; says what failed without the server's text (e.g. `the
+    /// server refused the read (SQLSTATE 3D000)`, `could not connect`, `no answer within 5s`).
     Unreachable(String),
     /// The database answers, but the deployment's schema has no migration history: dropped,
     /// or the database was recreated. Says which schema.
