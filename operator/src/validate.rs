@@ -21,6 +21,14 @@ pub fn problems(name: &str, spec: &PerspectiveDeploymentSpec) -> Vec<String> {
             }
         })
         .collect();
+    // The worker reads the rendered config through its own limits (size, aliases, nesting):
+    // a spec they refuse would be accepted here and then fail every pod.
+    let (yaml, _) = crate::config_map::render(&spec.worker_config());
+    if let Some(refusal) = perspective_worker::config::yaml_limits::refusal(&yaml) {
+        out.push(format!(
+            "spec: the worker would refuse the config rendered from this spec: {refusal}"
+        ));
+    }
     if name.len() > MAX_NAME_LEN || name.contains('.') {
         out.push(format!(
             "metadata.name: {name:?} must be a DNS label of at most {MAX_NAME_LEN} characters \
@@ -80,6 +88,35 @@ pub fn image_problem(image: &str, defaulted: bool, allowed: &[String]) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 26, finding 7: a spec the worker's YAML limits refuse is refused here too (it was
+    /// accepted, and every pod then failed to read its config). The worker counts unclosed `[`
+    /// and `{` over the raw text, strings included.
+    #[test]
+    fn finding_7_a_spec_the_worker_would_refuse_is_refused() {
+        let deep = "[".repeat(70);
+        let spec: PerspectiveDeploymentSpec = serde_yaml::from_value(serde_yaml::Value::Mapping(
+            serde_yaml::from_str(&format!(
+                "schema: shop\ndatabase: {{secretRef: {{name: db}}}}\n\
+                 perspectives: [{{name: p, handlers: {{A: \"SELECT '{deep}'\"}}}}]\n"
+            ))
+            .unwrap(),
+        ))
+        .unwrap();
+        let found = problems("shop", &spec);
+        assert!(
+            found
+                .iter()
+                .any(|p| p.starts_with("spec: the worker would refuse the config rendered")),
+            "{found:?}"
+        );
+        let plain: PerspectiveDeploymentSpec = serde_yaml::from_str(
+            "schema: shop\ndatabase: {secretRef: {name: db}}\n\
+             perspectives: [{name: p, handlers: {A: SELECT 1}}]\n",
+        )
+        .unwrap();
+        assert!(problems("shop", &plain).is_empty());
+    }
 
     #[test]
     fn only_images_with_an_allowed_prefix_run_when_prefixes_are_set() {
