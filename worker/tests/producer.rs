@@ -580,29 +580,6 @@ async fn two_schemas_in_one_database_are_independent() {
     assert_eq!(actives, HashSet::from([one.clone(), two.clone()]));
 }
 
-/// A connection to the test database as `role` (trust authentication: no password).
-async fn connect_as(role: &str) -> sqlx::PgConnection {
-    use std::str::FromStr;
-    let options = sqlx::postgres::PgConnectOptions::from_str(&database_url())
-        .unwrap()
-        .username(role);
-    sqlx::PgConnection::connect_with(&options)
-        .await
-        .expect("connect as the producer role")
-}
-
-/// The SQLSTATE of what `sql` fails with, as `conn`'s role.
-async fn refused(conn: &mut sqlx::PgConnection, sql: &str) -> String {
-    let err = sqlx::raw_sql(sql)
-        .execute(&mut *conn)
-        .await
-        .expect_err(&format!("allowed: {sql}"));
-    err.as_database_error()
-        .and_then(|e| e.code())
-        .map(|c| c.into_owned())
-        .unwrap_or_else(|| panic!("{sql}: {err}"))
-}
-
 /// Issue 26, finding 4: a producer role with exactly USAGE on the schema, INSERT on the store
 /// and EXECUTE on `append_events` appends both ways, its events are applied, and every engine
 /// table refuses it (before, a plain INSERT failed with "permission denied for table

@@ -12,32 +12,12 @@ use perspective_worker::engine::EngineOptions;
 use sqlx::Connection;
 use uuid::Uuid;
 
-/// The test database's URL as `role` (trust authentication: no password).
-fn url_as(role: &str) -> String {
-    let url = database_url();
-    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
-    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
-    format!("{scheme}://{role}@{host}")
-}
-
 fn text(out: &Output) -> String {
     format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
-}
-
-/// The SQLSTATE `sql` fails with on `conn`.
-async fn refused(conn: &mut sqlx::PgConnection, sql: &str) -> String {
-    let err = sqlx::raw_sql(sql)
-        .execute(&mut *conn)
-        .await
-        .expect_err(&format!("allowed: {sql}"));
-    err.as_database_error()
-        .and_then(|e| e.code())
-        .map(|c| c.into_owned())
-        .unwrap_or_else(|| panic!("{sql}: {err}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -110,7 +90,7 @@ async fn producer_worker_and_reader_each_run_with_their_grants_alone() {
     assert!(text(&out).contains("\"p1\""), "{}", text(&out));
 
     // Each is refused what is not its job.
-    let mut w = sqlx::PgConnection::connect(&url_as(worker)).await.unwrap();
+    let mut w = connect_as(worker).await;
     for sql in [
         format!("UPDATE {schema}.wh_event_store SET event_type = 'B'"),
         format!("INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES (gen_random_uuid(), 'A')"),
@@ -118,7 +98,7 @@ async fn producer_worker_and_reader_each_run_with_their_grants_alone() {
     ] {
         assert_eq!(refused(&mut w, &sql).await, "42501", "worker: {sql}");
     }
-    let mut r = sqlx::PgConnection::connect(&url_as(reader)).await.unwrap();
+    let mut r = connect_as(reader).await;
     for sql in [
         format!("SELECT * FROM {schema}.wh_event_store"),
         format!("SELECT * FROM {schema}.seen_p1"),

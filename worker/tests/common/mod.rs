@@ -656,3 +656,30 @@ pub const QUICK_OPTIONS: &str = "worker:
 claimWorker:
   pollingIntervalMilliseconds: 100
 ";
+
+/// The test database's URL as `role` (trust authentication: no password).
+pub fn url_as(role: &str) -> String {
+    let url = database_url();
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{role}@{host}")
+}
+
+/// A connection to the test database as `role`.
+pub async fn connect_as(role: &str) -> PgConnection {
+    PgConnection::connect(&url_as(role))
+        .await
+        .unwrap_or_else(|e| panic!("connect as {role}: {e}"))
+}
+
+/// The SQLSTATE `sql` fails with on `conn` (it must fail).
+pub async fn refused(conn: &mut PgConnection, sql: &str) -> String {
+    let err = sqlx::raw_sql(sql)
+        .execute(&mut *conn)
+        .await
+        .expect_err(&format!("allowed: {sql}"));
+    err.as_database_error()
+        .and_then(|e| e.code())
+        .map(|c| c.into_owned())
+        .unwrap_or_else(|| panic!("{sql}: {err}"))
+}
