@@ -60,6 +60,37 @@ pub struct Config {
     pub claim_worker: ClaimWorkerOptions,
 }
 
+/// How long reading a config file may take: a named pipe nobody writes to blocks its reader
+/// (at open) for ever.
+const CONFIG_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// At most the config limit plus one byte of `path`, within `timeout` (read on a thread of its
+/// own, which a blocked pipe leaves behind; the command then ends with the error).
+fn read_bounded(path: &Path, timeout: std::time::Duration) -> std::io::Result<Vec<u8>> {
+    let path = path.to_owned();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let read = std::fs::File::open(&path).and_then(|file| {
+            let mut bytes = Vec::new();
+            std::io::Read::read_to_end(
+                &mut std::io::Read::take(file, yaml_limits::MAX_CONFIG_BYTES as u64 + 1),
+                &mut bytes,
+            )
+            .map(|_| bytes)
+        });
+        let _ = tx.send(read);
+    });
+    rx.recv_timeout(timeout).unwrap_or_else(|_| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "nothing to read within {} s (a named pipe nobody writes to?)",
+                timeout.as_secs()
+            ),
+        ))
+    })
+}
+
 impl Config {
     /// Parses and validates a YAML config; `source` names it in error messages.
     pub fn from_yaml_str(text: &str, source: &str) -> Result<Config, ConfigError> {
@@ -104,15 +135,7 @@ impl Config {
         if size > yaml_limits::MAX_CONFIG_BYTES as u64 {
             return Err(refused(yaml_limits::too_large(size)));
         }
-        let mut bytes = Vec::new();
-        std::io::Read::read_to_end(
-            &mut std::io::Read::take(
-                std::fs::File::open(path).map_err(cannot_read)?,
-                yaml_limits::MAX_CONFIG_BYTES as u64 + 1,
-            ),
-            &mut bytes,
-        )
-        .map_err(cannot_read)?;
+        let bytes = read_bounded(path, CONFIG_READ_TIMEOUT).map_err(cannot_read)?;
         if bytes.len() > yaml_limits::MAX_CONFIG_BYTES {
             return Err(refused(format!(
                 "the config is longer than {} bytes (1 MiB), the most that is read; stopped reading there",
@@ -425,6 +448,26 @@ perspectives:
 
         let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/shop.yaml");
         assert_eq!(Config::load(&example).unwrap().schema, "shop");
+    }
+
+    /// Issue 26, finding 7: a named pipe nobody writes to is given up on, not waited for.
+    #[test]
+    fn a_pipe_nobody_writes_to_is_given_up_on() {
+        let dir = std::env::temp_dir().join(format!("perspective-fifo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("config.yaml");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let started = std::time::Instant::now();
+        let error = read_bounded(&fifo, std::time::Duration::from_millis(300)).unwrap_err();
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert!(error.to_string().contains("named pipe"), "{error}");
+        // Unblock the reader left behind, then clean up.
+        let _ = std::fs::OpenOptions::new().write(true).open(&fifo);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Issue 26, finding 7: a file that reports no size and never ends is read up to the limit
