@@ -2512,24 +2512,21 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
             .await
             .unwrap();
     }
-    for (secret, url) in [
-        ("shop-worker", url_as(&worker)),
-        ("shop-reader", url_as(&reader)),
-    ] {
-        kubectl_ok(&["-n", &w.ns, "create", "secret", "generic", secret], None);
+    let create_secret = |secret: &str, url: String| {
         kubectl_ok(
             &[
                 "-n",
                 &w.ns,
-                "patch",
+                "create",
                 "secret",
+                "generic",
                 secret,
-                "-p",
-                &serde_json::json!({ "stringData": { "dsn": url } }).to_string(),
+                &format!("--from-literal=dsn={url}"),
             ],
             None,
-        );
-    }
+        )
+    };
+    create_secret("shop-reader", url_as(&reader));
     let yaml = pd_yaml("shop", &w.schema, 2, "v1", "").replace(
         "    secretRef: {name: shop-db}\n",
         "    secretRef: {name: shop-db}\n    \
@@ -2537,6 +2534,22 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
          statusSecretRef: {name: shop-reader, key: dsn}\n",
     );
     w.apply(&yaml);
+    // A missing role's Secret is reported like `secretRef`'s, naming its field only.
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("SecretMissing"))
+        .await;
+    let message = condition(&pd, "Degraded").message;
+    assert!(
+        message.starts_with("spec.database.workerSecretRef: the Secret it names is missing")
+            && !message.contains("shop-worker")
+            && !message.contains("secretRef:"),
+        "{message}"
+    );
+    assert!(
+        w.jobs().await.is_empty(),
+        "nothing runs without every Secret"
+    );
+    create_secret("shop-worker", url_as(&worker));
     w.wait_condition("shop", "MigrationsApplied", "True", None)
         .await;
     // The reader has no rights yet: the operator, reading as it, gets no figures.
