@@ -2498,6 +2498,7 @@ async fn sessions_as(conn: &mut PgConnection, role: &str, app: &str) -> i64 {
 /// with `grants worker`) and the operator reads status as a read-only role (`statusSecretRef`,
 /// `grants reader`): the deployment becomes Ready, applies events with the workers connected as
 /// their role, and its figures come through the reader (before the reader's grants they do not).
+/// Until the workers' Secret exists the deployment is `SecretMissing`, naming only its field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
     let w = World::new("roles", &[("op", &["--status-interval-seconds=2"])]).await;
@@ -2526,10 +2527,12 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
             None,
         )
     };
+    create_secret("shop-owner", database_url());
     create_secret("shop-reader", url_as(&reader));
     let yaml = pd_yaml("shop", &w.schema, 2, "v1", "").replace(
         "    secretRef: {name: shop-db}\n",
         "    secretRef: {name: shop-db}\n    \
+         migrationSecretRef: {name: shop-owner, key: dsn}\n    \
          workerSecretRef: {name: shop-worker, key: dsn}\n    \
          statusSecretRef: {name: shop-reader, key: dsn}\n",
     );
@@ -2591,7 +2594,7 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
         .await
         .unwrap();
     assert_eq!(owner, me);
-    // Each worker pod's environment names the worker Secret, the Job's the shared one.
+    // Each worker pod's environment names the worker Secret, the Job's the owner's.
     let sts = w.statefulset("shop").await.unwrap();
     let env = serde_json::to_string(&sts.spec.unwrap().template).unwrap();
     assert!(
@@ -2600,7 +2603,7 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
     );
     let jobs = serde_json::to_string(&w.jobs().await).unwrap();
     assert!(
-        jobs.contains("shop-db") && !jobs.contains("shop-worker"),
+        jobs.contains("shop-owner") && !jobs.contains("shop-worker") && !jobs.contains("shop-db"),
         "{jobs}"
     );
     w.shutdown().await;
