@@ -204,8 +204,57 @@ impl PerspectiveDeploymentSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DatabaseSpec {
-    /// Secret (in the deployment's namespace) and key holding the PostgreSQL URL.
+    /// Secret (in the deployment's namespace) and key holding the PostgreSQL URL; used by every
+    /// role below that names no Secret of its own.
     pub secret_ref: SecretKeyRef,
+    /// Secret of the migration Job (`perspective-worker migrate`): the schema owner's URL, who
+    /// creates the schema and the perspectives' tables (default `secretRef`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_secret_ref: Option<SecretKeyRef>,
+    /// Secret of the worker pods (`perspective-worker run`): a role granted with
+    /// `perspective-worker grants worker ROLE`, so that handlers need not run as the schema
+    /// owner (default `secretRef`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_secret_ref: Option<SecretKeyRef>,
+    /// Secret of the operator's own status queries (lag, instances): a read-only role granted
+    /// with `perspective-worker grants reader ROLE` is enough (default `secretRef`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_secret_ref: Option<SecretKeyRef>,
+}
+
+/// Who uses a database Secret: each may have its own (`spec.database.*SecretRef`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DatabaseRole {
+    /// The migration Job.
+    Migration,
+    /// The worker pods.
+    Worker,
+    /// The operator's status queries.
+    Status,
+}
+
+impl DatabaseRole {
+    /// Every role, in the order a missing Secret is reported.
+    pub const ALL: [DatabaseRole; 3] = [Self::Migration, Self::Worker, Self::Status];
+}
+
+impl DatabaseSpec {
+    /// The Secret `role` uses and the spec field naming it (`spec.database.secretRef` when the
+    /// role names none of its own).
+    pub fn secret_for(&self, role: DatabaseRole) -> (&SecretKeyRef, &'static str) {
+        let (own, field) = match role {
+            DatabaseRole::Migration => (
+                &self.migration_secret_ref,
+                "spec.database.migrationSecretRef",
+            ),
+            DatabaseRole::Worker => (&self.worker_secret_ref, "spec.database.workerSecretRef"),
+            DatabaseRole::Status => (&self.status_secret_ref, "spec.database.statusSecretRef"),
+        };
+        match own {
+            Some(secret) => (secret, field),
+            None => (&self.secret_ref, "spec.database.secretRef"),
+        }
+    }
 }
 
 /// A key of a Secret in the same namespace.

@@ -19,7 +19,7 @@ use perspective_worker::store::functions;
 use perspective_worker::store::migrations::MIGRATIONS;
 use sha2::{Digest, Sha256};
 
-use crate::crd::PerspectiveDeploymentSpec;
+use crate::crd::{DatabaseRole, PerspectiveDeploymentSpec};
 use crate::labels;
 use crate::pod;
 
@@ -66,7 +66,13 @@ pub fn build(
 ) -> Job {
     let labels = labels::labels(instance, labels::MIGRATION);
     let annotations = BTreeMap::from([(labels::MIGRATION_HASH.to_owned(), target.hash.clone())]);
-    let container = pod::container("migrate", image, spec, &["migrate"], pod::base_env(spec));
+    let container = pod::container(
+        "migrate",
+        image,
+        spec,
+        &["migrate"],
+        pod::base_env(spec, DatabaseRole::Migration),
+    );
     Job {
         metadata: ObjectMeta {
             name: Some(target.job_name.clone()),

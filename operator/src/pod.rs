@@ -10,14 +10,16 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::config_map::{CONFIG_DIR, CONFIG_FILE};
-use crate::crd::PerspectiveDeploymentSpec;
+use crate::crd::{DatabaseRole, PerspectiveDeploymentSpec};
 
 /// Name of the config volume.
 const CONFIG_VOLUME: &str = "config";
 
-/// Environment every worker container gets: the config path and the database URL, which comes
-/// from the Secret and so never appears in a pod spec, a ConfigMap or a log.
-pub fn base_env(spec: &PerspectiveDeploymentSpec) -> Vec<EnvVar> {
+/// Environment every worker container gets: the config path and the database URL of `role`
+/// (the migration Job's or the workers' Secret), which comes from the Secret and so never
+/// appears in a pod spec, a ConfigMap or a log.
+pub fn base_env(spec: &PerspectiveDeploymentSpec, role: DatabaseRole) -> Vec<EnvVar> {
+    let (secret, _) = spec.database.secret_for(role);
     vec![
         EnvVar {
             name: "PERSPECTIVE_CONFIG".to_owned(),
@@ -28,8 +30,8 @@ pub fn base_env(spec: &PerspectiveDeploymentSpec) -> Vec<EnvVar> {
             name: "DATABASE_URL".to_owned(),
             value_from: Some(EnvVarSource {
                 secret_key_ref: Some(SecretKeySelector {
-                    name: spec.database.secret_ref.name.clone(),
-                    key: spec.database.secret_ref.key.clone(),
+                    name: secret.name.clone(),
+                    key: secret.key.clone(),
                     optional: Some(false),
                 }),
                 ..EnvVarSource::default()

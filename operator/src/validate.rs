@@ -47,20 +47,38 @@ pub fn problems(name: &str, spec: &PerspectiveDeploymentSpec) -> Vec<String> {
             ));
         }
     }
-    let secret = &spec.database.secret_ref;
-    if secret.name.is_empty() {
-        out.push("spec.database.secretRef.name: must name a Secret".to_owned());
-    }
-    if secret.key.is_empty()
-        || !secret
-            .key
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
-    {
-        out.push(format!(
-            "spec.database.secretRef.key: {:?} is not a valid Secret key",
-            secret.key
-        ));
+    let db = &spec.database;
+    let named = [
+        (Some(&db.secret_ref), "spec.database.secretRef"),
+        (
+            db.migration_secret_ref.as_ref(),
+            "spec.database.migrationSecretRef",
+        ),
+        (
+            db.worker_secret_ref.as_ref(),
+            "spec.database.workerSecretRef",
+        ),
+        (
+            db.status_secret_ref.as_ref(),
+            "spec.database.statusSecretRef",
+        ),
+    ];
+    for (secret, field) in named {
+        let Some(secret) = secret else { continue };
+        if secret.name.is_empty() {
+            out.push(format!("{field}.name: must name a Secret"));
+        }
+        if secret.key.is_empty()
+            || !secret
+                .key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-._".contains(c))
+        {
+            out.push(format!(
+                "{field}.key: {:?} is not a valid Secret key",
+                secret.key
+            ));
+        }
     }
     out
 }

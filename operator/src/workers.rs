@@ -15,7 +15,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::ObjectMeta;
 
-use crate::crd::PerspectiveDeploymentSpec;
+use crate::crd::{DatabaseRole, PerspectiveDeploymentSpec};
 use crate::labels;
 use crate::pod;
 
@@ -87,7 +87,7 @@ pub fn pod_template(
     config_hash: &str,
     migration_hash: &str,
 ) -> PodTemplateSpec {
-    let mut env = pod::base_env(spec);
+    let mut env = pod::base_env(spec, DatabaseRole::Worker);
     env.push(pod::field_env("PERSPECTIVE_INSTANCE_ID", "metadata.uid"));
     env.push(k8s_openapi::api::core::v1::EnvVar {
         name: "PERSPECTIVE_HTTP_ADDR".to_owned(),

@@ -114,6 +114,57 @@ fn statefulset_runs_workers_with_pod_uid_identity_and_secret_url() {
     assert!(!rendered.contains("postgres://"));
 }
 
+fn database_secret_of(pod: &k8s_openapi::api::core::v1::PodSpec) -> String {
+    let env = pod.containers[0].env.as_ref().unwrap();
+    let url = env.iter().find(|e| e.name == "DATABASE_URL").unwrap();
+    let s = url
+        .value_from
+        .as_ref()
+        .and_then(|f| f.secret_key_ref.as_ref())
+        .unwrap();
+    format!("{}/{}", s.name, s.key)
+}
+
+/// Issue 26: the migration Job gets `migrationSecretRef`, the worker pods `workerSecretRef`
+/// (so handlers need not run as the schema owner); `secretRef` is the default of both.
+#[test]
+fn separate_secrets_go_to_the_migration_job_and_the_workers() {
+    let build = |spec: &PerspectiveDeploymentSpec| {
+        let target = migration_job::target("shop", spec, "worker:1");
+        let job = migration_job::build("shop", "ns", spec, "worker:1", "cm", &target);
+        let sts = workers::statefulset("shop", "ns", spec, "worker:1", "cm", "h", &target.hash);
+        let job_pod = job.spec.unwrap().template.spec.unwrap();
+        let sts_pod = sts.spec.unwrap().template.spec.unwrap();
+        (database_secret_of(&job_pod), database_secret_of(&sts_pod))
+    };
+    let shared = spec();
+    assert_eq!(
+        build(&shared),
+        ("shop-db/url".to_owned(), "shop-db/url".to_owned())
+    );
+    let mut split = spec();
+    split.database = serde_yaml::from_str(
+        "secretRef: {name: shop-db}\n\
+         migrationSecretRef: {name: shop-owner, key: dsn}\n\
+         workerSecretRef: {name: shop-worker}\n\
+         statusSecretRef: {name: shop-reader}\n",
+    )
+    .unwrap();
+    assert_eq!(
+        build(&split),
+        ("shop-owner/dsn".to_owned(), "shop-worker/url".to_owned())
+    );
+    assert!(validate::problems("shop", &split).is_empty());
+    split.database.worker_secret_ref.as_mut().unwrap().key = "a b".into();
+    split.database.status_secret_ref.as_mut().unwrap().name = String::new();
+    let joined = validate::problems("shop", &split).join("\n");
+    assert!(
+        joined.contains("spec.database.workerSecretRef.key: \"a b\" is not a valid Secret key")
+            && joined.contains("spec.database.statusSecretRef.name: must name a Secret"),
+        "{joined}"
+    );
+}
+
 #[test]
 fn migration_target_follows_handlers_and_image_not_worker_tuning() {
     let base = spec();

@@ -22,7 +22,8 @@ use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
-use perspective_operator::crd::PerspectiveDeployment;
+use perspective_operator::crd::{DatabaseState, PerspectiveDeployment};
+use perspective_worker::store::grants::{self, Role};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use support::pod_runner::{PodRunner, ProcState};
@@ -2463,4 +2464,152 @@ async fn finding_3_the_api_server_refuses_oversized_deployments() {
         String::from_utf8_lossy(&under.stderr)
     );
     w.shutdown().await;
+}
+
+/// The test database's URL as `role` (the test PostgreSQL trusts local roles: no password).
+fn url_as(role: &str) -> String {
+    let url = database_url();
+    let (scheme, rest) = url.split_once("://").expect("a postgres:// URL");
+    let host = rest.split_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{role}@{host}")
+}
+
+/// Runs `perspective-worker grants KIND ROLE`'s statements for `schema` as the schema owner.
+async fn grant(conn: &mut PgConnection, schema: &str, kind: Role, role: &str) {
+    grants::apply(conn, &grants::statements(schema, kind, role))
+        .await
+        .unwrap_or_else(|e| panic!("grants {kind:?} {role}: {e}"));
+}
+
+/// Sessions of `role` whose `application_name` starts with `app`.
+async fn sessions_as(conn: &mut PgConnection, role: &str, app: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE usename = $1 AND application_name LIKE $2",
+    )
+    .bind(role)
+    .bind(format!("{app}%"))
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
+/// Issue 26 (DESIGN §12.3): the migration Job runs as the schema owner
+/// (`migrationSecretRef`), the workers as a role that owns nothing (`workerSecretRef`, granted
+/// with `grants worker`) and the operator reads status as a read-only role (`statusSecretRef`,
+/// `grants reader`): the deployment becomes Ready, applies events with the workers connected as
+/// their role, and its figures come through the reader (before the reader's grants they do not).
+/// Until the workers' Secret exists the deployment is `SecretMissing`, naming only its field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
+    let w = World::new("roles", &[("op", &["--status-interval-seconds=2"])]).await;
+    let mut conn = db().await;
+    let (worker, reader) = (
+        format!("{}_worker", w.schema),
+        format!("{}_reader", w.schema),
+    );
+    for role in [&worker, &reader] {
+        sqlx::query(&format!("CREATE ROLE {role} LOGIN"))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+    }
+    let create_secret = |secret: &str, url: String| {
+        kubectl_ok(
+            &[
+                "-n",
+                &w.ns,
+                "create",
+                "secret",
+                "generic",
+                secret,
+                &format!("--from-literal=dsn={url}"),
+            ],
+            None,
+        )
+    };
+    create_secret("shop-owner", database_url());
+    create_secret("shop-reader", url_as(&reader));
+    let yaml = pd_yaml("shop", &w.schema, 2, "v1", "").replace(
+        "    secretRef: {name: shop-db}\n",
+        "    secretRef: {name: shop-db}\n    \
+         migrationSecretRef: {name: shop-owner, key: dsn}\n    \
+         workerSecretRef: {name: shop-worker, key: dsn}\n    \
+         statusSecretRef: {name: shop-reader, key: dsn}\n",
+    );
+    w.apply(&yaml);
+    // A missing role's Secret is reported like `secretRef`'s, naming its field only.
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("SecretMissing"))
+        .await;
+    let message = condition(&pd, "Degraded").message;
+    assert!(
+        message.starts_with("spec.database.workerSecretRef: the Secret it names is missing")
+            && !message.contains("shop-worker")
+            && !message.contains("secretRef:"),
+        "{message}"
+    );
+    assert!(
+        w.jobs().await.is_empty(),
+        "nothing runs without every Secret"
+    );
+    create_secret("shop-worker", url_as(&worker));
+    w.wait_condition("shop", "MigrationsApplied", "True", None)
+        .await;
+    // The reader has no rights yet: the operator, reading as it, gets no figures.
+    let unread = poll("status read and refused as the reader", LONG, || async {
+        let st = w.pds().get("shop").await?.status.unwrap_or_default();
+        Ok(st.database.filter(|d| *d != DatabaseState::Reachable))
+    })
+    .await
+    .unwrap();
+    eprintln!("[e2e] before the reader's grants: {unread:?}");
+    assert_ne!(condition(&w.pd("shop").await, "Ready").status, "True");
+    // Both need the migrated schema (`grants` names its tables); until then the worker pods
+    // fail and are restarted.
+    grant(&mut conn, &w.schema, Role::Worker, &worker).await;
+    grant(&mut conn, &w.schema, Role::Reader, &reader).await;
+    let pd = w.wait_condition("shop", "Ready", "True", None).await;
+    let status = pd.status.unwrap();
+    assert_eq!(status.database, Some(DatabaseState::Reachable));
+    append_orders(&mut conn, &w.schema, 5).await;
+    wait_sql(
+        &mut conn,
+        "orders applied by the worker role",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        5,
+    )
+    .await;
+    assert!(sessions_as(&mut conn, &worker, "perspective-worker").await > 0);
+    assert!(sessions_as(&mut conn, &reader, "perspective-operator").await > 0);
+    // The read models belong to the owner (the migration Job), not the worker role.
+    let owner: String = sqlx::query_scalar(
+        "SELECT tableowner::text FROM pg_tables WHERE schemaname = $1 AND tablename = 'order_count'",
+    )
+    .bind(&w.schema)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    let me: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(owner, me);
+    // Each worker pod's environment names the worker Secret, the Job's the owner's.
+    let sts = w.statefulset("shop").await.unwrap();
+    let env = serde_json::to_string(&sts.spec.unwrap().template).unwrap();
+    assert!(
+        env.contains("shop-worker") && !env.contains("shop-db"),
+        "{env}"
+    );
+    let jobs = serde_json::to_string(&w.jobs().await).unwrap();
+    assert!(
+        jobs.contains("shop-owner") && !jobs.contains("shop-worker") && !jobs.contains("shop-db"),
+        "{jobs}"
+    );
+    w.shutdown().await;
+    for role in [&worker, &reader] {
+        let _ = sqlx::query(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+            .execute(&mut conn)
+            .await;
+    }
 }

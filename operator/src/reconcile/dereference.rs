@@ -1,5 +1,5 @@
-//! What a deployment refers to and what of it already exists: the database URL from the
-//! Secret its spec names, the current migration target's Job and the worker StatefulSet; then
+//! What a deployment refers to and what of it already exists: the database URLs from the
+//! Secrets its spec names, the current migration target's Job and the worker StatefulSet; then
 //! the database's view of its schema ([`read_database`]). Reads only.
 
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -14,7 +14,9 @@ use perspective_worker::store::status::Status as DbStatus;
 use super::context::Context;
 use super::error::Error;
 use super::resolve::Resolved;
-use crate::crd::{DatabaseSpec, PerspectiveDeployment, PerspectiveDeploymentStatus};
+use crate::crd::{
+    DatabaseRole, DatabaseSpec, PerspectiveDeployment, PerspectiveDeploymentStatus, SecretKeyRef,
+};
 use crate::labels;
 use crate::migration_job::{self, JobState};
 use crate::status::observed::DatabaseProblem;
@@ -22,9 +24,9 @@ use crate::status::observed::DatabaseProblem;
 /// What was read for one reconcile.
 #[derive(Debug, Clone)]
 pub struct Found {
-    /// The database URL, when the Secret holds one.
+    /// The database URL of the operator's status queries, when every role's Secret holds one.
     pub database_url: Option<String>,
-    /// Why there is none: the Secret or its key is missing (reported as `SecretMissing`).
+    /// Why there is none: a role's Secret or its key is missing (reported as `SecretMissing`).
     pub secret_problem: Option<String>,
     /// The state of the current target's migration Job, if it exists.
     pub job: Option<JobState>,
@@ -40,7 +42,7 @@ pub async fn dereference(
 ) -> Result<Found, Error> {
     let namespace = &resolved.namespace;
     let (database_url, secret_problem) =
-        read_database_url(client, namespace, &pd.spec.database).await?;
+        read_database_urls(client, namespace, &pd.spec.database).await?;
     let jobs: Api<Job> = Api::namespaced(client.clone(), namespace);
     let statefulsets: Api<StatefulSet> = Api::namespaced(client.clone(), namespace);
     let job = jobs
@@ -82,22 +84,66 @@ pub async fn read_database(
 }
 
 /// Why a deployment has no database URL, in its status and Events: the same words whether the
-/// Secret or only its key is missing.
-pub const SECRET_MISSING: &str = "spec.database.secretRef: the Secret it names is missing or \
-     has no value under its key (looked at again every few seconds)";
+/// Secret or only its key is missing, after the spec field naming it.
+const SECRET_MISSING: &str = "the Secret it names is missing or has no value under its key \
+     (looked at again every few seconds)";
 
-/// The database URL from the Secret named in the spec, or why there is none: a missing Secret
-/// or key is reported (`SecretMissing`) and looked at again soon, not a reconcile error.
-async fn read_database_url(
+/// The message for the Secret named at `field` (e.g. `spec.database.secretRef`).
+pub fn secret_missing(field: &str) -> String {
+    format!("{field}: {SECRET_MISSING}")
+}
+
+/// The status queries' database URL, or why the deployment has none: every role's Secret
+/// (migration Job, workers, status) must hold a URL, since a pod without its Secret never
+/// starts; a missing Secret or key is reported (`SecretMissing`, naming each field) and looked
+/// at again soon, not a reconcile error.
+async fn read_database_urls(
     client: &Client,
     namespace: &str,
     database: &DatabaseSpec,
 ) -> Result<(Option<String>, Option<String>), Error> {
-    let secret_ref = &database.secret_ref;
-    if secret_ref.name.is_empty() {
-        // An invalid spec (validate says so).
-        return Ok((None, None));
+    let mut missing: Vec<&str> = Vec::new();
+    let mut status_url = None;
+    // Each distinct Secret is read once (by default all three roles share `secretRef`).
+    let mut read: Vec<(&SecretKeyRef, Option<String>)> = Vec::new();
+    for role in DatabaseRole::ALL {
+        let (secret_ref, field) = database.secret_for(role);
+        if secret_ref.name.is_empty() {
+            // An invalid spec (validate says so).
+            return Ok((None, None));
+        }
+        let url = match read.iter().find(|(r, _)| *r == secret_ref) {
+            Some((_, url)) => url.clone(),
+            None => {
+                let url = read_url(client, namespace, secret_ref).await?;
+                read.push((secret_ref, url.clone()));
+                url
+            }
+        };
+        match url {
+            Some(url) if role == DatabaseRole::Status => status_url = Some(url),
+            Some(_) => {}
+            None if !missing.contains(&field) => missing.push(field),
+            None => {}
+        }
     }
+    if missing.is_empty() {
+        return Ok((status_url, None));
+    }
+    let problem = missing
+        .iter()
+        .map(|field| secret_missing(field))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Ok((None, Some(problem)))
+}
+
+/// The URL under `secret_ref`'s key, if its Secret exists and holds one.
+async fn read_url(
+    client: &Client,
+    namespace: &str,
+    secret_ref: &SecretKeyRef,
+) -> Result<Option<String>, Error> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let secret = secrets.get_opt(&secret_ref.name).await?;
     let value = secret.as_ref().and_then(|secret| {
@@ -114,7 +160,7 @@ async fn read_database_url(
             })
     });
     match value {
-        Some(url) if !url.trim().is_empty() => Ok((Some(url.trim().to_owned()), None)),
+        Some(url) if !url.trim().is_empty() => Ok(Some(url.trim().to_owned())),
         _ => {
             // Which of the two is for the operator's log: the status says neither, so that it
             // tells no one who cannot read Secrets which ones exist and what keys they hold.
@@ -125,7 +171,7 @@ async fn read_database_url(
                 exists = secret.is_some(),
                 "database Secret missing or without its key"
             );
-            Ok((None, Some(SECRET_MISSING.to_owned())))
+            Ok(None)
         }
     }
 }
