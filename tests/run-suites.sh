@@ -5,11 +5,12 @@
 # tests/e2e/with-control-plane.sh tests/run-suites.sh).
 #
 # Most of the suites' time is waiting (for engines, timers, the control plane), not CPU, and
-# `cargo test` runs its test binaries one after another: three streams take about half the time
-# of one. The binaries are dealt to the streams longest first (their usual durations, below);
-# a test file not listed goes to the stream with the least work, so none is ever left out. Each
-# binary still runs its own tests as `cargo test` does. Output goes to one log per stream,
-# printed whole when the stream fails, and the `test result` lines of all are printed at the end.
+# `cargo test` runs its test binaries one after another: three streams took 214 s where one
+# takes about 330 s. The binaries are dealt to the streams longest first (their durations,
+# below); a test file not listed goes to the stream with the least work, so none is ever left
+# out. Each binary still runs its own tests as `cargo test` does. Output goes to one log per
+# stream, printed whole when the stream fails; the `test result` lines of all, with each job's
+# seconds, are printed at the end.
 #
 #   tests/run-suites.sh                 (needs TEST_DATABASE_URL and KUBECONFIG, see make test)
 #   STREAMS=1 tests/run-suites.sh       (one stream: as `cargo test --workspace` would)
@@ -21,11 +22,13 @@ STREAMS=${STREAMS:-3}
 dir=$(mktemp -d "${TMPDIR:-/tmp}/perspective-suites.XXXXXX")
 trap 'rm -rf "$dir"' EXIT
 
-# Usual seconds of each test binary (a warm run on the project machine), to balance streams.
+# Seconds each job took in a warm three-stream run on the project machine (2026-12-02), to
+# balance the streams.
 declare -A SECONDS_OF=(
-  [operator]=90 [engine]=35 [backfill]=28 [failover]=25 [failures]=20 [partition]=18
-  [scale]=13 [sequencing_failures]=13 [sequencing_lifecycle]=13 [process]=12 [migrate]=11
-  [contention]=9 [options]=9 [sequencing]=7 [connections]=7 [rebuild]=4 [worker-units]=4
+  [operator]=195 [engine]=89 [failover]=40 [backfill]=37 [sequencing_lifecycle]=29 [scale]=27
+  [partition]=23 [failures]=22 [migrate]=18 [sequencing_failures]=16 [process]=14
+  [contention]=10 [options]=9 [sequencing]=9 [rebuild]=9 [connections]=7 [embedded]=6
+  [claim]=5 [worker-units]=4 [truth]=4 [statistics]=4 [producer]=3
 )
 
 # The jobs: the operator's suites (its real-node binary runs with every test skipped), the
@@ -60,9 +63,10 @@ run_stream() { # index, jobs...
   shift
   for j in "$@"; do
     # shellcheck disable=SC2046
-    echo "=== cargo test $(args_of "$j")" >>"$dir/$s.log"
+    local t0=$SECONDS
     # shellcheck disable=SC2046
-    $CARGO test $(args_of "$j") >>"$dir/$s.log" 2>&1 || rc=1
+    $CARGO test $(args_of "$j") >"$dir/$s.job" 2>&1 || rc=1
+    { echo "=== cargo test $(args_of "$j")  ($((SECONDS - t0)) s)"; cat "$dir/$s.job"; } >>"$dir/$s.log"
   done
   echo "$rc" >"$dir/$s.rc"
 }
