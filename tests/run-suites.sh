@@ -6,7 +6,7 @@
 #
 # Most of the suites' time is waiting (for engines, timers, the control plane), not CPU, and
 # `cargo test` runs its test binaries one after another: three streams took 214 s where one
-# takes about 330 s. The binaries are dealt to the streams longest first (their durations,
+# takes well over 330 s. The binaries are dealt to the streams longest first (their durations,
 # below); a test file not listed goes to the stream with the least work, so none is ever left
 # out. Each binary still runs its own tests as `cargo test` does. Output goes to one log per
 # stream, printed whole when the stream fails; the `test result` lines of all, with each job's
