@@ -20,7 +20,13 @@
 # Sequencing (DESIGN §12.2) of the shared-row perspectives: CUSTOMER_SEQ (key: by
 # :data->>'customer', the default; serial; stream) and GLOBAL_SEQ (serial, the default; stream).
 #
+# HANDLERS (batch, the default; event) is the form of the shared-row perspectives' handlers:
+# batch handlers read the run of events as :events and write each shared row once per run
+# (README, "Batch handlers"); event handlers write it once per event. The per-stream
+# perspective always has an event handler.
+#
 #   tests/bench/crossstream.sh            (make bench builds the release worker first)
+#   HANDLERS=event tests/bench/crossstream.sh   (the shared rows written once per event)
 #   CUSTOMER_SEQ=stream GLOBAL_SEQ=stream tests/bench/crossstream.sh   (everything in parallel)
 #   STREAMS=3000 PER_STREAM=10 CUSTOMERS=100 ROUNDS=3 MODES="backlog live" tests/bench/crossstream.sh
 set -euo pipefail
@@ -36,6 +42,8 @@ TIMEOUT=${TIMEOUT:-90}
 MODES=${MODES:-backlog live}
 CUSTOMER_SEQ=${CUSTOMER_SEQ:-key}
 GLOBAL_SEQ=${GLOBAL_SEQ:-serial}
+HANDLERS=${HANDLERS:-batch}
+case $HANDLERS in batch|event) ;; *) echo "HANDLERS must be batch or event, not $HANDLERS" >&2; exit 2 ;; esac
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
 [ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
 
@@ -65,6 +73,35 @@ sequencing_yaml() { # mode
   esac
 }
 
+shared_handler() { # perspective: its OrderLine handler in the form HANDLERS says
+  case $1:$HANDLERS in
+    customer_stats:event) cat <<'Y'
+      OrderLine: |
+        INSERT INTO customer_stats AS c VALUES (:data->>'customer', 1, (:data->>'total')::numeric)
+        ON CONFLICT (customer) DO UPDATE SET lines = c.lines + 1, total = c.total + excluded.total
+Y
+    ;;
+    customer_stats:batch) cat <<'Y'
+      OrderLine: |
+        INSERT INTO customer_stats AS c
+        SELECT data->>'customer', count(*), sum((data->>'total')::numeric) FROM :events GROUP BY 1
+        ON CONFLICT (customer) DO UPDATE SET lines = c.lines + excluded.lines, total = c.total + excluded.total
+Y
+    ;;
+    global_stats:event) cat <<'Y'
+      OrderLine: |
+        INSERT INTO global_stats AS g VALUES (1, 1) ON CONFLICT (id) DO UPDATE SET lines = g.lines + 1
+Y
+    ;;
+    global_stats:batch) cat <<'Y'
+      OrderLine: |
+        INSERT INTO global_stats AS g SELECT 1, count(*) FROM :events
+        ON CONFLICT (id) DO UPDATE SET lines = g.lines + excluded.lines
+Y
+    ;;
+  esac
+}
+
 perspective_yaml() { # name
   case $1 in
     orders) cat <<'Y'
@@ -81,9 +118,7 @@ Y
 $(sequencing_yaml "$CUSTOMER_SEQ")
     setup: CREATE TABLE IF NOT EXISTS customer_stats (customer text PRIMARY KEY, lines bigint NOT NULL, total numeric NOT NULL)
     handlers:
-      OrderLine: |
-        INSERT INTO customer_stats AS c VALUES (:data->>'customer', 1, (:data->>'total')::numeric)
-        ON CONFLICT (customer) DO UPDATE SET lines = c.lines + 1, total = c.total + excluded.total
+$(shared_handler customer_stats)
 Y
     ;;
     global_stats) cat <<Y
@@ -91,8 +126,7 @@ Y
 $(sequencing_yaml "$GLOBAL_SEQ")
     setup: CREATE TABLE IF NOT EXISTS global_stats (id int PRIMARY KEY, lines bigint NOT NULL)
     handlers:
-      OrderLine: |
-        INSERT INTO global_stats AS g VALUES (1, 1) ON CONFLICT (id) DO UPDATE SET lines = g.lines + 1
+$(shared_handler global_stats)
 Y
     ;;
   esac
@@ -209,7 +243,7 @@ SQL
 
 median() { sort -g | awk '{a[NR]=$1} END{print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
-echo "cross-stream benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f1), fsync=$(q -c 'show fsync'), $(nproc) cores; $WORKERS workers (default options), $STREAMS streams x $PER_STREAM events over $CUSTOMERS customers; $ROUNDS rounds, medians"
+echo "cross-stream benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f1), fsync=$(q -c 'show fsync'), $(nproc) cores; $WORKERS workers (default options), $STREAMS streams x $PER_STREAM events over $CUSTOMERS customers; shared rows: customer $CUSTOMER_SEQ, global $GLOBAL_SEQ, $HANDLERS handlers; $ROUNDS rounds, medians"
 for mode in $MODES; do
   for r in $(seq "$ROUNDS"); do
     for i in "${!SETS[@]}"; do

@@ -24,8 +24,10 @@ pub fn create_apply_function(schema: &str, perspective: &PerspectiveConfig) -> S
             event_id_order => perspective.ordering == Ordering::EventId,
             handled_types => perspective.handlers.keys().cloned().collect::<Vec<_>>(),
             uses => uses(perspective),
-            handlers => handlers(perspective),
-            reset => reset(perspective),
+            reads => reads(perspective),
+            handlers => handlers(schema, perspective),
+            batch_types => batch_types(perspective),
+            reset => reset(schema, perspective),
             lock => lock_slots(schema, perspective),
             lock_mode => perspective.sequencing.as_str(),
             cursor_completed => cursor_status::COMPLETED,
@@ -57,7 +59,7 @@ pub fn create_batch_function(schema: &str, perspective: &PerspectiveConfig) -> S
     let handler_sql: Vec<String> = perspective
         .compiled_handlers()
         .iter()
-        .flat_map(|(_, statements)| statements.iter().map(statement))
+        .flat_map(|(_, statements)| statements.iter().map(|s| statement(schema, s)))
         .collect();
     render(
         "batch_function.sql",
@@ -66,7 +68,9 @@ pub fn create_batch_function(schema: &str, perspective: &PerspectiveConfig) -> S
             function => batch_function_name(&perspective.name),
             tag => dollar_tag(&handler_sql.join("\n")),
             uses => uses(perspective),
-            handlers => handlers(perspective),
+            reads => reads(perspective),
+            handlers => handlers(schema, perspective),
+            batch_types => batch_types(perspective),
         },
     )
 }
@@ -86,27 +90,60 @@ fn uses(perspective: &PerspectiveConfig) -> Value {
         .into()
 }
 
+/// Per event column, whether the events are read with it: when a handler uses its parameter,
+/// and every column when a batch handler reads `:events` (its relation has them all).
+fn reads(perspective: &PerspectiveConfig) -> Value {
+    let batch = !batch_types(perspective).is_empty();
+    let used: BTreeSet<Param> = perspective
+        .compiled_handlers()
+        .iter()
+        .flat_map(|(_, statements)| statements.iter().flat_map(|s| s.params()))
+        .collect();
+    Param::PER_EVENT
+        .iter()
+        .map(|p| (p.name(), batch || used.contains(p)))
+        .collect::<BTreeMap<_, _>>()
+        .into()
+}
+
+/// The event types whose handler is a batch handler (reads `:events`), as SQL literals joined
+/// by commas; empty when there is none.
+fn batch_types(perspective: &PerspectiveConfig) -> String {
+    perspective
+        .compiled_handlers()
+        .iter()
+        .filter(|(_, statements)| statements.iter().any(is_batch))
+        .map(|(event_type, _)| format!("'{}'", event_type.replace('\'', "''")))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Whether the statement reads `:events`, making its handler a batch handler.
+fn is_batch(stmt: &ParsedStatement) -> bool {
+    stmt.params().contains(&Param::Events)
+}
+
 /// The handlers in config order: event type and PL/pgSQL statements.
-fn handlers(perspective: &PerspectiveConfig) -> Value {
+fn handlers(schema: &str, perspective: &PerspectiveConfig) -> Value {
     perspective
         .compiled_handlers()
         .iter()
         .map(|(event_type, statements)| {
             context! {
                 event_type,
-                statements => statements.iter().map(statement).collect::<Vec<_>>(),
+                statements => statements.iter().map(|s| statement(schema, s)).collect::<Vec<_>>(),
             }
         })
         .collect()
 }
 
 /// The `reset` statements as PL/pgSQL (none without a reset).
-fn reset(perspective: &PerspectiveConfig) -> Value {
+fn reset(schema: &str, perspective: &PerspectiveConfig) -> Value {
     perspective
         .compiled_reset()
         .unwrap_or_default()
         .iter()
-        .map(statement)
+        .map(|s| statement(schema, s))
         .collect()
 }
 
@@ -117,10 +154,18 @@ pub fn runs_as_perform(stmt: &ParsedStatement) -> bool {
     stmt.leading_keyword().as_deref() == Some("select")
 }
 
-/// One handler statement as PL/pgSQL: parameters become variables; a bare SELECT becomes
-/// PERFORM (PL/pgSQL refuses a SELECT whose result goes nowhere).
-fn statement(stmt: &ParsedStatement) -> String {
-    let text = stmt.render_with(|p| format!("_wh_{}", p.name()));
+/// One handler statement as PL/pgSQL: parameters become variables, and `:events` the run of
+/// events v_i..v_j (apply_event.sql) through `wh_batch_events`; a bare SELECT becomes PERFORM
+/// (PL/pgSQL refuses a SELECT whose result goes nowhere).
+fn statement(schema: &str, stmt: &ParsedStatement) -> String {
+    let text = stmt.render_with(|p| match p {
+        Param::Events => format!(
+            "{schema}.wh_batch_events(_wh_run_streams, a_event_ids[v_i:v_j], a_versions[v_i:v_j], \
+             a_types[v_i:v_j], a_data[v_i:v_j], a_metadata[v_i:v_j], a_scope[v_i:v_j], \
+             a_created[v_i:v_j], a_users[v_i:v_j], a_tenants[v_i:v_j])"
+        ),
+        _ => format!("_wh_{}", p.name()),
+    });
     if runs_as_perform(stmt) {
         format!("PERFORM{}", &text["select".len()..])
     } else {
@@ -419,7 +464,7 @@ mod tests {
         ));
         assert!(sql.contains("CREATE OR REPLACE FUNCTION s.wh_batch_p("));
         assert!(sql.contains("SET search_path TO s, public"));
-        assert!(sql.contains("JOIN s.wh_event_store e ON e.stream_id = x.stream_id AND e.stream_version = x.stream_version;"));
+        assert!(sql.contains("CROSS JOIN LATERAL (SELECT * FROM s.wh_event_store e0\n                      WHERE e0.stream_id = x.stream_id AND e0.stream_version = x.stream_version\n                      LIMIT 1) e;"), "{sql}");
         assert!(
             sql.contains("array_agg(e.event_data ORDER BY x.i)"),
             "{sql}"
@@ -446,6 +491,45 @@ mod tests {
         let sql = create_batch_function("s", &p);
         assert!(sql.contains("AS $wh_apply1$\n"), "{sql}");
         assert!(sql.trim_end().ends_with("$wh_apply1$"), "{sql}");
+    }
+
+    /// A handler that reads `:events` runs once per run of its type's consecutive events: the
+    /// run's slices go to wh_batch_events, every column is read, the identity set is the run's
+    /// (or ''), and both loops go on past the run. A per-event handler beside it is unchanged.
+    #[test]
+    fn a_batch_handler_runs_once_per_run_of_its_type() {
+        let p = perspective(
+            "    handlers:\n      A: INSERT INTO n SELECT count(*) FROM :events\n      B: INSERT INTO seen VALUES (:stream_id, :data)\n",
+        );
+        for sql in [
+            create_apply_function("s", &p),
+            create_batch_function("s", &p),
+        ] {
+            assert!(sql.contains("IF a_types[v_i] IN ('A') THEN\n        WHILE v_j < "), "{sql}");
+            assert!(
+                sql.contains("INSERT INTO n SELECT count(*) FROM s.wh_batch_events(_wh_run_streams, a_event_ids[v_i:v_j], a_versions[v_i:v_j], a_types[v_i:v_j], a_data[v_i:v_j], a_metadata[v_i:v_j], a_scope[v_i:v_j], a_created[v_i:v_j], a_users[v_i:v_j], a_tenants[v_i:v_j]);"),
+                "{sql}"
+            );
+            assert!(sql.contains("INSERT INTO seen VALUES (_wh_stream_id, _wh_data);"));
+            assert!(sql.contains("array_agg(e.metadata ORDER BY"), "every column read: {sql}");
+            assert!(sql.contains("v_set_user := set_config('perspective.user_id', v_run_user, true);"));
+            assert!(sql.contains("v_run_user := '';"));
+            assert!(sql.contains("v_i := v_j + 1;"), "{sql}");
+        }
+        let apply = create_apply_function("s", &p);
+        assert!(apply.contains("WHILE v_j < v_end AND a_types[v_j + 1] = a_types[v_i] LOOP"));
+        assert!(apply.contains("_wh_run_streams := array_fill(p_stream_id, ARRAY[v_j - v_i + 1]);"));
+        assert!(
+            apply.contains("WHILE v_j < v_i AND"),
+            "the slow path applies a run of one: {apply}"
+        );
+        let batch = create_batch_function("s", &p);
+        assert!(batch.contains("WHILE v_j < v_n AND a_types[v_j + 1] = a_types[v_i] LOOP"));
+        assert!(batch.contains("_wh_run_streams := a_streams[v_i:v_j];"));
+        // Without a batch handler: no run, and each event's own identity.
+        let plain = create_batch_function("s", &commit_ordered());
+        assert!(!plain.contains("v_run_user :="), "{plain}");
+        assert!(plain.contains("v_j := v_i;"));
     }
 
     /// apply_function.sql: the argument list the drop block keeps matches the CREATE statement.

@@ -155,7 +155,8 @@ BEGIN
 {% if event_id_order %}
 {% include "rewind_reset.sql" %}
 {% endif %}
-    FOR v_i IN v_start..v_end LOOP
+    v_i := v_start;
+    WHILE v_i <= v_end LOOP
       -- Past p_stop_at (wh_drain's handler-timeout budget), leave the rest for the next call,
       -- whose timer starts afresh; the first event always runs (progress).
       -- (A rewind's replay is all or nothing: never cut.)
@@ -164,7 +165,8 @@ BEGIN
         EXIT;
       END IF;
       v_running := v_i;
-{% include "apply_event.sql" %}
+{% with run_to = "v_end", run_streams = "array_fill(p_stream_id, ARRAY[v_j - v_i + 1])" %}{% include "apply_event.sql" %}{% endwith %}
+      v_i := v_j + 1;
     END LOOP;
     v_ok := true;
     IF v_end >= v_start THEN

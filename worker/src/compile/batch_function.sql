@@ -40,22 +40,29 @@ DECLARE
   v_set_tenant text;
 BEGIN
   -- The events, by (stream, version) through the store's unique index, in the order given.
+  -- One index probe per event, forced by the LATERAL ... LIMIT 1 (the pair is unique anyway):
+  -- as a join, a custom plan of a store of tens of thousands of events hashed all of it
+  -- (12 ms for 340 events at 30 000, against 1.3 ms probing).
   SELECT {%+ with order_by = "x.i" %}{% include "event_arrays.sql" %}{% endwith %}
     INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants
   FROM unnest(a_streams, a_versions) WITH ORDINALITY AS x(stream_id, stream_version, i)
-  JOIN {{ schema }}.wh_event_store e ON e.stream_id = x.stream_id AND e.stream_version = x.stream_version;
+  CROSS JOIN LATERAL (SELECT * FROM {{ schema }}.wh_event_store e0
+                      WHERE e0.stream_id = x.stream_id AND e0.stream_version = x.stream_version
+                      LIMIT 1) e;
   IF coalesce(array_length(a_types, 1), 0) <> v_n THEN
     RAISE EXCEPTION 'events are missing from {{ schema }}.wh_event_store' USING ERRCODE = 'WH404';
   END IF;
   BEGIN
-    FOR v_i IN 1..v_n LOOP
+    v_i := 1;
+    WHILE v_i <= v_n LOOP
       IF v_i > 1 AND clock_timestamp() >= p_stop_at THEN
         RETURN QUERY SELECT v_i - 1, NULL::integer, NULL::text;
         RETURN;
       END IF;
       v_running := v_i;
       _wh_stream_id := a_streams[v_i];
-{% include "apply_event.sql" %}
+{% with run_to = "v_n", run_streams = "a_streams[v_i:v_j]" %}{% include "apply_event.sql" %}{% endwith %}
+      v_i := v_j + 1;
     END LOOP;
   EXCEPTION WHEN query_canceled THEN
     RETURN QUERY SELECT 0, v_running, SQLERRM;

@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v34";
+const FORMAT_VERSION: &str = "apply-v35";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v34",
-                "f5f22d35b9a2dbe915eccff448d2e89c9ea25486bc3c23133745e9de2d9d0414"
+                "apply-v35",
+                "e37c177bd052abeffa6ffdb27bc57f9cfdbf93dec1fe57e1b1b91e997e6dd489"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

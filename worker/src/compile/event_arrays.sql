@@ -1,6 +1,7 @@
 {#- The per-event columns read from wh_event_store, one array each, in `order_by` order (the
     group's version order, or event-id order for a rewind's replay). Columns no handler uses
-    are not copied: every array element costs. Slots: order_by, uses. #}
+    are not copied: every array element costs. Slots: order_by, reads (uses, and every column
+    when a batch handler reads :events). #}
 {#- An event's identity `key` (user_id, tenant_id): metadata's value, else scope's, and only a
     JSON string counts (a number or a nested object is no identity); '' when neither has one. #}
 {% macro identity(key) -%}
@@ -8,22 +9,22 @@ coalesce(CASE WHEN jsonb_typeof(e.metadata -> '{{ key }}') = 'string' THEN e.met
                             CASE WHEN jsonb_typeof(e.scope -> '{{ key }}') = 'string' THEN e.scope ->> '{{ key }}' END, '')
 {%- endmacro %}
 array_agg(e.event_type ORDER BY {{ order_by }}),
-{% if uses.data %}
+{% if reads.data %}
          array_agg(e.event_data ORDER BY {{ order_by }}),
 {% else %}
          NULL::jsonb[],
 {% endif %}
-{% if uses.metadata %}
+{% if reads.metadata %}
          array_agg(e.metadata ORDER BY {{ order_by }}),
 {% else %}
          NULL::jsonb[],
 {% endif %}
-{% if uses.scope %}
+{% if reads.scope %}
          array_agg(e.scope ORDER BY {{ order_by }}),
 {% else %}
          NULL::jsonb[],
 {% endif %}
-{% if uses.created_at %}
+{% if reads.created_at %}
          array_agg(e.created_at ORDER BY {{ order_by }}),
 {% else %}
          NULL::timestamptz[],

@@ -1,5 +1,6 @@
 {#- The variables the handlers' parameters are bound to (apply_event.sql sets them per event),
-    declared by the apply and batch functions. Slot: stream_init (how the stream id starts). #}
+    declared by the apply and batch functions, and the run a batch handler reads as :events
+    (events v_i..v_j, their streams, the identity they share). Slot: stream_init (how the stream id starts). #}
   _wh_stream_id      uuid{{ stream_init }};
   _wh_event_id       uuid;
   _wh_stream_version bigint;
@@ -10,3 +11,7 @@
   _wh_created_at     timestamptz;
   _wh_user_id        text;
   _wh_tenant_id      text;
+  v_j                integer;
+  _wh_run_streams    uuid[];
+  v_run_user         text;
+  v_run_tenant       text;

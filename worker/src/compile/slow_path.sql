@@ -1,5 +1,5 @@
-{#- Failure isolation: the fast path failed, so the group is replayed event by event, each in its
-    own subtransaction, to commit the good prefix and stop at the failing event (v_failed,
+{#- Failure isolation: the fast path failed, so the group is replayed event by event (a batch
+    handler's run is one event here), each in its own subtransaction, to commit the good prefix and stop at the failing event (v_failed,
     v_err), or at an event that meets contention (v_contended: not a failure, nothing recorded;
     the prefix stays). A rewind's replay is all or nothing and never comes here, nor does a
     fast path stopped by contention. Slots: those of apply_event.sql. #}
@@ -21,7 +21,7 @@
       END IF;
       BEGIN
 {% filter indent(2, true) %}
-{% include "apply_event.sql" %}
+{% with run_to = "v_i", run_streams = "ARRAY[p_stream_id]" %}{% include "apply_event.sql" %}{% endwith %}
 {% endfilter +%}
       EXCEPTION WHEN deadlock_detected OR serialization_failure OR lock_not_available THEN
         v_contended := SQLSTATE;

@@ -27,11 +27,38 @@ pub enum Param {
     CreatedAt,
     UserId,
     TenantId,
+    /// The events of a batch handler's run, as a relation (see [`EVENTS_COLUMNS`]).
+    Events,
 }
+
+/// The columns of `:events`, the relation a batch handler reads: one row per event of the run,
+/// in the order they are applied (`ordinal` counts from 1; each stream's events in version
+/// order). The names are those of the per-event parameters.
+pub const EVENTS_COLUMNS: &str = "stream_id, event_id, stream_version, event_type, data, metadata, scope, created_at, user_id, tenant_id, ordinal";
+
+/// What `:events` becomes where a statement is only checked, not run (`migrate` prepares
+/// each handler): the relation's function over no events (`search_path` holds the schema).
+pub const EVENTS_FOR_CHECKING: &str =
+    "wh_batch_events(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)";
 
 impl Param {
     /// Every parameter, in the order they are listed to users.
-    pub const ALL: [Param; 10] = [
+    pub const ALL: [Param; 11] = [
+        Param::StreamId,
+        Param::EventId,
+        Param::StreamVersion,
+        Param::EventType,
+        Param::Data,
+        Param::Metadata,
+        Param::Scope,
+        Param::CreatedAt,
+        Param::UserId,
+        Param::TenantId,
+        Param::Events,
+    ];
+
+    /// The parameters that hold one event's values (every one but `:events`).
+    pub const PER_EVENT: [Param; 10] = [
         Param::StreamId,
         Param::EventId,
         Param::StreamVersion,
@@ -57,10 +84,12 @@ impl Param {
             Param::CreatedAt => "created_at",
             Param::UserId => "user_id",
             Param::TenantId => "tenant_id",
+            Param::Events => "events",
         }
     }
 
-    /// The PostgreSQL type the parameter is bound as.
+    /// The PostgreSQL type the parameter is bound as. `:events` is a relation, never bound:
+    /// it is spelled into the statement (see [`ParsedStatement::to_positional`]).
     pub fn pg_type(&self) -> &'static str {
         match self {
             Param::StreamId | Param::EventId => "uuid",
@@ -68,6 +97,7 @@ impl Param {
             Param::EventType | Param::UserId | Param::TenantId => "text",
             Param::Data | Param::Metadata | Param::Scope => "jsonb",
             Param::CreatedAt => "timestamptz",
+            Param::Events => "record",
         }
     }
 
@@ -100,7 +130,8 @@ pub struct ParsedStatement {
 impl ParsedStatement {
     /// Renders the statement with `$1, $2, …` placeholders, numbered by first appearance.
     /// A parameter used twice keeps its number; the returned list gives the parameter
-    /// bound to each placeholder, in placeholder order.
+    /// bound to each placeholder, in placeholder order. `:events`, a relation, becomes
+    /// [`EVENTS_FOR_CHECKING`] (no events), not a placeholder.
     pub fn to_positional(&self) -> (String, Vec<Param>) {
         let mut order: Vec<Param> = Vec::new();
         let mut numbers: BTreeMap<Param, usize> = BTreeMap::new();
@@ -108,6 +139,7 @@ impl ParsedStatement {
         for piece in &self.pieces {
             match piece {
                 Piece::Sql(text) => sql.push_str(text),
+                Piece::Param(Param::Events) => sql.push_str(EVENTS_FOR_CHECKING),
                 Piece::Param(param) => {
                     let n = *numbers.entry(*param).or_insert_with(|| {
                         order.push(*param);
@@ -760,7 +792,7 @@ mod tests {
             ),
             "{message}"
         );
-        assert!(message.contains(":tenant_id)"), "{message}");
+        assert!(message.contains(":tenant_id, :events)"), "{message}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use super::names::{
     check_event_type, check_identifier, check_schema_name, MAX_PERSPECTIVE_NAME_LEN,
 };
 use super::perspective::{Ordering, PerspectiveConfig, Sequencing};
-use super::sql_params;
+use super::sql_params::{self, Param};
 use super::worker_options::*;
 use super::Config;
 
@@ -251,6 +251,7 @@ fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mu
     if let Some(reset) = &perspective.reset {
         // An empty reset would let a rewind replay events on top of the old model.
         check_apply_sql(reset, "reset", &format!("{label}.reset"), problems);
+        check_no_events(reset, "reset", &format!("{label}.reset"), problems);
     }
     if perspective.ordering == Ordering::EventId && perspective.reset.is_none() {
         problems.push(Problem::new(
@@ -273,12 +274,45 @@ fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mu
             ));
             continue;
         }
-        check_apply_sql(
-            sql,
-            "handler",
-            &format!("{label}.handlers.{event_type}"),
-            problems,
-        );
+        let path = format!("{label}.handlers.{event_type}");
+        check_apply_sql(sql, "handler", &path, problems);
+        check_batch_handler(sql, &path, problems);
+    }
+}
+
+/// A handler that reads `:events` is a batch handler: it runs once per run of its events and
+/// has no single event whose `:data` (or any other per-event parameter) it could mean.
+fn check_batch_handler(sql: &str, path: &str, problems: &mut Vec<Problem>) {
+    let Ok(uses) = sql_params::parameter_uses(sql) else {
+        return; // (reported by check_apply_sql)
+    };
+    if !uses.iter().any(|u| u.param == Param::Events) {
+        return;
+    }
+    if let Some(per_event) = uses.iter().find(|u| u.param != Param::Events) {
+        problems.push(Problem::new(
+            path,
+            format!(
+                "{} (line {}, column {}) is one event's value, but this handler reads :events, so it runs once for a run of events: read each event's value from :events (columns {})",
+                per_event.param, per_event.line, per_event.column, sql_params::EVENTS_COLUMNS
+            ),
+        ));
+    }
+}
+
+/// `:events` (a batch handler's run) means nothing outside a handler.
+fn check_no_events(sql: &str, what: &str, path: &str, problems: &mut Vec<Problem>) {
+    let Ok(uses) = sql_params::parameter_uses(sql) else {
+        return; // (reported with the other checks of this SQL)
+    };
+    if let Some(u) = uses.iter().find(|u| u.param == Param::Events) {
+        problems.push(Problem::new(
+            path,
+            format!(
+                ":events (line {}, column {}) is only for handlers, which then run once per run of events; a {what} has no such run",
+                u.line, u.column
+            ),
+        ));
     }
 }
 
@@ -602,6 +636,7 @@ fn check_sequencing(perspective: &PerspectiveConfig, label: &str, problems: &mut
         Ok(statements) => statements,
         Err(e) => return problems.push(Problem::new(path, e.to_string())),
     };
+    check_no_events(key, "sequencingKey", &path, problems);
     let statement_keyword = statements
         .first()
         .and_then(|s| s.leading_keyword())
@@ -856,6 +891,35 @@ mod tests {
     /// Cases about handler and reset SQL.
     fn handler_cases() -> Vec<Case> {
         vec![
+            (
+                with_handler("INSERT INTO t SELECT count(*), :data FROM :events"),
+                "perspectives[0] (order_summary).handlers.OrderPlaced",
+                ":data (line 1, column 32) is one event's value, but this handler reads :events, so it runs once for a run of events: read each event's value from :events (columns stream_id,",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    reset: DELETE FROM t WHERE id IN (SELECT stream_id FROM :events)\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).reset",
+                ":events (line 1, column 50) is only for handlers, which then run once per run of events; a reset has no such run",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    sequencing: key\n    sequencingKey: (SELECT 1 FROM :events)\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).sequencingKey",
+                ":events (line 1, column 16) is only for handlers",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    setup: CREATE TABLE t AS SELECT * FROM :events\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).setup",
+                "setup runs at migrate time and cannot use :events",
+            ),
             (
                 with_handler("|\n        UPDATE order_summary\n        SET total = :totl"),
                 "perspectives[0] (order_summary).handlers.OrderPlaced",

@@ -277,6 +277,8 @@ pub async fn run_reset(
                 Param::Data | Param::Metadata | Param::Scope => q.bind(None::<serde_json::Value>),
                 Param::CreatedAt => q.bind(None::<chrono::DateTime<chrono::Utc>>),
                 Param::EventType | Param::UserId | Param::TenantId => q.bind(None::<String>),
+                // Spelled into the SQL, never a placeholder (and refused in a reset).
+                Param::Events => q,
             };
         }
         q.execute(&mut *tx).await
