@@ -291,7 +291,7 @@ mod tests {
                 .contains("FROM (SELECT p_stream_id AS s, u.v FROM unnest(a_versions) AS u(v)) x"),
             "the check of the replay's keys comes after the replay's arrays: {sql}"
         );
-        assert!(sql.contains("JOIN s.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v WHERE NOT pg_try_advisory_xact_lock(hashtext('s.p'), s.wh_key_p(e))"), "{sql}");
+        assert!(sql.contains("CROSS JOIN LATERAL (SELECT e0.* FROM s.wh_event_store e0 WHERE e0.stream_id = x.s AND e0.stream_version = x.v LIMIT 1) e WHERE NOT pg_try_advisory_xact_lock(hashtext('s.p'), s.wh_key_p(e::s.wh_event_store))"), "{sql}");
         assert!(sql.contains("USING ERRCODE = 'lock_not_available'"));
         let serial = {
             let mut p = event_id_ordered();
@@ -317,7 +317,7 @@ mod tests {
             .expect("the wait");
         assert!(sql[wait..].starts_with("IF p_force THEN"), "{sql}");
         assert!(
-            sql.contains("PERFORM pg_advisory_xact_lock(k.class, k.slot)\n    FROM (SELECT DISTINCT hashtext('s.p') AS class, s.wh_key_p(e) AS slot"),
+            sql.contains("PERFORM pg_advisory_xact_lock(k.class, k.slot)\n    FROM (SELECT DISTINCT hashtext('s.p') AS class, s.wh_key_p(e::s.wh_event_store) AS slot"),
             "{sql}"
         );
         assert!(wait < sql.find("array_agg(e.event_type").unwrap(), "{sql}");

@@ -208,14 +208,14 @@ perspectives:
             !sql.contains("pg_advisory_xact_lock("),
             "never waits for a key"
         );
-        assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, s.wh_key_by_key(e) AS slot"), "{sql}");
+        assert!(sql.contains("SELECT w.stream_id, w.perspective_name, hashtext('s.by_key') AS class, s.wh_key_by_key(e::s.wh_event_store) AS slot"), "{sql}");
         // The keys are first taken with the expression inline; through the key function only
         // after an error.
         let inline = sql
             .find("hashtext('s.by_key') AS class, (hashtext(coalesce((e.event_data->>'customer')::text, '')) & 63) AS slot")
             .expect("the inline key");
         let safe = sql
-            .find("hashtext('s.by_key') AS class, s.wh_key_by_key(e) AS slot")
+            .find("hashtext('s.by_key') AS class, s.wh_key_by_key(e::s.wh_event_store) AS slot")
             .unwrap();
         let handler = sql[inline..safe].find("EXCEPTION WHEN OTHERS THEN");
         assert!(handler.is_some(), "{sql}");

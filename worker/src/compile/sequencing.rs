@@ -38,13 +38,22 @@ pub fn lock_slots(schema: &str, perspective: &PerspectiveConfig) -> Option<Value
         Sequencing::Stream => return None,
         Sequencing::Serial => ("0".to_owned(), "0".to_owned(), false),
         Sequencing::Key => (
-            format!("{schema}.{}(e)", key_function_name(&perspective.name)),
+            // (`e` may be a LATERAL subquery's row, a record: cast to the store's row type.)
+            format!(
+                "{schema}.{}(e::{schema}.wh_event_store)",
+                key_function_name(&perspective.name)
+            ),
             key_slot(perspective),
             true,
         ),
     };
+    // One index probe per row, forced by LATERAL … LIMIT 1: as a plain join, a custom plan of
+    // a store of tens of thousands of events hashed all of it for a few hundred rows.
     let join = if from_store {
-        format!("JOIN {schema}.wh_event_store e ON e.stream_id = x.s AND e.stream_version = x.v")
+        format!(
+            "CROSS JOIN LATERAL (SELECT e0.* FROM {schema}.wh_event_store e0 \
+             WHERE e0.stream_id = x.s AND e0.stream_version = x.v LIMIT 1) e"
+        )
     } else {
         String::new()
     };
@@ -155,7 +164,10 @@ mod tests {
             lock.get_attr("class").unwrap().to_string(),
             "hashtext('s.p')"
         );
-        assert_eq!(lock.get_attr("slot").unwrap().to_string(), "s.wh_key_p(e)");
+        assert_eq!(
+            lock.get_attr("slot").unwrap().to_string(),
+            "s.wh_key_p(e::s.wh_event_store)"
+        );
         let f = create_key_function("s", &p);
         assert!(
             f.starts_with(
@@ -175,7 +187,7 @@ mod tests {
             .get_attr("join")
             .unwrap()
             .to_string()
-            .contains("e.stream_id = x.s"));
+            .contains("e0.stream_id = x.s AND e0.stream_version = x.v LIMIT 1) e"));
     }
 
     #[test]
