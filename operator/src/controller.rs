@@ -50,6 +50,7 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
     // operator from reacting to its own status patches. Lag refreshes come from requeues.
     let trigger = watcher(pds, watcher::Config::default())
         .default_backoff()
+        .modify(slim)
         .reflect(writer)
         .applied_objects()
         .predicate_filter(predicates::generation, Default::default());
@@ -91,4 +92,59 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
             }
         })
         .await;
+}
+
+/// The annotations of a `PerspectiveDeployment` the operator reads (its own domain's).
+const OWN_ANNOTATIONS: &str = "perspectives.dev/";
+
+/// What the cache keeps of a `PerspectiveDeployment`: no `managedFields` and none of the
+/// annotations but the operator's own. A CR author could otherwise make every cached object up
+/// to 256 KiB of annotations (the API server's bound) larger than its spec, which the CRD
+/// bounds; in a cluster-wide operator, one namespace's objects would cost every tenant memory.
+pub fn slim(pd: &mut PerspectiveDeployment) {
+    pd.metadata.managed_fields = None;
+    if let Some(annotations) = pd.metadata.annotations.as_mut() {
+        annotations.retain(|key, _| key.starts_with(OWN_ANNOTATIONS));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn the_cache_drops_managed_fields_and_foreign_annotations() {
+        let mut pd: PerspectiveDeployment = serde_json::from_value(serde_json::json!({
+            "apiVersion": "perspectives.dev/v1alpha1",
+            "kind": "PerspectiveDeployment",
+            "metadata": {
+                "name": "shop",
+                "annotations": {
+                    "kubectl.kubernetes.io/last-applied-configuration": "x".repeat(1000),
+                    "perspectives.dev/rebuild": "orders",
+                },
+            },
+            "spec": {"schema": "shop", "database": {"secretRef": {"name": "db"}},
+                     "perspectives": [{"name": "p", "handlers": {"A": "SELECT 1"}}]},
+        }))
+        .unwrap();
+        pd.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
+        let spec = serde_json::to_value(&pd.spec).unwrap();
+        slim(&mut pd);
+        assert_eq!(pd.metadata.managed_fields, None);
+        assert_eq!(
+            pd.metadata
+                .annotations
+                .unwrap()
+                .into_iter()
+                .collect::<Vec<_>>(),
+            [("perspectives.dev/rebuild".to_owned(), "orders".to_owned())]
+        );
+        assert_eq!(
+            serde_json::to_value(&pd.spec).unwrap(),
+            spec,
+            "the spec is kept"
+        );
+    }
 }

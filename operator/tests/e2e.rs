@@ -2466,6 +2466,80 @@ async fn finding_3_the_api_server_refuses_oversized_deployments() {
     w.shutdown().await;
 }
 
+/// Issue 26, finding 3: many deployments of the largest size the API server accepts (a spec
+/// just under the CRD's 256 Ki total, plus 250 KiB of annotations, the API server's bound) keep
+/// the operator far under the chart's 256 Mi memory limit: the cache drops foreign annotations
+/// and managedFields. It still reconciles each one and stops at once on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_3_many_maximum_size_deployments_keep_the_operator_within_its_memory() {
+    const DEPLOYMENTS: usize = 30;
+    let mut w = World::new("mem", &[("op", &[])]).await;
+    let setup = format!("SELECT 1 --{}", "x".repeat(64_000));
+    let junk = "j".repeat(250_000);
+    let docs: Vec<String> = (0..DEPLOYMENTS)
+        .map(|i| {
+            let perspectives: String = (0..4)
+                .map(|p| format!("    - name: p{p}\n      setup: \"{setup}\"\n      handlers: {{A: SELECT 1}}\n"))
+                .collect();
+            // A Secret that does not exist: each is reconciled (SecretMissing) and nothing runs.
+            format!(
+                "apiVersion: perspectives.dev/v1alpha1\nkind: PerspectiveDeployment\n\
+                 metadata: {{name: big{i}, annotations: {{junk: {junk}}}}}\nspec:\n  schema: {}\n  \
+                 database: {{secretRef: {{name: absent}}}}\n  perspectives:\n{perspectives}",
+                w.schema
+            )
+        })
+        .collect();
+    let pid = w.operators[0].child.id();
+    let rss = |field: &str| {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with(field)).unwrap();
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            / 1024
+    };
+    let before = rss("VmRSS:");
+    for doc in &docs {
+        kubectl_ok(
+            &["-n", &w.ns, "apply", "--server-side", "-f", "-"],
+            Some(doc),
+        );
+    }
+    for i in 0..DEPLOYMENTS {
+        w.wait_condition(
+            &format!("big{i}"),
+            "Degraded",
+            "True",
+            Some("SecretMissing"),
+        )
+        .await;
+    }
+    let peak = rss("VmHWM:");
+    eprintln!("[e2e] operator RSS {before} MiB before, peak {peak} MiB with {DEPLOYMENTS} deployments of about 500 KiB");
+    assert!(
+        peak < 128,
+        "operator peak RSS {peak} MiB with {DEPLOYMENTS} maximum-size deployments (chart limit 256 Mi)"
+    );
+    let started = std::time::Instant::now();
+    let op = &mut w.operators[0];
+    assert_eq!(
+        unsafe { libc::kill(op.child.id() as i32, libc::SIGTERM) },
+        0
+    );
+    let deadline = started + Duration::from_secs(15);
+    while op.child.try_wait().unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the operator did not stop within 15 s of SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.shutdown().await;
+}
+
 /// The test database's URL as `role` (the test PostgreSQL trusts local roles: no password).
 fn url_as(role: &str) -> String {
     let url = database_url();

@@ -147,7 +147,11 @@ async fn batch_handlers_apply_runs_exactly_once_in_order_in_every_mode() {
         assert!(mixed_runs > 0, "{name}: no run mixed users");
         // Sequenced calls apply up to 1 000 rows of a perspective; with stream sequencing the
         // 12 drain consumers share the streams out, so runs are shorter, but still runs.
-        let most = if name == "by_stream" { a_events / 2 } else { a_events / 4 };
+        let most = if name == "by_stream" {
+            a_events / 2
+        } else {
+            a_events / 4
+        };
         eprintln!("{name}: {runs} runs for {a_events} events");
         assert!(
             runs <= most,
@@ -254,11 +258,18 @@ async fn a_poison_event_in_a_run_fails_alone_and_replays() {
         .unwrap();
         let mut expected = expected_bad.clone();
         expected.push(2);
-        assert_eq!(versions, expected, "{name}: bad's versions after the replay");
+        assert_eq!(
+            versions, expected,
+            "{name}: bad's versions after the replay"
+        );
         let counted = scalar(&format!(
             "SELECT sum(events)::bigint FROM {schema}.{name}_rows"
         ))
         .await;
-        assert_eq!(counted, 16 * EVENTS_PER_STREAM + 1, "{name}: events counted");
+        assert_eq!(
+            counted,
+            16 * EVENTS_PER_STREAM + 1,
+            "{name}: events counted"
+        );
     }
 }

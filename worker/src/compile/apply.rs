@@ -505,14 +505,22 @@ mod tests {
             create_apply_function("s", &p),
             create_batch_function("s", &p),
         ] {
-            assert!(sql.contains("IF a_types[v_i] IN ('A') THEN\n        WHILE v_j < "), "{sql}");
+            assert!(
+                sql.contains("IF a_types[v_i] IN ('A') THEN\n        WHILE v_j < "),
+                "{sql}"
+            );
             assert!(
                 sql.contains("INSERT INTO n SELECT count(*) FROM s.wh_batch_events(_wh_run_streams, a_event_ids[v_i:v_j], a_versions[v_i:v_j], a_types[v_i:v_j], a_data[v_i:v_j], a_metadata[v_i:v_j], a_scope[v_i:v_j], a_created[v_i:v_j], a_users[v_i:v_j], a_tenants[v_i:v_j]);"),
                 "{sql}"
             );
             assert!(sql.contains("INSERT INTO seen VALUES (_wh_stream_id, _wh_data);"));
-            assert!(sql.contains("array_agg(e.metadata ORDER BY"), "every column read: {sql}");
-            assert!(sql.contains("v_set_user := set_config('perspective.user_id', v_run_user, true);"));
+            assert!(
+                sql.contains("array_agg(e.metadata ORDER BY"),
+                "every column read: {sql}"
+            );
+            assert!(
+                sql.contains("v_set_user := set_config('perspective.user_id', v_run_user, true);")
+            );
             assert!(sql.contains("v_run_user := '';"));
             assert!(sql.contains("v_i := v_j + 1;"), "{sql}");
         }
