@@ -29,7 +29,7 @@ mod real_node {
     use sqlx::{Connection, PgConnection};
 
     use crate::support::real_node::{container_pid, process_facts, Forward, RealNode};
-    use crate::support::{database_url, e2e, fresh_namespace, kubectl_ok, poll};
+    use crate::support::{database_url, e2e, fresh_namespace, kubectl_ok, poll, worker_binary};
 
     const LONG: Duration = Duration::from_secs(180);
     const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -89,6 +89,16 @@ spec:
           INSERT INTO seen AS s VALUES (:stream_id, ARRAY[:stream_version], '{tag}')
           ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version, tag = '{tag}'
 "#
+        )
+    }
+
+    /// `yaml` with the owner's Secret for the migration Job and `shop-worker` for the pods.
+    fn with_worker_secret(yaml: &str) -> String {
+        let owner = "    secretRef: {name: shop-db}\n";
+        assert!(yaml.contains(owner), "{yaml}");
+        yaml.replace(
+            owner,
+            &format!("{owner}    migrationSecretRef: {{name: shop-db}}\n    workerSecretRef: {{name: shop-worker}}\n"),
         )
     }
 
@@ -338,6 +348,55 @@ spec:
             }
         }
 
+        /// Migrates the schema of deployment `yaml` as its owner, creates a login role that owns
+        /// nothing, grants it what a worker needs (`perspective-worker grants worker`) and
+        /// stores its URL (through the node) in Secret `shop-worker`. Returns the role.
+        async fn worker_role(&self, yaml: &str) -> String {
+            let perspectives = &yaml[yaml.find("  perspectives:\n").expect("perspectives")..];
+            let config = std::env::temp_dir().join(format!("{}.yaml", self.schema));
+            std::fs::write(
+                &config,
+                format!("schema: {}\n{}", self.schema, &perspectives[2..]),
+            )
+            .unwrap();
+            let role = format!("{}_worker", self.schema);
+            let mut conn = PgConnection::connect(&database_url()).await.unwrap();
+            sqlx::query(&format!("CREATE ROLE {role} LOGIN"))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            for args in [vec!["migrate"], vec!["grants", "worker", &role]] {
+                let out = Command::new(worker_binary())
+                    .arg("--config")
+                    .arg(&config)
+                    .args(&args)
+                    .env("DATABASE_URL", database_url())
+                    .output()
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "perspective-worker {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            let url =
+                self.pod_url
+                    .replacen("postgres://postgres:", &format!("postgres://{role}:"), 1);
+            kubectl_ok(
+                &[
+                    "-n",
+                    &self.ns,
+                    "create",
+                    "secret",
+                    "generic",
+                    "shop-worker",
+                    &format!("--from-literal=url={url}"),
+                ],
+                None,
+            );
+            role
+        }
+
         fn pods(&self) -> Api<Pod> {
             Api::namespaced(self.client.clone(), &self.ns)
         }
@@ -534,10 +593,22 @@ spec:
         );
 
         // --- a deployment: a real migration Job pod, then real worker pods ----------------------
+        // The workers run as a role of their own that owns nothing (issue 26): the schema's
+        // owner migrates and grants it, and the deployment names the owner's Secret for the
+        // migration Job and the worker role's for the pods.
+        let worker_role = w.worker_role(&pd_yaml(&w.schema, 3, "v1")).await;
         let t = Instant::now();
-        w.apply(&pd_yaml(&w.schema, 3, "v1"));
+        w.apply(&with_worker_secret(&pd_yaml(&w.schema, 3, "v1")));
         w.wait_pd_ready();
         let workers = ready_workers(&pods, &node, 3).await;
+        let sessions: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE usename = $1 AND application_name LIKE 'perspective-worker%'",
+        )
+        .bind(&worker_role)
+        .fetch_one(&mut PgConnection::connect(&database_url()).await.unwrap())
+        .await
+        .unwrap();
+        assert!(sessions > 0, "the worker pods connect as {worker_role}");
         eprintln!(
             "[real-node] PerspectiveDeployment Ready with 3 worker pods in {:?}",
             t.elapsed()
@@ -680,7 +751,7 @@ spec:
             .map(|j| j.name_any())
             .collect();
         let appender = Appender::start(&w.schema, appended, 100);
-        w.apply(&pd_yaml(&w.schema, 3, "v2"));
+        w.apply(&with_worker_secret(&pd_yaml(&w.schema, 3, "v2")));
         let deadline = Instant::now() + LONG;
         let new_job = loop {
             assert!(
