@@ -951,12 +951,12 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
     );
     assert!(report.functions_installed);
     // Replaced in place (same oids, so grants on them stay); the compiled ones, and engine
-    // functions added since 0017 (complete_applied_events), are new.
+    // functions added since 0017 (complete_applied_events, wh_run_events), are new.
     let after: Vec<(String, i64)> = oids(schema.clone())
         .await
         .into_iter()
         .filter(|(name, _)| FUNCTIONS.iter().any(|f| f.name == name))
-        .filter(|(name, _)| name != "complete_applied_events")
+        .filter(|(name, _)| !["complete_applied_events", "wh_run_events"].contains(&name.as_str()))
         .collect();
     assert_eq!(after, before);
     let (fresh, _) = migrated_schema("upg17fresh").await;

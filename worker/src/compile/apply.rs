@@ -155,12 +155,12 @@ pub fn runs_as_perform(stmt: &ParsedStatement) -> bool {
 }
 
 /// One handler statement as PL/pgSQL: parameters become variables, and `:events` the run of
-/// events v_i..v_j (apply_event.sql) through `wh_batch_events`; a bare SELECT becomes PERFORM
+/// events v_i..v_j (apply_event.sql) through `wh_run_events`; a bare SELECT becomes PERFORM
 /// (PL/pgSQL refuses a SELECT whose result goes nowhere).
 fn statement(schema: &str, stmt: &ParsedStatement) -> String {
     let text = stmt.render_with(|p| match p {
         Param::Events => format!(
-            "{schema}.wh_batch_events(_wh_run_streams, a_event_ids[v_i:v_j], a_versions[v_i:v_j], \
+            "{schema}.wh_run_events(_wh_run_streams, a_event_ids[v_i:v_j], a_versions[v_i:v_j], \
              a_types[v_i:v_j], a_data[v_i:v_j], a_metadata[v_i:v_j], a_scope[v_i:v_j], \
              a_created[v_i:v_j], a_users[v_i:v_j], a_tenants[v_i:v_j])"
         ),
@@ -494,7 +494,7 @@ mod tests {
     }
 
     /// A handler that reads `:events` runs once per run of its type's consecutive events: the
-    /// run's slices go to wh_batch_events, every column is read, the identity set is the run's
+    /// run's slices go to wh_run_events, every column is read, the identity set is the run's
     /// (or ''), and both loops go on past the run. A per-event handler beside it is unchanged.
     #[test]
     fn a_batch_handler_runs_once_per_run_of_its_type() {
@@ -510,7 +510,7 @@ mod tests {
                 "{sql}"
             );
             assert!(
-                sql.contains("INSERT INTO n SELECT count(*) FROM s.wh_batch_events(_wh_run_streams, a_event_ids[v_i:v_j], a_versions[v_i:v_j], a_types[v_i:v_j], a_data[v_i:v_j], a_metadata[v_i:v_j], a_scope[v_i:v_j], a_created[v_i:v_j], a_users[v_i:v_j], a_tenants[v_i:v_j]);"),
+                sql.contains("INSERT INTO n SELECT count(*) FROM s.wh_run_events(_wh_run_streams, a_event_ids[v_i:v_j], a_versions[v_i:v_j], a_types[v_i:v_j], a_data[v_i:v_j], a_metadata[v_i:v_j], a_scope[v_i:v_j], a_created[v_i:v_j], a_users[v_i:v_j], a_tenants[v_i:v_j]);"),
                 "{sql}"
             );
             assert!(sql.contains("INSERT INTO seen VALUES (_wh_stream_id, _wh_data);"));

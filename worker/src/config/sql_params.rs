@@ -39,7 +39,7 @@ pub const EVENTS_COLUMNS: &str = "stream_id, event_id, stream_version, event_typ
 /// What `:events` becomes where a statement is only checked, not run (`migrate` prepares
 /// each handler): the relation's function over no events (`search_path` holds the schema).
 pub const EVENTS_FOR_CHECKING: &str =
-    "wh_batch_events(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)";
+    "wh_run_events(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)";
 
 impl Param {
     /// Every parameter, in the order they are listed to users.

@@ -37,7 +37,7 @@ macro_rules! functions {
 /// run time, so the order only matters for SQL-language bodies, which are checked at creation).
 pub const FUNCTIONS: &[Function] = functions![
     "wh_uuid_v7",
-    "wh_batch_events",
+    "wh_run_events",
     "compute_partition",
     "wh_backfill_gated",
     "wh_applied_by_all",

@@ -1,11 +1,11 @@
--- wh_batch_events(...): the events of a batch handler's run as a relation, what the handler's
+-- wh_run_events(...): the events of a batch handler's run as a relation, what the handler's
 -- `:events` reads. The apply functions pass the run's slices of their per-event arrays; the
 -- result has one row per event, in the order given (ordinal from 1), its columns named like the
 -- per-event parameters. user_id and tenant_id arrive as '' for none (the apply functions' form)
 -- and leave as NULL, as :user_id and :tenant_id do. A plain SQL function: the planner inlines it
 -- into the handler's statement.
 
-CREATE OR REPLACE FUNCTION {{schema}}.wh_batch_events(
+CREATE OR REPLACE FUNCTION {{schema}}.wh_run_events(
     p_stream_ids uuid[], p_event_ids uuid[], p_versions bigint[], p_types text[],
     p_data jsonb[], p_metadata jsonb[], p_scope jsonb[], p_created timestamptz[],
     p_users text[], p_tenants text[])
