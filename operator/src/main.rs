@@ -56,8 +56,9 @@ struct RunArgs {
     /// Only watch this namespace (default: all namespaces).
     #[arg(long, env = "WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
-    /// Worker image for deployments whose spec has no `image`.
-    #[arg(long, env = "DEFAULT_WORKER_IMAGE", default_value = concat!("perspective-worker:", env!("CARGO_PKG_VERSION")))]
+    /// Worker image for deployments whose spec has no `image` (default: the one `make images`
+    /// builds).
+    #[arg(long, env = "DEFAULT_WORKER_IMAGE", default_value = concat!("localhost/perspective-worker:", env!("CARGO_PKG_VERSION")))]
     default_worker_image: String,
     /// Run only worker images that start with this prefix (repeatable; default: any image). A
     /// deployment with another image (or the default one) is `Degraded` `InvalidSpec` and gets no

@@ -332,6 +332,7 @@ fn renders_cluster_wide_by_default() {
             "ClusterRole",
             "ClusterRoleBinding",
             "Deployment",
+            "Lease",
             "Role",
             "RoleBinding",
             "Service",
@@ -366,6 +367,8 @@ fn renders_cluster_wide_by_default() {
 
     let lease_role = object(&docs, "Role", &format!("{name}-leader-election"));
     assert_grants(lease_role, LEASE_RULES);
+    // The release owns its Lease, so `helm uninstall` removes it.
+    object(&docs, "Lease", name);
     let lease_binding = object(&docs, "RoleBinding", &format!("{name}-leader-election"));
     assert_binding(
         lease_binding,
@@ -390,7 +393,8 @@ fn renders_cluster_wide_by_default() {
     );
 
     let c = operator_container(deployment);
-    assert_eq!(str_at(c, "image"), "perspective-operator:0.1.0");
+    // The images `make images` builds, so the README's quickstart needs no --set.
+    assert_eq!(str_at(c, "image"), "localhost/perspective-operator:0.1.0");
     assert_eq!(strings(at(c, "command")), ["perspective-operator", "run"]);
     assert_eq!(
         args_of(deployment),
@@ -399,7 +403,7 @@ fn renders_cluster_wide_by_default() {
             "--leader-election",
             "--lease-name=rel-perspective-operator",
             "--lease-namespace=ops",
-            "--default-worker-image=perspective-worker:0.1.0",
+            "--default-worker-image=localhost/perspective-worker:0.1.0",
             "--status-interval-seconds=15",
             "--log-format=json",
         ]
@@ -1097,7 +1101,7 @@ fn assert_permissions(user: &str, checks: &[Check]) {
 /// Deployment rolled out in a namespace enforcing the restricted Pod Security Standard.
 fn assert_installed(release: &Release, notes: &str) {
     assert!(
-        notes.contains("--for=condition=Ready pd/") && notes.contains("DATABASE_URL"),
+        notes.contains("--for=condition=Ready pd/") && notes.contains("--from-literal=url="),
         "install notes lack the first steps:\n{notes}"
     );
     ok(kubectl().args([

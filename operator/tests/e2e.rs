@@ -737,7 +737,9 @@ async fn lifecycle_of_a_deployment() {
     w.shutdown().await;
 }
 
-/// Acceptance 4: a failing migration keeps the old template; fixing the spec recovers.
+/// Acceptance 4: a failing migration keeps the old template; fixing the spec recovers. Ready
+/// means serving (issue 27): a handler typo the migration finds, then one validation finds,
+/// leave a serving deployment Ready (`PreviousSpecServing`) while its worker applies events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_migration_keeps_the_running_workers() {
     let w = World::new("fail", &[("op", &[])]).await;
@@ -761,10 +763,10 @@ async fn failed_migration_keeps_the_running_workers() {
         .unwrap()
         .uid;
 
-    // A setup that fails at migrate time (valid config, broken SQL).
+    // A typo in a handler that only the migration finds (valid config, SQL that does not parse).
     let broken = pd_yaml("shop", &w.schema, 1, "v1", no_retry).replace(
-        "CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);",
-        "CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);\n        CREATE TABLE IF NOT EXISTS broken (n no_such_type);",
+        "OrderPlaced: UPDATE order_count SET n = n + 1 WHERE id = 1",
+        "OrderPlaced: UPDTE order_count SET n = n + 1 WHERE id = 1",
     );
     w.apply(&broken);
     let pd = w
@@ -784,7 +786,49 @@ async fn failed_migration_keeps_the_running_workers() {
         message.contains(&format!("kubectl logs job/{job}")),
         "the status says where the Job's output is: {message}"
     );
-    assert_eq!(condition(&pd, "Ready").status, "False");
+    // Ready means serving: the previous spec's worker keeps applying events.
+    let ready = condition(&pd, "Ready");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("True", "PreviousSpecServing"),
+        "{ready:?}"
+    );
+    let progressing = w
+        .wait_condition(
+            "shop",
+            "Progressing",
+            "False",
+            Some("MigrationRetryScheduled"),
+        )
+        .await;
+    let message = condition(&progressing, "Progressing").message;
+    assert!(
+        message.contains("the next attempt runs at 20"),
+        "Progressing says when the migration runs again: {message}"
+    );
+    let mut conn = db().await;
+    append_orders(&mut conn, &w.schema, 2).await;
+    wait_sql(
+        &mut conn,
+        "orders applied by the previous spec's worker",
+        &format!(
+            "SELECT count(*) FROM {}.order_summary WHERE version = 'v1'",
+            w.schema
+        ),
+        2,
+    )
+    .await;
+    // A spec error validation finds: Degraded InvalidSpec, Ready as it was.
+    w.apply(&broken.replace("'v1')", ":no_such_parameter)"));
+    let invalid = w
+        .wait_condition("shop", "Degraded", "True", Some("InvalidSpec"))
+        .await;
+    assert_eq!(
+        condition(&invalid, "Ready").reason,
+        "PreviousSpecServing",
+        "an invalid spec leaves a serving deployment Ready"
+    );
+    assert!(condition(&invalid, "Ready").status == "True");
     let sts = w.statefulset("shop").await.unwrap();
     assert_eq!(
         template_annotation(&sts, "perspectives.dev/migration-hash"),
@@ -812,7 +856,6 @@ async fn failed_migration_keeps_the_running_workers() {
         template_annotation(&sts, "perspectives.dev/migration-hash"),
         good_hash
     );
-    let mut conn = db().await;
     append_orders(&mut conn, &w.schema, 3).await;
     wait_sql(
         &mut conn,

@@ -15,10 +15,12 @@ use tracing::{info, warn};
 use super::apply::Outcome;
 use super::context::Context;
 use super::error::Error;
+use super::migration_retry;
 use super::resolve::Resolved;
 use super::validate::Validated;
 use crate::crd::{DatabaseState, PerspectiveDeployment, PerspectiveDeploymentStatus};
 use crate::events::{Event, EventType};
+use crate::migration_job::JobState;
 use crate::status::condition::DEGRADED;
 use crate::status::{self, Observed};
 
@@ -31,6 +33,15 @@ pub async fn update_status(
     validated: Validated,
     outcome: Outcome,
 ) -> Result<(), Error> {
+    let next_migration_attempt = match &outcome.job {
+        Some(JobState::Failed { at, .. }) => Some(migration_retry::retry_at(
+            *at,
+            outcome.failures.count,
+            Timestamp::now(),
+            ctx.options.migration_retry_base,
+        )),
+        _ => None,
+    };
     let observed = Observed {
         instance: r.name.clone(),
         generation: pd.metadata.generation,
@@ -42,6 +53,7 @@ pub async fn update_status(
         config_hash: r.config_hash.clone(),
         job: outcome.job,
         migration_failures: outcome.failures.count,
+        next_migration_attempt,
         statefulset: outcome.statefulset,
         desired_replicas: pd.spec.replicas,
         migrated_hash: previous.migrated_hash.clone(),
