@@ -333,6 +333,10 @@ pub struct PerspectiveDeploymentStatus {
     /// Hash of the last target the migrations succeeded for (what the worker pods run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrated_hash: Option<String>,
+    /// The perspectives of that target as `schema.name`, so that one removed from the spec is
+    /// announced (an Event `PerspectiveRemoved`) once the migration that removes it succeeded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub migrated_perspectives: Vec<String>,
     /// What the operator's last read of the database found: `Reachable`, `Unreachable` or
     /// `SchemaMissing` (absent before the first migration). While it is not `Reachable` the
     /// figures read from the database (`pendingEvents`, `oldestPendingSeconds`, `deadLetters`,

@@ -1,7 +1,8 @@
 //! The status step: the status computed from everything observed ([`status::compute`]), a
 //! Warning Event when `Degraded` turns to a problem of the operator's part, when the database
 //! is lost (and a Normal one when it is back) or a perspective's lock conflicts turn
-//! persistent, and the status written when it changed.
+//! persistent, a Normal one when a backfill or rebuild finished, and the status written when it
+//! changed; then when to refresh it (sooner while a perspective catches up).
 
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -12,6 +13,9 @@ use perspective_worker::store::status::{
 use serde_json::json;
 use tracing::{info, warn};
 
+use std::time::Duration;
+
+use super::announcements;
 use super::apply::Outcome;
 use super::context::Context;
 use super::error::Error;
@@ -32,7 +36,7 @@ pub async fn update_status(
     previous: &PerspectiveDeploymentStatus,
     validated: Validated,
     outcome: Outcome,
-) -> Result<(), Error> {
+) -> Result<Duration, Error> {
     let next_migration_attempt = match &outcome.job {
         Some(JobState::Failed { at, .. }) => Some(migration_retry::retry_at(
             *at,
@@ -63,10 +67,22 @@ pub async fn update_status(
     new_status.last_migration_failure = outcome.failures.last;
     new_status.schema_recreations = outcome.recreations.count;
     new_status.last_schema_recreation = outcome.recreations.last;
+    if new_status.migrated_hash.as_deref() == Some(r.target.hash.as_str()) {
+        new_status.migrated_perspectives = pd
+            .spec
+            .perspectives
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
+    }
 
     report_degraded_change(ctx, pd, previous, &new_status).await;
     report_database_change(ctx, pd, previous, &new_status).await;
     report_lock_contention(ctx, pd, previous, &new_status).await;
+    for event in announcements::catch_up_finished(previous, &new_status) {
+        info!(namespace = pd.namespace().unwrap_or_default(), name = %pd.name_any(), note = %event.note, "catch-up finished");
+        ctx.publish(pd, event).await;
+    }
     if new_status != *previous {
         let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
         pds.patch_status(
@@ -76,7 +92,7 @@ pub async fn update_status(
         )
         .await?;
     }
-    Ok(())
+    Ok(status::refresh_within(&new_status, outcome.requeue))
 }
 
 /// The merge patch from `previous` to `new`: a field `new` leaves out (figures that became
