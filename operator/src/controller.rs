@@ -92,3 +92,18 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         })
         .await;
 }
+
+/// What a log line says about the namespaces watched: the one given, or `*` for all (never
+/// `None`, which reads like a namespace of that name).
+pub fn scope(watch_namespace: Option<&str>) -> &str {
+    watch_namespace.unwrap_or("*")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_watched_scope_is_never_none() {
+        assert_eq!(super::scope(Some("shop")), "shop");
+        assert_eq!(super::scope(None), "*");
+    }
+}

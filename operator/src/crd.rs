@@ -65,7 +65,16 @@ const TEXT_RULE: &str = "self.perspectives.map(p, (has(p.setup) ? size(p.setup) 
     printcolumn = r#"{"name":"Lag","type":"string","jsonPath":".status.lag"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"DeadLetters","type":"integer","jsonPath":".status.deadLetters"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    printcolumn = r#"{"name":"Image","type":"string","priority":1,"jsonPath":".status.image"}"#,
+    printcolumn = r#"{"name":"Migration","type":"string","priority":1,"jsonPath":".status.migrationJob"}"#,
+    printcolumn = r#"{"name":"Migrated","type":"string","priority":1,"jsonPath":".status.conditions[?(@.type==\"MigrationsApplied\")].status"}"#,
+    printcolumn = r#"{"name":"Workers","type":"integer","priority":1,"jsonPath":".status.liveInstances"}"#,
+    printcolumn = r#"{"name":"Database","type":"string","priority":1,"jsonPath":".status.database"}"#,
+    doc = "A set of perspectives (read models) materialized from a PostgreSQL event store, and the \
+           workers that keep them up to date: the operator runs a migration Job for each new spec, \
+           then a StatefulSet of perspective workers. Status: Ready (the workers apply events), \
+           Progressing, Degraded, MigrationsApplied."
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
@@ -333,6 +342,9 @@ pub struct PerspectiveDeploymentStatus {
     /// Hash of the last target the migrations succeeded for (what the worker pods run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrated_hash: Option<String>,
+    /// The worker image of the current spec (`spec.image`, or the operator's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
     /// The perspectives of that target as `schema.name`, so that one removed from the spec is
     /// announced (an Event `PerspectiveRemoved`) once the migration that removes it succeeded.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

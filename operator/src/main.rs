@@ -202,7 +202,10 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         },
         lag: LagReader::default(),
     });
-    info!(namespace = ?args.watch_namespace, "reconciling PerspectiveDeployments");
+    info!(
+        namespace = perspective_operator::controller::scope(args.watch_namespace.as_deref()),
+        "reconciling PerspectiveDeployments"
+    );
     controller::run(ctx, args.watch_namespace, stop).await;
     metrics.leader.set(0);
 

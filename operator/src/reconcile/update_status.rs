@@ -46,6 +46,8 @@ pub async fn update_status(
         )),
         _ => None,
     };
+    // The image is reported once the spec was accepted (an invalid one changed nothing).
+    let observed_image = validated.may_apply();
     let observed = Observed {
         instance: r.name.clone(),
         generation: pd.metadata.generation,
@@ -67,6 +69,9 @@ pub async fn update_status(
     new_status.last_migration_failure = outcome.failures.last;
     new_status.schema_recreations = outcome.recreations.count;
     new_status.last_schema_recreation = outcome.recreations.last;
+    if observed_image {
+        new_status.image = Some(r.image.clone());
+    }
     if new_status.migrated_hash.as_deref() == Some(r.target.hash.as_str()) {
         new_status.migrated_perspectives = pd
             .spec
