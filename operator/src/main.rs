@@ -42,6 +42,8 @@ enum Command {
     Run(Box<RunArgs>),
     /// Print the CustomResourceDefinition YAML (what crds/ and the Helm chart hold).
     Crd,
+    /// Print the CRD and config reference as Markdown (what docs/reference/crd.md holds).
+    CrdReference,
 }
 
 #[derive(clap::Args)]
@@ -117,6 +119,10 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Crd => {
             print!("{}", crd_yaml());
+            ExitCode::SUCCESS
+        }
+        Command::CrdReference => {
+            print!("{}", perspective_operator::reference::crd_reference());
             ExitCode::SUCCESS
         }
         Command::Run(args) => {

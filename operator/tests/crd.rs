@@ -357,3 +357,15 @@ fn explain_describes_the_resource_and_wide_output_adds_columns() {
     );
     let _ = PerspectiveDeployment::crd();
 }
+
+/// `docs/reference/crd.md` is what the types generate: a changed field description, bound or
+/// default without regenerating it fails here.
+#[test]
+fn committed_reference_matches_the_rust_types() {
+    let committed = repo_file("docs/reference/crd.md");
+    assert!(
+        committed == perspective_operator::reference::crd_reference(),
+        "docs/reference/crd.md is out of date with operator/src/crd.rs: run \
+         `cargo run -p perspective-operator -- crd-reference > docs/reference/crd.md`"
+    );
+}
