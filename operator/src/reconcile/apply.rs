@@ -186,13 +186,7 @@ impl Step<'_> {
     /// A `PerspectiveRemoved` Event for each perspective the migration that just succeeded
     /// removed (in the previously migrated target, not in this spec).
     async fn announce_removed(&self, previous: &PerspectiveDeploymentStatus) {
-        let configured: Vec<String> = self
-            .pd
-            .spec
-            .perspectives
-            .iter()
-            .map(|p| p.name.clone())
-            .collect();
+        let configured = announcements::qualified(&self.pd.spec);
         for name in
             announcements::removed_perspectives(&previous.migrated_perspectives, &configured)
         {

@@ -73,12 +73,7 @@ pub async fn update_status(
         new_status.image = Some(r.image.clone());
     }
     if new_status.migrated_hash.as_deref() == Some(r.target.hash.as_str()) {
-        new_status.migrated_perspectives = pd
-            .spec
-            .perspectives
-            .iter()
-            .map(|p| p.name.clone())
-            .collect();
+        new_status.migrated_perspectives = announcements::qualified(&pd.spec);
     }
 
     report_degraded_change(ctx, pd, previous, &new_status).await;
