@@ -1394,3 +1394,20 @@ fn cluster_accepts_the_monitoring_pack_in_a_server_side_dry_run() {
         "{stderr}"
     );
 }
+
+/// Issue 27 polish: the chart's README and install notes create the Secret with the key the
+/// operator reads by default (`url`), not `DATABASE_URL`.
+#[test]
+fn the_chart_docs_name_the_secret_key_the_operator_reads() {
+    for file in ["README.md", "templates/NOTES.txt"] {
+        let text = std::fs::read_to_string(chart_dir().join(file)).unwrap();
+        assert!(
+            text.contains("--from-literal=url="),
+            "{file} creates the Secret with key url"
+        );
+        assert!(
+            !text.contains("DATABASE_URL"),
+            "{file} names DATABASE_URL as the Secret key"
+        );
+    }
+}
