@@ -362,7 +362,7 @@ pub struct PerspectiveDeploymentStatus {
     /// When the current migration Job last ran again because the schema had gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_schema_recreation: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-    /// Events not yet applied, over all perspectives.
+    /// Events not yet applied, over all perspectives (a catch-up's remaining events included).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_events: Option<i64>,
     /// Age of the oldest unapplied event in seconds, over all perspectives.
@@ -405,7 +405,8 @@ pub enum DatabaseState {
 pub struct PerspectiveLag {
     /// Perspective name.
     pub name: String,
-    /// Work rows (events) not yet applied.
+    /// Events not yet applied: its work rows, or while it backfills or rebuilds what the
+    /// catch-up still has to apply (streams not queued yet included).
     pub pending_events: i64,
     /// Age of the oldest unapplied event in seconds (absent when nothing is pending).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -4,6 +4,8 @@
 //! persistent, a Normal one when a backfill or rebuild finished, and the status written when it
 //! changed; then when to refresh it (sooner while a perspective catches up).
 
+use std::time::Duration;
+
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::ResourceExt;
@@ -12,8 +14,6 @@ use perspective_worker::store::status::{
 };
 use serde_json::json;
 use tracing::{info, warn};
-
-use std::time::Duration;
 
 use super::announcements;
 use super::apply::Outcome;
