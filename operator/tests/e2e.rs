@@ -1761,6 +1761,20 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
     .await;
     let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
     assert!(table.contains("PHASE") && table.contains("Live"), "{table}");
+    // `-o wide` adds the image, the migration Job, the live workers and the database's state.
+    let wide = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop", "-o", "wide"], None);
+    let job = st.migration_job.clone().unwrap();
+    for column in [
+        "IMAGE",
+        "MIGRATION",
+        "WORKERS",
+        "DATABASE",
+        "perspective-worker:e2e",
+        "Reachable",
+    ] {
+        assert!(wide.contains(column), "{column} in:\n{wide}");
+    }
+    assert!(wide.contains(&job), "{job} in:\n{wide}");
 
     // A version bump rebuilds order_totals online (its damaged rows put right), through a new
     // Job, with Progressing saying so, and the deployment stays Ready.
