@@ -117,6 +117,14 @@ fn the_quickstart_block_is_found_and_adapted_only_where_documented() {
         .filter(|(a, b)| a != b)
         .count();
     assert_eq!(changed, 2, "only the Secret and the helm install change");
+    // docs/quickstart.md repeats the block: it must say the same.
+    let docs = std::fs::read_to_string(repo_root().join("docs/quickstart.md")).unwrap();
+    for command in &commands {
+        assert!(
+            docs.contains(command.as_str()),
+            "docs/quickstart.md lacks `{command}` of the README's quickstart"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
