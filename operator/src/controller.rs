@@ -108,6 +108,12 @@ pub fn slim(pd: &mut PerspectiveDeployment) {
     }
 }
 
+/// What a log line says about the namespaces watched: the one given, or `*` for all (never
+/// `None`, which reads like a namespace of that name).
+pub fn scope(watch_namespace: Option<&str>) -> &str {
+    watch_namespace.unwrap_or("*")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +152,11 @@ mod tests {
             spec,
             "the spec is kept"
         );
+    }
+
+    #[test]
+    fn the_watched_scope_is_never_none() {
+        assert_eq!(super::scope(Some("shop")), "shop");
+        assert_eq!(super::scope(None), "*");
     }
 }

@@ -65,7 +65,16 @@ const TEXT_RULE: &str = "self.perspectives.map(p, (has(p.setup) ? size(p.setup) 
     printcolumn = r#"{"name":"Lag","type":"string","jsonPath":".status.lag"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"DeadLetters","type":"integer","jsonPath":".status.deadLetters"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    printcolumn = r#"{"name":"Image","type":"string","priority":1,"jsonPath":".status.image"}"#,
+    printcolumn = r#"{"name":"Migration","type":"string","priority":1,"jsonPath":".status.migrationJob"}"#,
+    printcolumn = r#"{"name":"Migrated","type":"string","priority":1,"jsonPath":".status.conditions[?(@.type==\"MigrationsApplied\")].status"}"#,
+    printcolumn = r#"{"name":"Workers","type":"integer","priority":1,"jsonPath":".status.liveInstances"}"#,
+    printcolumn = r#"{"name":"Database","type":"string","priority":1,"jsonPath":".status.database"}"#,
+    doc = "A set of perspectives (read models) materialized from a PostgreSQL event store, and the \
+           workers that keep them up to date: the operator runs a migration Job for each new spec, \
+           then a StatefulSet of perspective workers. Status: Ready (the workers apply events), \
+           Progressing, Degraded, MigrationsApplied."
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
@@ -333,6 +342,13 @@ pub struct PerspectiveDeploymentStatus {
     /// Hash of the last target the migrations succeeded for (what the worker pods run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrated_hash: Option<String>,
+    /// The worker image of the current spec (`spec.image`, or the operator's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The perspectives of that target as `schema.name`, so that one removed from the spec is
+    /// announced (an Event `PerspectiveRemoved`) once the migration that removes it succeeded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub migrated_perspectives: Vec<String>,
     /// What the operator's last read of the database found: `Reachable`, `Unreachable` or
     /// `SchemaMissing` (absent before the first migration). While it is not `Reachable` the
     /// figures read from the database (`pendingEvents`, `oldestPendingSeconds`, `deadLetters`,
@@ -346,7 +362,7 @@ pub struct PerspectiveDeploymentStatus {
     /// When the current migration Job last ran again because the schema had gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_schema_recreation: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-    /// Events not yet applied, over all perspectives.
+    /// Events not yet applied, over all perspectives (a catch-up's remaining events included).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_events: Option<i64>,
     /// Age of the oldest unapplied event in seconds, over all perspectives.
@@ -389,7 +405,8 @@ pub enum DatabaseState {
 pub struct PerspectiveLag {
     /// Perspective name.
     pub name: String,
-    /// Work rows (events) not yet applied.
+    /// Events not yet applied: its work rows, or while it backfills or rebuilds what the
+    /// catch-up still has to apply (streams not queued yet included).
     pub pending_events: i64,
     /// Age of the oldest unapplied event in seconds (absent when nothing is pending).
     #[serde(default, skip_serializing_if = "Option::is_none")]

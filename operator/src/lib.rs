@@ -1,7 +1,8 @@
 //! perspective-operator: turns `PerspectiveDeployment` resources into a migration Job and a
 //! worker StatefulSet, and reports readiness, lag and dead letters as status.
 //!
-//! - [`crd`]: the custom resource (spec embeds the worker's config types) and its CRD YAML
+//! - [`crd`]: the custom resource (spec embeds the worker's config types) and its CRD YAML;
+//!   [`reference`]: the Markdown reference generated from it (`docs/reference/crd.md`)
 //! - [`validate`]: spec checks beyond the CRD schema, each naming its field; [`pod_policy`]:
 //!   what a deployment's author may set on its pods
 //! - [`labels`]: names, labels and selectors of the children
@@ -29,6 +30,7 @@ pub mod migration_job;
 pub mod pod;
 pub mod pod_policy;
 pub mod reconcile;
+pub mod reference;
 pub mod status;
 pub mod validate;
 pub mod workers;

@@ -42,6 +42,8 @@ enum Command {
     Run(Box<RunArgs>),
     /// Print the CustomResourceDefinition YAML (what crds/ and the Helm chart hold).
     Crd,
+    /// Print the CRD and config reference as Markdown (what docs/reference/crd.md holds).
+    CrdReference,
 }
 
 #[derive(clap::Args)]
@@ -56,8 +58,9 @@ struct RunArgs {
     /// Only watch this namespace (default: all namespaces).
     #[arg(long, env = "WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
-    /// Worker image for deployments whose spec has no `image`.
-    #[arg(long, env = "DEFAULT_WORKER_IMAGE", default_value = concat!("perspective-worker:", env!("CARGO_PKG_VERSION")))]
+    /// Worker image for deployments whose spec has no `image` (default: the one `make images`
+    /// builds).
+    #[arg(long, env = "DEFAULT_WORKER_IMAGE", default_value = concat!("localhost/perspective-worker:", env!("CARGO_PKG_VERSION")))]
     default_worker_image: String,
     /// Run only worker images that start with this prefix (repeatable; default: any image). A
     /// deployment with another image (or the default one) is `Degraded` `InvalidSpec` and gets no
@@ -116,6 +119,10 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Crd => {
             print!("{}", crd_yaml());
+            ExitCode::SUCCESS
+        }
+        Command::CrdReference => {
+            print!("{}", perspective_operator::reference::crd_reference());
             ExitCode::SUCCESS
         }
         Command::Run(args) => {
@@ -201,7 +208,10 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         },
         lag: LagReader::default(),
     });
-    info!(namespace = ?args.watch_namespace, "reconciling PerspectiveDeployments");
+    info!(
+        namespace = perspective_operator::controller::scope(args.watch_namespace.as_deref()),
+        "reconciling PerspectiveDeployments"
+    );
     controller::run(ctx, args.watch_namespace, stop).await;
     metrics.leader.set(0);
 

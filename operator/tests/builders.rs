@@ -259,6 +259,7 @@ fn observed(job: Option<JobState>, sts: Option<StatefulSet>) -> Observed {
         config_hash,
         job,
         migration_failures: 0,
+        next_migration_attempt: None,
         statefulset: sts,
         desired_replicas: 3,
         migrated_hash: None,
@@ -475,8 +476,10 @@ fn an_added_perspective_catches_up_while_the_deployment_stays_ready() {
     assert!(done.perspectives.iter().all(|p| p.progress.is_none()));
 }
 
+/// Ready means serving: a migration that fails leaves the running workers (and `Ready`) as
+/// they were; `Degraded` says what failed and `Progressing` when it runs again.
 #[test]
-fn a_failed_migration_makes_a_ready_deployment_unready() {
+fn a_failed_migration_leaves_a_serving_deployment_ready() {
     let mut o = observed(Some(JobState::Succeeded), None);
     o.statefulset = Some(rolled_sts(&o, 3));
     let ready = compute(&Default::default(), &o, Timestamp::now());
@@ -487,6 +490,22 @@ fn a_failed_migration_makes_a_ready_deployment_unready() {
         at: None,
     });
     let s = compute(&ready, &o, Timestamp::now());
+    let r = condition(&s, conditions::READY);
+    assert_eq!(
+        (r.status.as_str(), r.reason.as_str()),
+        ("True", "PreviousSpecServing")
+    );
+    assert_eq!(
+        condition(&s, conditions::DEGRADED).reason,
+        "MigrationFailed"
+    );
+    assert_eq!(
+        condition(&s, conditions::PROGRESSING).reason,
+        "MigrationRetryScheduled"
+    );
+    // Its pods gone, it no longer serves.
+    o.statefulset = Some(rolled_sts(&o, 0));
+    let s = compute(&s, &o, Timestamp::now());
     assert_eq!(condition(&s, conditions::READY).reason, "MigrationFailed");
     assert_eq!(condition(&s, conditions::READY).status, "False");
 }

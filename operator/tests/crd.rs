@@ -329,3 +329,43 @@ fn finding_3_the_crd_bounds_the_size_of_a_deployment() {
             <= perspective_worker::config::yaml_limits::MAX_CONFIG_BYTES
     );
 }
+
+/// Issue 27 polish: `kubectl explain pd` opens with what the resource is (not kube's
+/// "Auto-generated derived type…"), and `kubectl get pd -o wide` adds the image, the migration
+/// and the workers.
+#[test]
+fn explain_describes_the_resource_and_wide_output_adds_columns() {
+    let crd: Value = serde_yaml::from_str(&crd_yaml()).unwrap();
+    let version = &crd["spec"]["versions"][0];
+    let description = version["schema"]["openAPIV3Schema"]["description"]
+        .as_str()
+        .unwrap();
+    assert!(
+        description.starts_with("A set of perspectives (read models)"),
+        "{description}"
+    );
+    let wide: Vec<&str> = version["additionalPrinterColumns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["priority"].as_i64() == Some(1))
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        wide,
+        ["Image", "Migration", "Migrated", "Workers", "Database"]
+    );
+    let _ = PerspectiveDeployment::crd();
+}
+
+/// `docs/reference/crd.md` is what the types generate: a changed field description, bound or
+/// default without regenerating it fails here.
+#[test]
+fn committed_reference_matches_the_rust_types() {
+    let committed = repo_file("docs/reference/crd.md");
+    assert!(
+        committed == perspective_operator::reference::crd_reference(),
+        "docs/reference/crd.md is out of date with operator/src/crd.rs: run \
+         `cargo run -p perspective-operator -- crd-reference > docs/reference/crd.md`"
+    );
+}

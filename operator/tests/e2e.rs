@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use k8s_openapi::api::apps::v1::StatefulSet;
@@ -737,7 +737,9 @@ async fn lifecycle_of_a_deployment() {
     w.shutdown().await;
 }
 
-/// Acceptance 4: a failing migration keeps the old template; fixing the spec recovers.
+/// Acceptance 4: a failing migration keeps the old template; fixing the spec recovers. Ready
+/// means serving (issue 27): a handler typo the migration finds, then one validation finds,
+/// leave a serving deployment Ready (`PreviousSpecServing`) while its worker applies events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_migration_keeps_the_running_workers() {
     let w = World::new("fail", &[("op", &[])]).await;
@@ -761,10 +763,10 @@ async fn failed_migration_keeps_the_running_workers() {
         .unwrap()
         .uid;
 
-    // A setup that fails at migrate time (valid config, broken SQL).
+    // A typo in a handler that only the migration finds (valid config, SQL that does not parse).
     let broken = pd_yaml("shop", &w.schema, 1, "v1", no_retry).replace(
-        "CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);",
-        "CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);\n        CREATE TABLE IF NOT EXISTS broken (n no_such_type);",
+        "OrderPlaced: UPDATE order_count SET n = n + 1 WHERE id = 1",
+        "OrderPlaced: UPDTE order_count SET n = n + 1 WHERE id = 1",
     );
     w.apply(&broken);
     let pd = w
@@ -784,7 +786,49 @@ async fn failed_migration_keeps_the_running_workers() {
         message.contains(&format!("kubectl logs job/{job}")),
         "the status says where the Job's output is: {message}"
     );
-    assert_eq!(condition(&pd, "Ready").status, "False");
+    // Ready means serving: the previous spec's worker keeps applying events.
+    let ready = condition(&pd, "Ready");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("True", "PreviousSpecServing"),
+        "{ready:?}"
+    );
+    let progressing = w
+        .wait_condition(
+            "shop",
+            "Progressing",
+            "False",
+            Some("MigrationRetryScheduled"),
+        )
+        .await;
+    let message = condition(&progressing, "Progressing").message;
+    assert!(
+        message.contains("the next attempt runs at 20"),
+        "Progressing says when the migration runs again: {message}"
+    );
+    let mut conn = db().await;
+    append_orders(&mut conn, &w.schema, 2).await;
+    wait_sql(
+        &mut conn,
+        "orders applied by the previous spec's worker",
+        &format!(
+            "SELECT count(*) FROM {}.order_summary WHERE version = 'v1'",
+            w.schema
+        ),
+        2,
+    )
+    .await;
+    // A spec error validation finds: Degraded InvalidSpec, Ready as it was.
+    w.apply(&broken.replace("'v1')", ":no_such_parameter)"));
+    let invalid = w
+        .wait_condition("shop", "Degraded", "True", Some("InvalidSpec"))
+        .await;
+    assert_eq!(
+        condition(&invalid, "Ready").reason,
+        "PreviousSpecServing",
+        "an invalid spec leaves a serving deployment Ready"
+    );
+    assert!(condition(&invalid, "Ready").status == "True");
     let sts = w.statefulset("shop").await.unwrap();
     assert_eq!(
         template_annotation(&sts, "perspectives.dev/migration-hash"),
@@ -812,7 +856,6 @@ async fn failed_migration_keeps_the_running_workers() {
         template_annotation(&sts, "perspectives.dev/migration-hash"),
         good_hash
     );
-    let mut conn = db().await;
     append_orders(&mut conn, &w.schema, 3).await;
     wait_sql(
         &mut conn,
@@ -1634,7 +1677,8 @@ fn catch_up_perspective(name: &str, version: u32) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
     const ORDERS: i64 = 4_000;
-    let w = World::new("catchup", &[("op", &[])]).await;
+    // A long status interval: the operator must refresh sooner by itself while catching up.
+    let w = World::new("catchup", &[("op", &["--status-interval-seconds=15"])]).await;
     w.apply(&catch_up_yaml(&w.schema, &[("order_rows", 1)]));
     w.wait_condition("shop", "Ready", "True", None).await;
     let first_job = w.pd("shop").await.status.unwrap().migration_job.unwrap();
@@ -1667,8 +1711,25 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
          FROM {}.order_totals",
         w.schema
     );
-    let (readiness, progressing, phases, done) = watch_catch_up(&w).await;
+    let CatchUp {
+        readiness,
+        progressing,
+        phases,
+        pending_while_catching_up,
+        end_seen_after,
+        done,
+    } = watch_catch_up(&w).await;
     let st = done.status.clone().unwrap();
+    // Issue 27: PENDING counts what the backfill still has to apply, and with a 15 s status
+    // interval the status still follows the catch-up every few seconds.
+    assert!(
+        pending_while_catching_up.iter().any(|n| *n > 0),
+        "pendingEvents above 0 during the backfill: {pending_while_catching_up:?}"
+    );
+    assert!(
+        end_seen_after < Duration::from_secs(8),
+        "the status said the backfill was over {end_seen_after:?} after it last said it ran"
+    );
     assert_ne!(
         st.migration_job.as_deref(),
         Some(first_job.as_str()),
@@ -1700,6 +1761,20 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
     .await;
     let table = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop"], None);
     assert!(table.contains("PHASE") && table.contains("Live"), "{table}");
+    // `-o wide` adds the image, the migration Job, the live workers and the database's state.
+    let wide = kubectl_ok(&["-n", &w.ns, "get", "pd", "shop", "-o", "wide"], None);
+    let job = st.migration_job.clone().unwrap();
+    for column in [
+        "IMAGE",
+        "MIGRATION",
+        "WORKERS",
+        "DATABASE",
+        "perspective-worker:e2e",
+        "Reachable",
+    ] {
+        assert!(wide.contains(column), "{column} in:\n{wide}");
+    }
+    assert!(wide.contains(&job), "{job} in:\n{wide}");
 
     // A version bump rebuilds order_totals online (its damaged rows put right), through a new
     // Job, with Progressing saying so, and the deployment stays Ready.
@@ -1712,7 +1787,12 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
         &w.schema,
         &[("order_rows", 1), ("order_totals", 2)],
     ));
-    let (readiness, progressing, _, done) = watch_catch_up(&w).await;
+    let CatchUp {
+        readiness,
+        progressing,
+        done,
+        ..
+    } = watch_catch_up(&w).await;
     let st = done.status.clone().unwrap();
     assert_ne!(st.migration_job.as_deref(), Some(second_job.as_str()));
     assert!(
@@ -1726,25 +1806,56 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
         "Ready stayed True throughout the rebuild: {readiness:?}"
     );
     wait_sql(&mut conn, "the rebuild complete", &totals_sql, ORDERS).await;
+
+    // Removing order_totals: its migration says so in an Event, its table stays.
+    w.apply(&catch_up_yaml(&w.schema, &[("order_rows", 1)]));
+    let events = poll("the catch-up and removal Events", LONG, || async {
+        let events = kubectl_ok(&["-n", &w.ns, "get", "events", "-o", "json"], None);
+        Ok(events.contains("PerspectiveRemoved").then_some(events))
+    })
+    .await
+    .unwrap();
+    for reason in ["BackfillFinished", "RebuildFinished"] {
+        assert_eq!(
+            events.matches(&format!("\"reason\": \"{reason}\"")).count(),
+            1,
+            "one {reason} Event"
+        );
+    }
+    assert!(events.contains("perspective order_totals is no longer in the spec"));
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM {}.order_totals", w.schema))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap(),
+        ORDERS,
+        "the removed perspective's table is kept"
+    );
     w.shutdown().await;
 }
 
+/// What [`watch_catch_up`] saw on the way: Ready's changes, every Progressing message, every
+/// Phase summary, the `pendingEvents` while a perspective caught up, how long after the last
+/// status saying so the status said it was over, and the deployment then.
+struct CatchUp {
+    readiness: Vec<String>,
+    progressing: BTreeSet<String>,
+    phases: BTreeSet<String>,
+    pending_while_catching_up: BTreeSet<i64>,
+    end_seen_after: Duration,
+    done: PerspectiveDeployment,
+}
+
 /// Poll the deployment until its spec is observed, both perspectives are `Live` and
-/// `Progressing` is `Complete`; returns what was seen on the way — Ready's changes, every
-/// Progressing message, every Phase summary — and the deployment then.
-async fn watch_catch_up(
-    w: &World,
-) -> (
-    Vec<String>,
-    BTreeSet<String>,
-    BTreeSet<String>,
-    PerspectiveDeployment,
-) {
+/// `Progressing` is `Complete`.
+async fn watch_catch_up(w: &World) -> CatchUp {
     // Sampled on every poll: Ready (each change), and what Progressing and the Phase column said.
     let seen = std::cell::RefCell::new((
         Vec::<String>::new(),
         BTreeSet::<String>::new(),
         BTreeSet::<String>::new(),
+        BTreeSet::<i64>::new(),
+        None::<Instant>,
     ));
     let done = poll("the new perspective live and complete", LONG, || async {
         let pd = w.pds().get("shop").await?;
@@ -1765,6 +1876,14 @@ async fn watch_catch_up(
                 .insert(format!("{} {}: {}", p.status, p.reason, p.message));
         }
         seen.2.extend(st.phase.clone());
+        let catching_up = st
+            .perspectives
+            .iter()
+            .any(|p| p.phase != perspective_operator::crd::PerspectivePhase::Live);
+        if catching_up {
+            seen.3.extend(st.pending_events);
+            seen.4 = Some(Instant::now());
+        }
         drop(seen);
         let fresh = st.observed_generation == pd.metadata.generation;
         let all_live = st.perspectives.len() == 2
@@ -1778,12 +1897,22 @@ async fn watch_catch_up(
         Ok((fresh && all_live && complete).then_some(pd))
     })
     .await;
-    let (readiness, progressing, phases) = seen.into_inner();
+    let (readiness, progressing, phases, pending, last_catching_up) = seen.into_inner();
     let done = done.unwrap_or_else(|e| {
         panic!("{e:#}\nProgressing seen: {progressing:#?}\nPhases seen: {phases:?}")
     });
-    eprintln!("[e2e] Progressing seen: {progressing:#?}\n[e2e] Phases seen: {phases:?}");
-    (readiness, progressing, phases, done)
+    eprintln!(
+        "[e2e] Progressing seen: {progressing:#?}\n[e2e] Phases seen: {phases:?}\n[e2e] pending \
+         while catching up: {pending:?}"
+    );
+    CatchUp {
+        readiness,
+        progressing,
+        phases,
+        pending_while_catching_up: pending,
+        end_seen_after: last_catching_up.map_or(Duration::ZERO, |t| t.elapsed()),
+        done,
+    }
 }
 
 /// A worker "image" that prints the database URL from its Secret in shapes no redactor knows

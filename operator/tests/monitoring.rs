@@ -71,6 +71,8 @@ fn rendered_pack() -> (Value, Json) {
             .args(["template", "pack"])
             .arg(repo_root().join("charts/perspective-operator"))
             .args([
+                "--api-versions",
+                "monitoring.coreos.com/v1/PrometheusRule",
                 "--set",
                 "metrics.prometheusRule.enabled=true",
                 "--set",

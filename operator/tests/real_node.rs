@@ -11,6 +11,8 @@
 mod support;
 
 mod real_node {
+    mod quickstart;
+
     use std::collections::{BTreeMap, HashMap, HashSet};
     use std::net::SocketAddr;
     use std::process::Command;

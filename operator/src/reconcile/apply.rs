@@ -16,6 +16,7 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use tracing::info;
 
+use super::announcements;
 use super::build::Children;
 use super::context::Context;
 use super::error::{is_rejection, Error};
@@ -175,10 +176,25 @@ impl Step<'_> {
                     self.job_ref(),
                 )
                 .await;
+                self.announce_removed(previous).await;
             }
             Next::Succeeded { announce: false } | Next::Wait => {}
         }
         Ok(())
+    }
+
+    /// A `PerspectiveRemoved` Event for each perspective the migration that just succeeded
+    /// removed (in the previously migrated target, not in this spec).
+    async fn announce_removed(&self, previous: &PerspectiveDeploymentStatus) {
+        let configured = announcements::qualified(&self.pd.spec);
+        for name in
+            announcements::removed_perspectives(&previous.migrated_perspectives, &configured)
+        {
+            info!(namespace = %self.r.namespace, name = %self.r.name, perspective = %name, "perspective removed; its tables were kept");
+            let mut event = announcements::removed(&name, &self.r.target.job_name);
+            event.related = Some(self.job_ref());
+            self.ctx.publish(self.pd, event).await;
+        }
     }
 
     /// Creates the current target's migration Job.

@@ -162,8 +162,7 @@ fn failed(at: Option<Timestamp>, failures: &Failures, now: Timestamp, base: Dura
     } else {
         failures.clone()
     };
-    let delay = migration_job::retry_delay(failures.count, base);
-    let retry_at = at.unwrap_or(now).as_second() + delay.as_secs() as i64;
+    let retry_at = retry_at(at, failures.count, now, base).as_second();
     let wait = Duration::from_secs(u64::try_from(retry_at - now.as_second()).unwrap_or(0));
     Next::Failed {
         failures,
@@ -174,6 +173,14 @@ fn failed(at: Option<Timestamp>, failures: &Failures, now: Timestamp, base: Dura
             Retry::In(wait)
         },
     }
+}
+
+/// When a Job that failed at `at` (unknown: `now`), with `count` failures counted, runs again:
+/// `retry_delay(count)` after it failed.
+pub fn retry_at(at: Option<Timestamp>, count: i32, now: Timestamp, base: Duration) -> Timestamp {
+    let delay = migration_job::retry_delay(count, base);
+    let second = at.unwrap_or(now).as_second() + delay.as_secs() as i64;
+    Timestamp::from_second(second).unwrap_or(now)
 }
 
 #[cfg(test)]

@@ -11,10 +11,11 @@
 //!    after that template's migration Job succeeded; a failed Job, or a succeeded one whose
 //!    schema has gone from the database, runs again as [`migration_retry`] decides (pure);
 //! 6. [`update_status`]: compute and write the status ([`crate::status::compute`]), and Events
-//!    on change.
+//!    on change ([`announcements`]: what users wait for).
 //!
 //! [`context`] holds what all reconciles share, [`error`] why one could not finish.
 
+pub mod announcements;
 pub mod apply;
 pub mod build;
 pub mod context;
@@ -118,7 +119,7 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
         );
         apply::apply(ctx, pd, &resolved, &previous, children, &mut outcome).await?;
     }
-    let requeue = outcome.requeue;
-    update_status::update_status(ctx, pd, &resolved, &previous, validated, outcome).await?;
+    let requeue =
+        update_status::update_status(ctx, pd, &resolved, &previous, validated, outcome).await?;
     Ok(Action::requeue(requeue))
 }

@@ -1,7 +1,10 @@
 //! The status step: the status computed from everything observed ([`status::compute`]), a
 //! Warning Event when `Degraded` turns to a problem of the operator's part, when the database
 //! is lost (and a Normal one when it is back) or a perspective's lock conflicts turn
-//! persistent, and the status written when it changed.
+//! persistent, a Normal one when a backfill or rebuild finished, and the status written when it
+//! changed; then when to refresh it (sooner while a perspective catches up).
+
+use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
@@ -12,13 +15,16 @@ use perspective_worker::store::status::{
 use serde_json::json;
 use tracing::{info, warn};
 
+use super::announcements;
 use super::apply::Outcome;
 use super::context::Context;
 use super::error::Error;
+use super::migration_retry;
 use super::resolve::Resolved;
 use super::validate::Validated;
 use crate::crd::{DatabaseState, PerspectiveDeployment, PerspectiveDeploymentStatus};
 use crate::events::{Event, EventType};
+use crate::migration_job::JobState;
 use crate::status::condition::DEGRADED;
 use crate::status::{self, Observed};
 
@@ -30,7 +36,18 @@ pub async fn update_status(
     previous: &PerspectiveDeploymentStatus,
     validated: Validated,
     outcome: Outcome,
-) -> Result<(), Error> {
+) -> Result<Duration, Error> {
+    let next_migration_attempt = match &outcome.job {
+        Some(JobState::Failed { at, .. }) => Some(migration_retry::retry_at(
+            *at,
+            outcome.failures.count,
+            Timestamp::now(),
+            ctx.options.migration_retry_base,
+        )),
+        _ => None,
+    };
+    // The image is reported once the spec was accepted (an invalid one changed nothing).
+    let observed_image = validated.may_apply();
     let observed = Observed {
         instance: r.name.clone(),
         generation: pd.metadata.generation,
@@ -42,6 +59,7 @@ pub async fn update_status(
         config_hash: r.config_hash.clone(),
         job: outcome.job,
         migration_failures: outcome.failures.count,
+        next_migration_attempt,
         statefulset: outcome.statefulset,
         desired_replicas: pd.spec.replicas,
         migrated_hash: previous.migrated_hash.clone(),
@@ -51,10 +69,20 @@ pub async fn update_status(
     new_status.last_migration_failure = outcome.failures.last;
     new_status.schema_recreations = outcome.recreations.count;
     new_status.last_schema_recreation = outcome.recreations.last;
+    if observed_image {
+        new_status.image = Some(r.image.clone());
+    }
+    if new_status.migrated_hash.as_deref() == Some(r.target.hash.as_str()) {
+        new_status.migrated_perspectives = announcements::qualified(&pd.spec);
+    }
 
     report_degraded_change(ctx, pd, previous, &new_status).await;
     report_database_change(ctx, pd, previous, &new_status).await;
     report_lock_contention(ctx, pd, previous, &new_status).await;
+    for event in announcements::catch_up_finished(previous, &new_status) {
+        info!(namespace = pd.namespace().unwrap_or_default(), name = %pd.name_any(), note = %event.note, "catch-up finished");
+        ctx.publish(pd, event).await;
+    }
     if new_status != *previous {
         let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
         pds.patch_status(
@@ -64,7 +92,7 @@ pub async fn update_status(
         )
         .await?;
     }
-    Ok(())
+    Ok(status::refresh_within(&new_status, outcome.requeue))
 }
 
 /// The merge patch from `previous` to `new`: a field `new` leaves out (figures that became

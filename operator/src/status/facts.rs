@@ -124,6 +124,7 @@ pub mod fixture {
             config_hash: "ch".into(),
             job: None,
             migration_failures: 0,
+            next_migration_attempt: None,
             statefulset: None,
             desired_replicas: 3,
             migrated_hash: None,

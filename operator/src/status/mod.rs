@@ -15,10 +15,15 @@ pub mod observed;
 pub mod rollout;
 pub mod summary;
 
+use std::time::Duration;
+
 use k8s_openapi::jiff::Timestamp;
 use perspective_worker::store::status::Status as DbStatus;
 
-use crate::crd::{DatabaseState, PerspectiveDeploymentStatus, PerspectiveLag, PerspectiveProgress};
+use crate::crd::{
+    DatabaseState, PerspectiveDeploymentStatus, PerspectiveLag, PerspectivePhase,
+    PerspectiveProgress,
+};
 use crate::labels;
 use condition::{degraded, merge, migrations_applied, progressing, ready, reconciliation_paused};
 use facts::Facts;
@@ -83,6 +88,32 @@ pub fn compute(
     status
 }
 
+/// What a perspective still has to apply: its work rows, or while it catches up what the
+/// catch-up has left (streams not queued yet included), so `PENDING` is not 0 during a backfill.
+fn pending(p: &perspective_worker::store::status::PerspectiveStatus) -> i64 {
+    p.progress.as_ref().map_or(p.pending_events, |c| {
+        c.events_remaining.max(p.pending_events)
+    })
+}
+
+/// How often status is refreshed while a perspective catches up, whatever
+/// `--status-interval-seconds` says: its progress should move at least every 5 s.
+pub const CATCH_UP_REFRESH: Duration = Duration::from_secs(3);
+
+/// When to refresh `status` again: within `interval`, or [`CATCH_UP_REFRESH`] while a
+/// perspective catches up (idle deployments keep the longer interval).
+pub fn refresh_within(status: &PerspectiveDeploymentStatus, interval: Duration) -> Duration {
+    let catching_up = status
+        .perspectives
+        .iter()
+        .any(|p| p.phase != PerspectivePhase::Live);
+    if catching_up {
+        interval.min(CATCH_UP_REFRESH)
+    } else {
+        interval
+    }
+}
+
 /// What `lag` and `phase` say while the database cannot be read.
 pub const UNKNOWN: &str = "Unknown";
 
@@ -105,7 +136,7 @@ fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dea
         .iter()
         .map(|p| PerspectiveLag {
             name: p.name.clone(),
-            pending_events: p.pending_events,
+            pending_events: pending(p),
             oldest_pending_seconds: p.oldest_pending_seconds.map(|s| s.floor() as i64),
             failed_streams: p.failed_streams,
             dead_letters: p.dead_letters,
@@ -115,7 +146,7 @@ fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dea
         })
         .collect();
     status.phase = Some(phase_summary(&status.perspectives));
-    status.pending_events = Some(db.perspectives.iter().map(|p| p.pending_events).sum());
+    status.pending_events = Some(db.perspectives.iter().map(pending).sum());
     let oldest = db
         .perspectives
         .iter()
@@ -207,6 +238,42 @@ mod tests {
             (Some(0), Some("0s"))
         );
         assert_eq!(back.phase.as_deref(), Some("Live"));
+    }
+
+    #[test]
+    fn pending_counts_what_a_catch_up_still_has_to_apply() {
+        use crate::status::facts::fixture;
+        let mut o = fixture::migrated(3);
+        // 383 events left in the backfill, none of them queued as work rows yet.
+        let mut backfilling = catching_up("order_totals", Phase::Backfilling, 61.7);
+        backfilling.pending_events = 0;
+        let live = PerspectiveStatus {
+            name: "a".into(),
+            pending_events: 2,
+            ..Default::default()
+        };
+        o.database = Some(Ok(fixture::database(3, vec![live, backfilling])));
+        let s = compute(&Default::default(), &o, Timestamp::UNIX_EPOCH);
+        assert_eq!(s.perspectives[1].pending_events, 383);
+        assert_eq!(s.pending_events, Some(385));
+    }
+
+    #[test]
+    fn status_is_refreshed_every_few_seconds_only_while_a_perspective_catches_up() {
+        let fifteen = Duration::from_secs(15);
+        let mut s = PerspectiveDeploymentStatus {
+            perspectives: vec![lag(&PerspectiveStatus {
+                name: "a".into(),
+                ..Default::default()
+            })],
+            ..Default::default()
+        };
+        assert_eq!(refresh_within(&s, fifteen), fifteen);
+        s.perspectives
+            .push(lag(&catching_up("b", Phase::Rebuilding, 5.0)));
+        assert_eq!(refresh_within(&s, fifteen), CATCH_UP_REFRESH);
+        let one = Duration::from_secs(1);
+        assert_eq!(refresh_within(&s, one), one);
     }
 
     #[test]

@@ -31,6 +31,8 @@ pub struct Observed {
     /// The current target's Job, if it exists.
     pub job: Option<JobState>,
     pub migration_failures: i32,
+    /// When the current target's failed Job runs again (none: it has not failed).
+    pub next_migration_attempt: Option<k8s_openapi::jiff::Timestamp>,
     pub statefulset: Option<StatefulSet>,
     pub desired_replicas: i32,
     /// The target the status records as migrated last (`status.migratedHash`).

@@ -15,8 +15,10 @@ pub fn desired(f: &Facts) -> Desired {
     let o = f.observed;
     let catching_up =
         f.db.map_or_else(Vec::new, |d| catch_up_messages(&d.perspectives));
-    let (progressing, reason, message) = if f.invalid || f.failed || f.rejected.is_some() {
+    let (progressing, reason, message) = if f.invalid || f.rejected.is_some() {
         (false, "Stalled", "waiting for a spec change".to_owned())
+    } else if f.failed && !f.secret_missing {
+        (false, "MigrationRetryScheduled", retry_message(f))
     } else if f.secret_missing {
         (
             false,
@@ -60,6 +62,24 @@ pub fn desired(f: &Facts) -> Desired {
         message
     };
     Desired::new(PROGRESSING, progressing, reason, message)
+}
+
+/// What waits after a failed migration: when the Job runs again (a spec change runs the new
+/// target's Job at once).
+fn retry_message(f: &Facts) -> String {
+    let o = f.observed;
+    let failures = o.migration_failures.max(1);
+    let when = match o.next_migration_attempt {
+        Some(at) => format!(
+            "the next attempt runs at {}",
+            at.strftime("%Y-%m-%dT%H:%M:%SZ")
+        ),
+        None => "the next attempt is being scheduled".to_owned(),
+    };
+    format!(
+        "migration Job {} failed ({failures} failure(s)); {when}, or at once for a changed spec",
+        o.target.job_name
+    )
 }
 
 /// One line per perspective that is catching up, e.g. "order_totals backfilling: 61% (…),
@@ -197,5 +217,31 @@ mod tests {
             progressing(&o),
             (false, "Stalled".into(), "waiting for a spec change".into())
         );
+    }
+
+    #[test]
+    fn a_failed_migration_says_when_it_runs_again() {
+        let mut o = fixture::migrated(3);
+        o.job = Some(JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: "m".into(),
+            at: None,
+        });
+        o.migration_failures = 2;
+        o.next_migration_attempt =
+            Some(k8s_openapi::jiff::Timestamp::from_second(1_800_000_060).unwrap());
+        assert_eq!(
+            progressing(&o),
+            (
+                false,
+                "MigrationRetryScheduled".into(),
+                "migration Job shop-migrate-mh failed (2 failure(s)); the next attempt runs at \
+                 2027-01-15T08:01:00Z, or at once for a changed spec"
+                    .into()
+            )
+        );
+        // A spec error found by validation is still for the author to fix.
+        o.problems = vec!["spec.a: x".into()];
+        assert_eq!(progressing(&o).1, "Stalled");
     }
 }

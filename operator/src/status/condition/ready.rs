@@ -1,6 +1,8 @@
 //! `Ready`: the data plane serves — the current spec migrated, its database readable, its pods
 //! ready and its workers registered; a deployment that was ready stays ready (`MinimumAvailable`) while a later spec
-//! migrates or rolls out, as long as enough of its pods are.
+//! migrates or rolls out, and (`PreviousSpecServing`) while a spec error — invalid, refused,
+//! its migration failed — leaves the previous spec's workers running, as long as enough of its
+//! pods are. A lost database makes it unready whatever the pods say.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 
@@ -11,32 +13,32 @@ use crate::status::facts::Facts;
 pub fn desired(f: &Facts, previous: &[Condition]) -> Desired {
     let o = f.observed;
     let r = &f.rollout;
-    let not_ready = |reason: &str, message: &str| Desired::new(READY, false, reason, message);
-    if f.invalid {
-        return not_ready("InvalidSpec", "the spec is invalid (see Degraded)");
-    }
-    if f.secret_missing {
-        return not_ready(
-            "SecretMissing",
-            "the database Secret cannot be read (see Degraded)",
-        );
-    }
-    if f.rejected.is_some() {
-        return not_ready(
-            "ChildRejected",
-            "the API server refused a child object (see Degraded)",
-        );
-    }
-    if f.failed {
-        return not_ready(
-            "MigrationFailed",
-            "the migration failed (see MigrationsApplied)",
-        );
-    }
+    let was_ready = is_true(previous, READY);
     if let Some(problem) = f.database_problem {
         // Pods may still pass their probes; without the database nothing is applied.
         let message = format!("{} (see Degraded)", problem.message());
         return Desired::new(READY, false, problem.reason(), message);
+    }
+    if let Some((reason, message)) = spec_error(f) {
+        // A spec error changes no running pod: the previous spec's workers keep applying
+        // events, so a deployment that served goes on serving (Degraded says what is wrong).
+        if was_ready && r.exists && r.ready >= min_available(o.desired_replicas) {
+            let message = format!(
+                "{}/{} worker pods of the previous spec ready and applying events; the \
+                 current spec is not applied: {message}",
+                r.ready, o.desired_replicas
+            );
+            return Desired::new(READY, true, "PreviousSpecServing", message);
+        }
+        return Desired::new(READY, false, reason, message);
+    }
+    if f.secret_missing {
+        return Desired::new(
+            READY,
+            false,
+            "SecretMissing",
+            "the database Secret cannot be read (see Degraded)",
+        );
     }
     let Some(step) = &f.step else {
         let message = match f.db {
@@ -51,7 +53,6 @@ pub fn desired(f: &Facts, previous: &[Condition]) -> Desired {
     // A later spec migrating or rolling out (a new perspective, a version bump), or a pod
     // restarting: the running workers keep applying events, so a deployment that was ready
     // stays ready while enough of them are (Progressing says what is under way).
-    let was_ready = is_true(previous, READY);
     if was_ready && r.exists && r.ready >= min_available(o.desired_replicas) {
         let message = if o.paused {
             // The count the spec asks for waits for the unpause: the step says so.
@@ -65,6 +66,28 @@ pub fn desired(f: &Facts, previous: &[Condition]) -> Desired {
         return Desired::new(READY, true, "MinimumAvailable", message);
     }
     Desired::new(READY, false, step.reason, step.message.clone())
+}
+
+/// The reason and message of a spec error: an invalid spec, a child the API server refused,
+/// a failed migration (a typo in a handler that only the migration finds).
+fn spec_error(f: &Facts) -> Option<(&'static str, &'static str)> {
+    if f.invalid {
+        Some(("InvalidSpec", "the spec is invalid (see Degraded)"))
+    } else if f.secret_missing {
+        None
+    } else if f.rejected.is_some() {
+        Some((
+            "ChildRejected",
+            "the API server refused a child object (see Degraded)",
+        ))
+    } else if f.failed {
+        Some((
+            "MigrationFailed",
+            "the migration failed (see MigrationsApplied)",
+        ))
+    } else {
+        None
+    }
 }
 
 /// Ready pods a ready deployment needs to stay ready while pods are replaced: one fewer than
@@ -118,21 +141,65 @@ mod tests {
     }
 
     #[test]
-    fn problems_make_it_unready_whatever_the_pods() {
+    fn a_problem_before_it_ever_served_makes_it_unready() {
         let mut o = fixture::migrated(3);
         o.job = Some(JobState::Failed {
             reason: "BackoffLimitExceeded".into(),
             message: "m".into(),
             at: None,
         });
-        assert_eq!(ready(&o, true).reason, "MigrationFailed");
+        assert_eq!(ready(&o, false).reason, "MigrationFailed");
         o.rejected = Some("x".into());
-        assert_eq!(ready(&o, true).reason, "ChildRejected");
+        assert_eq!(ready(&o, false).reason, "ChildRejected");
+        o.secret_problem = Some("x".into());
+        assert_eq!(ready(&o, false).reason, "SecretMissing");
+        o.problems = vec!["spec.a: x".into()];
+        let r = ready(&o, false);
+        assert_eq!((r.status, r.reason.as_str()), (false, "InvalidSpec"));
+    }
+
+    #[test]
+    fn a_spec_error_leaves_a_serving_deployment_ready_while_its_pods_are() {
+        let mut o = fixture::migrated(3);
+        o.problems = vec!["spec.perspectives[0].handlers.Tick: syntax error".into()];
+        let kept = ready(&o, true);
+        assert_eq!(
+            (kept.status, kept.reason.as_str()),
+            (true, "PreviousSpecServing")
+        );
+        assert_eq!(
+            kept.message,
+            "3/3 worker pods of the previous spec ready and applying events; the current spec \
+             is not applied: the spec is invalid (see Degraded)"
+        );
+        o.problems.clear();
+        o.job = Some(JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: "m".into(),
+            at: None,
+        });
+        assert_eq!(ready(&o, true).reason, "PreviousSpecServing");
+        o.job = Some(JobState::Succeeded);
+        o.rejected = Some("x".into());
+        assert_eq!(ready(&o, true).reason, "PreviousSpecServing");
+        // Too few of the previous spec's pods left: not serving.
+        o.statefulset = Some(fixture::statefulset("old", "ch", 1, true));
+        let gone = ready(&o, true);
+        assert_eq!(
+            (gone.status, gone.reason.as_str()),
+            (false, "ChildRejected")
+        );
+        // A missing Secret is not a spec error: the workers cannot restart without it.
+        o.rejected = None;
+        o.statefulset = Some(fixture::statefulset("old", "ch", 3, true));
         o.secret_problem = Some("x".into());
         assert_eq!(ready(&o, true).reason, "SecretMissing");
+        // A lost database is not serving, whatever the spec.
+        o.secret_problem = None;
         o.problems = vec!["spec.a: x".into()];
-        let r = ready(&o, true);
-        assert_eq!((r.status, r.reason.as_str()), (false, "InvalidSpec"));
+        o.migrated_hash = Some("mh".into());
+        o.database = Some(Err(DatabaseProblem::Unreachable("refused".into())));
+        assert_eq!(ready(&o, true).reason, "DatabaseUnreachable");
     }
 
     #[test]
