@@ -7,8 +7,10 @@
 //! - [`labels`]: names, labels and selectors of the children
 //! - builders of the desired children, pure functions: [`config_map`], [`migration_job`],
 //!   [`workers`] (StatefulSet, headless Service, PodDisruptionBudget), with [`pod`] shared
+//! - [`action_job`]: day-2 actions asked for by annotation (replay or discard dead letters,
+//!   rebuild) and the Job that carries one out, pure
 //! - [`reconcile`]: the pipeline, one module per step: resolve → dereference → validate → build
-//!   → apply (server-side apply; the migration retry a pure decision) → update_status
+//!   → apply (server-side apply; the migration retry a pure decision) → action → update_status
 //! - [`status`]: status computed from observations, one builder per condition
 //!   (`status::condition::{ready, degraded, migrations_applied, progressing, …}`), the printer
 //!   columns' words (`status::summary`), condition transitions
@@ -17,6 +19,7 @@
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
 //! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 
+pub mod action_job;
 pub mod config_map;
 pub mod controller;
 pub mod crd;

@@ -51,6 +51,7 @@ pub async fn update_status(
     new_status.last_migration_failure = outcome.failures.last;
     new_status.schema_recreations = outcome.recreations.count;
     new_status.last_schema_recreation = outcome.recreations.last;
+    new_status.last_action = outcome.last_action;
 
     report_degraded_change(ctx, pd, previous, &new_status).await;
     report_database_change(ctx, pd, previous, &new_status).await;
