@@ -45,7 +45,9 @@ impl Action {
 
     /// The action of `annotation`.
     pub fn of_annotation(annotation: &str) -> Option<Action> {
-        Action::ALL.into_iter().find(|a| a.annotation() == annotation)
+        Action::ALL
+            .into_iter()
+            .find(|a| a.annotation() == annotation)
     }
 
     /// The word in its Job's name.
@@ -65,7 +67,9 @@ impl Action {
     /// The worker's arguments for target `target` (a perspective, or [`ALL`]).
     pub fn args(self, target: &str) -> Vec<String> {
         let mut args: Vec<String> = match self {
-            Action::ReplayDeadLetters => vec!["dead-letters".into(), "replay".into(), "--all".into()],
+            Action::ReplayDeadLetters => {
+                vec!["dead-letters".into(), "replay".into(), "--all".into()]
+            }
             Action::DiscardDeadLetters => {
                 vec!["dead-letters".into(), "discard".into(), "--all".into()]
             }
@@ -110,8 +114,7 @@ pub fn requested(
         .into_iter()
         .find_map(|a| annotations.get(a.annotation()).map(|v| (a, v)))?;
     let target = value.trim();
-    let valid =
-        (action.takes_all() && target == ALL) || perspectives.iter().any(|p| p == target);
+    let valid = (action.takes_all() && target == ALL) || perspectives.iter().any(|p| p == target);
     if valid {
         return Some(Ok(Request {
             action,
@@ -261,7 +264,10 @@ mod tests {
             Action::DiscardDeadLetters
         );
         // Replay goes first when several are asked for.
-        let both = annotated(&[(labels::REBUILD, "order_count"), (labels::REPLAY_DEAD_LETTERS, "all")]);
+        let both = annotated(&[
+            (labels::REBUILD, "order_count"),
+            (labels::REPLAY_DEAD_LETTERS, "all"),
+        ]);
         assert_eq!(
             requested(&both, &names()).unwrap().unwrap().action,
             Action::ReplayDeadLetters
@@ -297,7 +303,15 @@ mod tests {
             action: Action::ReplayDeadLetters,
             target: "order_summary".into(),
         };
-        let job = build("shop", "ns", &spec, "img:1", "shop-config-x", &request, "shop-replay-1");
+        let job = build(
+            "shop",
+            "ns",
+            &spec,
+            "img:1",
+            "shop-config-x",
+            &request,
+            "shop-replay-1",
+        );
         let js = job.spec.as_ref().unwrap();
         assert_eq!(js.backoff_limit, Some(0));
         let pod = js.template.spec.as_ref().unwrap();
@@ -306,7 +320,13 @@ mod tests {
         assert_eq!(c.image.as_deref(), Some("img:1"));
         assert_eq!(
             c.args.as_deref().unwrap(),
-            ["dead-letters", "replay", "--all", "--perspective", "order_summary"]
+            [
+                "dead-letters",
+                "replay",
+                "--all",
+                "--perspective",
+                "order_summary"
+            ]
         );
         let secret = c
             .env

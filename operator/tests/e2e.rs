@@ -2613,3 +2613,315 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
             .await;
     }
 }
+
+/// A deployment whose order_summary handler fails while `gate.broken` is true (a division by
+/// zero at run time), dead-lettering at the first failure.
+fn gated_yaml(name: &str, schema: &str) -> String {
+    format!(
+        r#"apiVersion: perspectives.dev/v1alpha1
+kind: PerspectiveDeployment
+metadata:
+  name: {name}
+spec:
+  schema: {schema}
+  replicas: 1
+  database:
+    secretRef: {{name: shop-db}}
+  worker:
+    heartbeatIntervalSeconds: 2
+    abandonStaleInstanceThresholdSeconds: 10
+    maxPerspectiveEventAttempts: 1
+  perspectives:
+    - name: order_summary
+      setup: |
+        CREATE TABLE IF NOT EXISTS gate (broken boolean NOT NULL);
+        INSERT INTO gate SELECT true WHERE NOT EXISTS (SELECT 1 FROM gate);
+        CREATE TABLE IF NOT EXISTS order_summary (order_id uuid PRIMARY KEY, total numeric NOT NULL)
+      handlers:
+        OrderPlaced: |
+          INSERT INTO order_summary (order_id, total)
+          SELECT :stream_id, (:data->>'total')::numeric / (CASE WHEN g.broken THEN 0 ELSE 1 END)
+          FROM gate g
+    - name: order_count
+      setup: |
+        CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);
+        INSERT INTO order_count VALUES (1, 0) ON CONFLICT DO NOTHING
+      handlers:
+        OrderPlaced: UPDATE order_count SET n = n + 1 WHERE id = 1
+"#
+    )
+}
+
+async fn scalar(conn: &mut PgConnection, sql: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap()
+}
+
+/// Events of `reason` about deployment `name`.
+async fn events_of(
+    w: &World,
+    name: &str,
+    reason: &str,
+) -> anyhow::Result<Vec<k8s_openapi::api::events::v1::Event>> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(w.client.clone(), &w.ns);
+    Ok(events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+        })
+        .collect())
+}
+
+/// Waits until `status.lastAction` of `name` is in `phase` for `annotation`.
+async fn wait_last_action(
+    w: &World,
+    name: &str,
+    annotation: &str,
+    phase: perspective_operator::crd::ActionPhase,
+) -> perspective_operator::crd::LastAction {
+    let what = format!("{name}: lastAction {annotation} {phase:?}");
+    let found = poll(&what, LONG, || async {
+        let pd = w.pds().get(name).await?;
+        Ok(pd
+            .status
+            .and_then(|s| s.last_action)
+            .filter(|a| a.annotation == annotation && a.phase == phase))
+    })
+    .await;
+    match found {
+        Ok(a) => a,
+        Err(e) => panic!(
+            "{e:#}\nstatus: {:#?}\noperator log:\n{}",
+            w.pd(name).await.status,
+            tail(&w.operators[0].log(), 4000)
+        ),
+    }
+}
+
+/// Issue 27: dead letters in status (count, newest, Degraded naming them, a Warning Event),
+/// then refused, replayed and discarded through annotations, each by a Job that runs the real
+/// worker against the real PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_reported_and_handled_by_annotation() {
+    use perspective_operator::crd::ActionPhase;
+    let w = World::new("dl", &[("op", &[])]).await;
+    w.apply(&gated_yaml("shop", &w.schema));
+    w.wait_condition("shop", "Ready", "True", None).await;
+    let mut conn = db().await;
+    append_orders(&mut conn, &w.schema, 2).await;
+
+    // 1. Status: the count and the newest per perspective, Degraded naming them, one Event.
+    let pd = w
+        .wait_condition("shop", "Degraded", "True", Some("EventsFailing"))
+        .await;
+    let pd = poll("2 dead letters in status", LONG, || async {
+        let pd = w.pds().get("shop").await?;
+        let n = pd.status.as_ref().and_then(|s| s.dead_letters);
+        Ok((n == Some(2)).then_some(pd))
+    })
+    .await
+    .unwrap_or(pd);
+    let st = pd.status.clone().unwrap();
+    let summary = st
+        .perspectives
+        .iter()
+        .find(|p| p.name == "order_summary")
+        .expect("order_summary in status");
+    assert_eq!(summary.dead_letters, 2);
+    assert_eq!(summary.newest_dead_letters.len(), 2);
+    let newest = &summary.newest_dead_letters[0];
+    assert_eq!(newest.event_type, "OrderPlaced");
+    assert!(
+        newest
+            .error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("division by zero"),
+        "{newest:?}"
+    );
+    assert!(
+        newest.id > summary.newest_dead_letters[1].id,
+        "newest first"
+    );
+    let degraded = condition(&pd, "Degraded").message;
+    assert!(
+        degraded.starts_with("2 dead letter(s) waiting for replay (order_summary: 2; newest: order_summary OrderPlaced on stream ")
+            && degraded.contains("division by zero"),
+        "{degraded}"
+    );
+    let warned = poll("a DeadLetters Event", LONG, || async {
+        let list = events_of(&w, "shop", "DeadLetters").await?;
+        Ok((!list.is_empty()).then_some(list))
+    })
+    .await
+    .unwrap();
+    assert_eq!(warned[0].type_.as_deref(), Some("Warning"));
+    assert!(
+        warned[0]
+            .note
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("order_summary: "),
+        "{warned:?}"
+    );
+
+    // 2. A bad value: refused with the annotation and the value named, no Job, annotation gone.
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/rebuild=order_sumary",
+        ],
+        None,
+    );
+    let refused =
+        wait_last_action(&w, "shop", "perspectives.dev/rebuild", ActionPhase::Refused).await;
+    assert!(
+        refused.message.starts_with(
+            "annotation perspectives.dev/rebuild: \"order_sumary\" is not a perspective of spec.perspectives"
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(refused.job, None);
+    let action_jobs = || async {
+        w.jobs()
+            .await
+            .into_iter()
+            .filter(|j| {
+                j.labels()
+                    .get("app.kubernetes.io/component")
+                    .map(String::as_str)
+                    == Some("action")
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(action_jobs().await.is_empty(), "no Job for a refused value");
+    poll("the refused annotation removed", LONG, || async {
+        let pd = w.pds().get("shop").await?;
+        Ok((!pd.annotations().contains_key("perspectives.dev/rebuild")).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        events_of(&w, "shop", "ActionRefused").await.unwrap().len(),
+        1
+    );
+
+    // 3. The handler fixed (the gate opened): a replay of order_summary applies both events.
+    sqlx::query(&format!("UPDATE {}.gate SET broken = false", w.schema))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/replay-dead-letters=order_summary",
+        ],
+        None,
+    );
+    let replayed = wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/replay-dead-letters",
+        ActionPhase::Succeeded,
+    )
+    .await;
+    assert_eq!(replayed.target, "order_summary");
+    assert!(
+        replayed
+            .message
+            .starts_with("replayed the dead letters of order_summary"),
+        "{replayed:?}"
+    );
+    assert_eq!(
+        scalar(
+            &mut conn,
+            &format!("SELECT count(*) FROM {}.order_summary", w.schema)
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        scalar(
+            &mut conn,
+            &format!(
+                "SELECT count(*) FROM {}.wh_dead_letters WHERE recovery_status = 'replayed'",
+                w.schema
+            )
+        )
+        .await,
+        2
+    );
+    let pd = w.pd("shop").await;
+    assert!(!pd
+        .annotations()
+        .contains_key("perspectives.dev/replay-dead-letters"));
+    let jobs = action_jobs().await;
+    assert_eq!(jobs.len(), 1, "one action Job, kept for its log");
+    assert_eq!(Some(jobs[0].name_any()), replayed.job);
+    w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
+        .await;
+    assert_eq!(
+        events_of(&w, "shop", "ActionSucceeded")
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // 4. Broken again: a new dead letter, discarded for all perspectives.
+    sqlx::query(&format!("UPDATE {}.gate SET broken = true", w.schema))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    append_orders(&mut conn, &w.schema, 1).await;
+    w.wait_condition("shop", "Degraded", "True", Some("EventsFailing"))
+        .await;
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/discard-dead-letters=all",
+        ],
+        None,
+    );
+    wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/discard-dead-letters",
+        ActionPhase::Succeeded,
+    )
+    .await;
+    assert_eq!(
+        scalar(
+            &mut conn,
+            &format!(
+                "SELECT count(*) FROM {}.wh_dead_letters WHERE recovery_status = 'discarded'",
+                w.schema
+            )
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        action_jobs().await.len(),
+        1,
+        "the earlier action Job deleted"
+    );
+    w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
+        .await;
+    w.shutdown().await;
+}

@@ -92,7 +92,12 @@ pub async fn act(
         .metadata
         .annotations
         .unwrap_or_default();
-    let names: Vec<String> = pd.spec.perspectives.iter().map(|p| p.name.clone()).collect();
+    let names: Vec<String> = pd
+        .spec
+        .perspectives
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
     match action_job::requested(&annotations, &names) {
         None => Ok(()),
         Some(Err(refusal)) => {
@@ -120,7 +125,12 @@ pub async fn act(
 
 impl Step<'_> {
     /// Deletes earlier action Jobs, creates `request`'s, and announces it.
-    async fn start(&self, request: &Request, earlier: &[Job], outcome: &mut Outcome) -> Result<(), Error> {
+    async fn start(
+        &self,
+        request: &Request,
+        earlier: &[Job],
+        outcome: &mut Outcome,
+    ) -> Result<(), Error> {
         for job in earlier {
             match self.jobs.delete(&job.name_any(), &background()).await {
                 Ok(_) => {}
@@ -165,8 +175,13 @@ impl Step<'_> {
             finished_at: None,
             message: note.clone(),
         });
-        self.publish(EventType::Normal, "ActionStarted", note, Some(job.object_ref(&())))
-            .await;
+        self.publish(
+            EventType::Normal,
+            "ActionStarted",
+            note,
+            Some(job.object_ref(&())),
+        )
+        .await;
         Ok(())
     }
 

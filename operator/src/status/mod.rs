@@ -15,11 +15,14 @@ pub mod observed;
 pub mod rollout;
 pub mod summary;
 
-use k8s_openapi::jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use perspective_worker::store::status::{DeadLetterSummary, Status as DbStatus};
 
-use crate::crd::{DeadLetterSample, DatabaseState, PerspectiveDeploymentStatus, PerspectiveLag, PerspectiveProgress};
+use crate::crd::{
+    DatabaseState, DeadLetterSample, PerspectiveDeploymentStatus, PerspectiveLag,
+    PerspectiveProgress,
+};
 use crate::labels;
 use condition::{degraded, merge, migrations_applied, progressing, ready, reconciliation_paused};
 use facts::Facts;
