@@ -17,6 +17,7 @@
 //! - [`lag`]: lag / dead letters read from the deployment's database (`store::status`, read-only)
 //! - [`events`]: Kubernetes Events about a deployment, each with the text of what happened
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
+//! - [`plugin`]: the `kubectl pd` plugin (status, dead letters, rebuild, logs) over the API
 //! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 
 pub mod action_job;
@@ -29,6 +30,7 @@ pub mod lag;
 pub mod leader;
 pub mod metrics;
 pub mod migration_job;
+pub mod plugin;
 pub mod pod;
 pub mod pod_policy;
 pub mod reconcile;

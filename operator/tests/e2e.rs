@@ -2678,6 +2678,27 @@ async fn events_of(
         .collect())
 }
 
+/// Runs `kubectl pd ARGS` in the world's namespace, as a user would: kubectl finds the plugin
+/// `kubectl-pd` (built with this crate) on the PATH; it reads the test's kubeconfig.
+fn kubectl_pd(w: &World, args: &[&str]) -> std::process::Output {
+    let plugin = PathBuf::from(env!("CARGO_BIN_EXE_kubectl-pd"));
+    let path = format!(
+        "{}:{}",
+        plugin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    Command::new("kubectl")
+        .args(["pd", "-n", &w.ns])
+        .args(args)
+        .env("PATH", path)
+        .output()
+        .expect("run kubectl pd")
+}
+
+fn stdout(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Waits until `status.lastAction` of `name` is in `phase` for `annotation`.
 async fn wait_last_action(
     w: &World,
@@ -2771,6 +2792,45 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         "{warned:?}"
     );
 
+    // The plugin shows the same from status, with the kubeconfig only.
+    let status = kubectl_pd(&w, &["status", "shop"]);
+    assert!(status.status.success(), "{status:?}");
+    let text = stdout(&status);
+    for part in [
+        "PerspectiveDeployment shop (namespace ",
+        "Status:         Degraded: EventsFailing\n",
+        "Dead letters:   2\n",
+        "    Degraded ",
+        "order_summary  Live ",
+        "Pods:\n    NAME ",
+        "Last action:    none\n",
+        "Log of job/shop-migrate-",
+    ] {
+        assert!(
+            text.contains(part),
+            "kubectl pd status lacks {part:?}:\n{text}"
+        );
+    }
+    let list = stdout(&kubectl_pd(
+        &w,
+        &["dead-letters", "list", "shop", "order_summary"],
+    ));
+    assert!(list.starts_with("PERSPECTIVE    ID "), "{list}");
+    assert_eq!(list.matches("OrderPlaced").count(), 2, "{list}");
+    assert!(list.contains("division by zero"), "{list}");
+    assert!(
+        list.ends_with("waiting for replay: order_summary: 2\n"),
+        "{list}"
+    );
+    // A value the operator would refuse is refused at once, and nothing is annotated.
+    let typo = kubectl_pd(&w, &["rebuild", "shop", "order_sumary"]);
+    assert!(!typo.status.success());
+    assert!(
+        String::from_utf8_lossy(&typo.stderr)
+            .contains("annotation perspectives.dev/rebuild: \"order_sumary\" is not a perspective"),
+        "{typo:?}"
+    );
+
     // 2. A bad value: refused with the annotation and the value named, no Job, annotation gone.
     kubectl_ok(
         &[
@@ -2820,15 +2880,14 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         .execute(&mut conn)
         .await
         .unwrap();
-    kubectl_ok(
-        &[
-            "-n",
-            &w.ns,
-            "annotate",
-            "pd/shop",
-            "perspectives.dev/replay-dead-letters=order_summary",
-        ],
-        None,
+    // Through the plugin, which sets the annotation and waits for the outcome.
+    let replay = kubectl_pd(&w, &["dead-letters", "replay", "shop", "order_summary"]);
+    let said = stdout(&replay);
+    assert!(replay.status.success(), "{replay:?}");
+    assert!(
+        said.starts_with("annotated shop: perspectives.dev/replay-dead-letters=order_summary\n")
+            && said.contains("Succeeded: replayed the dead letters of order_summary"),
+        "{said}"
     );
     let replayed = wait_last_action(
         &w,
@@ -2870,6 +2929,11 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     let jobs = action_jobs().await;
     assert_eq!(jobs.len(), 1, "one action Job, kept for its log");
     assert_eq!(Some(jobs[0].name_any()), replayed.job);
+    let text = stdout(&kubectl_pd(&w, &["status", "shop"]));
+    assert!(
+        text.contains("Last action:    perspectives.dev/replay-dead-letters order_summary: Succeeded (Job shop-replay-"),
+        "{text}"
+    );
     w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
         .await;
     assert_eq!(
