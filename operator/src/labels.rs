@@ -15,7 +15,7 @@ pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// Annotations on children.
 pub const CONFIG_HASH: &str = "perspectives.dev/config-hash";
 pub const MIGRATION_HASH: &str = "perspectives.dev/migration-hash";
-/// Annotations on a deployment asking for a day-2 action (`crate::action_job`): the value is a
+/// Annotations on a deployment asking for a day-2 action (see the action Job module): the value is a
 /// perspective, or `all` for the dead-letter actions. The operator removes each once done.
 pub const REPLAY_DEAD_LETTERS: &str = "perspectives.dev/replay-dead-letters";
 pub const DISCARD_DEAD_LETTERS: &str = "perspectives.dev/discard-dead-letters";

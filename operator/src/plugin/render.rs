@@ -42,6 +42,56 @@ pub struct LogTail {
 /// The CloudNativePG-style summary of one deployment.
 pub fn status(pd: &PerspectiveDeployment, pods: &[Pod], logs: &[LogTail]) -> String {
     let st = pd.status.clone().unwrap_or_default();
+    let mut out = header(pd);
+    out.push_str("\nConditions:\n");
+    let rows: Vec<Vec<String>> = st
+        .conditions
+        .iter()
+        .map(|c| {
+            vec![
+                c.type_.clone(),
+                c.status.clone(),
+                c.reason.clone(),
+                c.message.clone(),
+            ]
+        })
+        .collect();
+    out.push_str(&indent(&table(
+        &["TYPE", "STATUS", "REASON", "MESSAGE"],
+        &rows,
+    )));
+    out.push_str("\nPerspectives:\n");
+    out.push_str(&indent(&perspectives(&st)));
+    if st.perspectives.iter().any(|p| p.dead_letters > 0) {
+        out.push_str(
+            "\nDead letters (newest first; `kubectl pd dead-letters list` for all shown):\n",
+        );
+        out.push_str(&indent(&dead_letters(pd, None)));
+    }
+    out.push_str("\nPods:\n");
+    let rows: Vec<Vec<String>> = pods.iter().map(pod_row).collect();
+    out.push_str(&indent(&table(
+        &["NAME", "READY", "PHASE", "RESTARTS"],
+        &rows,
+    )));
+    out.push_str(&format!(
+        "\nLast action:    {}\n",
+        last_action(st.last_action.as_ref())
+    ));
+    for log in logs {
+        out.push_str(&format!("\nLog of {} (last lines):\n", log.of));
+        match &log.text {
+            Ok(text) if text.trim().is_empty() => out.push_str("    (empty)\n"),
+            Ok(text) => out.push_str(&indent(text)),
+            Err(e) => out.push_str(&format!("    (not available: {e})\n")),
+        }
+    }
+    out
+}
+
+/// The name and the deployment's figures, one per line.
+fn header(pd: &PerspectiveDeployment) -> String {
+    let st = pd.status.clone().unwrap_or_default();
     let or_unknown = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
     let mut out = format!(
         "PerspectiveDeployment {} (namespace {})\n",
@@ -81,24 +131,11 @@ pub fn status(pd: &PerspectiveDeployment, pods: &[Pod], logs: &[LogTail]) -> Str
     for (k, v) in fields {
         out.push_str(&format!("{:<16}{v}\n", format!("{k}:")));
     }
-    out.push_str("\nConditions:\n");
-    let rows: Vec<Vec<String>> = st
-        .conditions
-        .iter()
-        .map(|c| {
-            vec![
-                c.type_.clone(),
-                c.status.clone(),
-                c.reason.clone(),
-                c.message.clone(),
-            ]
-        })
-        .collect();
-    out.push_str(&indent(&table(
-        &["TYPE", "STATUS", "REASON", "MESSAGE"],
-        &rows,
-    )));
-    out.push_str("\nPerspectives:\n");
+    out
+}
+
+/// The per-perspective table: phase (with progress), pending, lag, failures, dead letters.
+fn perspectives(st: &crate::crd::PerspectiveDeploymentStatus) -> String {
     let rows: Vec<Vec<String>> = st
         .perspectives
         .iter()
@@ -118,7 +155,7 @@ pub fn status(pd: &PerspectiveDeployment, pods: &[Pod], logs: &[LogTail]) -> Str
             ]
         })
         .collect();
-    out.push_str(&indent(&table(
+    table(
         &[
             "NAME",
             "PHASE",
@@ -128,32 +165,7 @@ pub fn status(pd: &PerspectiveDeployment, pods: &[Pod], logs: &[LogTail]) -> Str
             "DEAD LETTERS",
         ],
         &rows,
-    )));
-    if st.perspectives.iter().any(|p| p.dead_letters > 0) {
-        out.push_str(
-            "\nDead letters (newest first; `kubectl pd dead-letters list` for all shown):\n",
-        );
-        out.push_str(&indent(&dead_letters(pd, None)));
-    }
-    out.push_str("\nPods:\n");
-    let rows: Vec<Vec<String>> = pods.iter().map(pod_row).collect();
-    out.push_str(&indent(&table(
-        &["NAME", "READY", "PHASE", "RESTARTS"],
-        &rows,
-    )));
-    out.push_str(&format!(
-        "\nLast action:    {}\n",
-        last_action(st.last_action.as_ref())
-    ));
-    for log in logs {
-        out.push_str(&format!("\nLog of {} (last lines):\n", log.of));
-        match &log.text {
-            Ok(text) if text.trim().is_empty() => out.push_str("    (empty)\n"),
-            Ok(text) => out.push_str(&indent(text)),
-            Err(e) => out.push_str(&format!("    (not available: {e})\n")),
-        }
-    }
-    out
+    )
 }
 
 /// One line about the last day-2 action, e.g. "perspectives.dev/replay-dead-letters

@@ -91,7 +91,9 @@ async fn discard(
     }
     let n = store::discard(conn, &ctx.config.schema, ids, all, perspective)
         .await
-        .map_err(|e| anyhow::anyhow!("discarding dead letters: {}", db::describe_error(&e, None)))?;
+        .map_err(|e| {
+            anyhow::anyhow!("discarding dead letters: {}", db::describe_error(&e, None))
+        })?;
     outln!("{n} dead letter(s) discarded")?;
     if !all && n < ids.len() as u64 {
         anyhow::bail!(
