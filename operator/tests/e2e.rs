@@ -2646,6 +2646,7 @@ spec:
       setup: |
         CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);
         INSERT INTO order_count VALUES (1, 0) ON CONFLICT DO NOTHING
+      reset: UPDATE order_count SET n = 0
       handlers:
         OrderPlaced: UPDATE order_count SET n = n + 1 WHERE id = 1
 "#
@@ -2878,7 +2879,53 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         1
     );
 
-    // 3. The handler fixed (the gate opened): a replay of order_summary applies both events.
+    // 3. A replay while the handler still fails: its Job fails; Failed with a pointer to the
+    // log, a Warning Event, the annotation removed (it does not loop), the letters pending.
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/replay-dead-letters=all",
+        ],
+        None,
+    );
+    let failed = wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/replay-dead-letters",
+        ActionPhase::Failed,
+    )
+    .await;
+    assert!(
+        failed
+            .message
+            .starts_with("perspectives.dev/replay-dead-letters all failed (")
+            && failed
+                .message
+                .contains("its output: kubectl logs job/shop-replay-"),
+        "{failed:?}"
+    );
+    poll("the failed action's annotation removed", LONG, || async {
+        let pd = w.pds().get("shop").await?;
+        Ok((!pd
+            .annotations()
+            .contains_key("perspectives.dev/replay-dead-letters"))
+        .then_some(()))
+    })
+    .await
+    .unwrap();
+    let failed_events = events_of(&w, "shop", "ActionFailed").await.unwrap();
+    assert_eq!(failed_events.len(), 1, "{failed_events:?}");
+    assert_eq!(failed_events[0].type_.as_deref(), Some("Warning"));
+    let pending = format!(
+        "SELECT count(*) FROM {}.wh_dead_letters WHERE recovery_status = 'pending'",
+        w.schema
+    );
+    assert_eq!(scalar(&mut conn, &pending).await, 2);
+
+    // 4. The handler fixed (the gate opened): a replay of order_summary applies both events.
     sqlx::query(&format!("UPDATE {}.gate SET broken = false", w.schema))
         .execute(&mut conn)
         .await
@@ -2947,7 +2994,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         1
     );
 
-    // 4. Broken again: a new dead letter, discarded for all perspectives.
+    // 5. Broken again: a new dead letter, discarded for all perspectives.
     sqlx::query(&format!("UPDATE {}.gate SET broken = true", w.schema))
         .execute(&mut conn)
         .await
@@ -2990,5 +3037,25 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     );
     w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
         .await;
+
+    // 6. A rebuild through the plugin: order_count (spoilt here) reset and replayed from the
+    // store: 3 orders.
+    sqlx::query(&format!("UPDATE {}.order_count SET n = 99", w.schema))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let rebuild = kubectl_pd(&w, &["rebuild", "shop", "order_count"]);
+    assert!(rebuild.status.success(), "{rebuild:?}");
+    assert!(
+        stdout(&rebuild).contains("Succeeded: rebuild of order_count started"),
+        "{rebuild:?}"
+    );
+    wait_sql(
+        &mut conn,
+        "order_count rebuilt",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        3,
+    )
+    .await;
     w.shutdown().await;
 }

@@ -363,6 +363,26 @@ claimWorker:
         .unwrap()
         .contains("division by zero"));
     assert_eq!(dl.get::<String, _>(4), "A");
+    // Status shows it (the operator's status reads this): the newest per perspective.
+    let status = perspective_worker::store::status::read_status(
+        &mut conn,
+        &schema,
+        &["p1".to_owned()],
+        30.0,
+    )
+    .await
+    .unwrap();
+    let p1 = status.perspectives.iter().find(|p| p.name == "p1").unwrap();
+    assert_eq!(p1.dead_letters, 1);
+    assert_eq!(p1.newest_dead_letters.len(), 1, "{p1:?}");
+    let newest = &p1.newest_dead_letters[0];
+    assert_eq!((newest.id, newest.event_type.as_str()), (dl_id, "A"));
+    assert_eq!(newest.stream_id, bad);
+    assert!(newest
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("division by zero"));
 
     // Replay with the broken handler fails and changes nothing.
     let file = std::env::temp_dir().join(format!("{schema}.yaml"));
