@@ -1270,6 +1270,25 @@ async fn operator_works_with_the_charts_rbac() {
     })
     .await
     .unwrap();
+    // A day-2 action with these grants: the deployment read and its annotation removed, the
+    // action Job created and marked reported.
+    kubectl_ok(
+        &[
+            "-n",
+            &ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/discard-dead-letters=all",
+        ],
+        None,
+    );
+    wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/discard-dead-letters",
+        perspective_operator::crd::ActionPhase::Succeeded,
+    )
+    .await;
     let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
     let holder = leases
         .get("po")

@@ -84,7 +84,12 @@ pub async fn act(
     if outcome.job != Some(JobState::Succeeded) {
         return Ok(()); // The current spec migrates first; the annotation waits.
     }
-    let names: Vec<String> = pd.spec.perspectives.iter().map(|p| p.name.clone()).collect();
+    let names: Vec<String> = pd
+        .spec
+        .perspectives
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
     let cached = pd.metadata.annotations.clone().unwrap_or_default();
     if action_job::requested(&cached, &names).is_none() {
         return Ok(());
