@@ -2845,6 +2845,13 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         list.ends_with("waiting for replay: order_summary: 2\n"),
         "{list}"
     );
+    // The worker pods' logs, through the API (kwok runs no kubelet: each pod says why not).
+    let logs = kubectl_pd(&w, &["logs", "shop", "--tail", "5"]);
+    assert!(logs.status.success(), "{logs:?}");
+    assert!(
+        stdout(&logs).starts_with("==> pod/shop-0 <==\n"),
+        "{logs:?}"
+    );
     // A value the operator would refuse is refused at once, and nothing is annotated.
     let typo = kubectl_pd(&w, &["rebuild", "shop", "order_sumary"]);
     assert!(!typo.status.success());
