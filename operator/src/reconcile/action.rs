@@ -84,56 +84,58 @@ pub async fn act(
     if outcome.job != Some(JobState::Succeeded) {
         return Ok(()); // The current spec migrates first; the annotation waits.
     }
-    let names: Vec<String> = pd
-        .spec
-        .perspectives
-        .iter()
-        .map(|p| p.name.clone())
-        .collect();
-    let cached = pd.metadata.annotations.clone().unwrap_or_default();
-    if action_job::requested(&cached, &names).is_none() {
-        return Ok(());
-    }
-    // Read afresh: the cached deployment may still carry an annotation just removed.
-    let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
-    let annotations = pds
-        .get(&r.name)
-        .await?
-        .metadata
-        .annotations
-        .unwrap_or_default();
-    let names: Vec<String> = pd
-        .spec
-        .perspectives
-        .iter()
-        .map(|p| p.name.clone())
-        .collect();
-    match action_job::requested(&annotations, &names) {
-        None => Ok(()),
-        Some(Err(refusal)) => {
-            outcome.last_action = Some(LastAction {
-                annotation: refusal.action.annotation().to_owned(),
-                target: refusal.value.clone(),
-                phase: ActionPhase::Refused,
-                job: None,
-                started_at: Time(Timestamp::now()),
-                finished_at: Some(Time(Timestamp::now())),
-                message: refusal.message.clone(),
-            });
-            step.publish(EventType::Warning, "ActionRefused", refusal.message, None)
-                .await;
-            step.remove_annotation(refusal.action.annotation(), &refusal.value)
-                .await
-        }
-        Some(Ok(request)) => {
-            step.start(&request, &jobs, outcome).await?;
-            outcome.requeue = outcome.requeue.min(WHILE_RUNNING);
-            Ok(())
-        }
-    }
+    step.take_up(&jobs, outcome).await
 }
 
 impl Step<'_> {
+    /// Starts the action the annotations ask for, or refuses a bad value.
+    async fn take_up(&self, jobs: &[Job], outcome: &mut Outcome) -> Result<(), Error> {
+        let names: Vec<String> = self
+            .pd
+            .spec
+            .perspectives
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
+        let cached = self.pd.metadata.annotations.clone().unwrap_or_default();
+        if action_job::requested(&cached, &names).is_none() {
+            return Ok(());
+        }
+        // Read afresh: the cached deployment may still carry an annotation just removed.
+        let pds: Api<PerspectiveDeployment> =
+            Api::namespaced(self.ctx.client.clone(), &self.r.namespace);
+        let annotations = pds
+            .get(&self.r.name)
+            .await?
+            .metadata
+            .annotations
+            .unwrap_or_default();
+        match action_job::requested(&annotations, &names) {
+            None => Ok(()),
+            Some(Err(refusal)) => {
+                let now = Time(Timestamp::now());
+                outcome.last_action = Some(LastAction {
+                    annotation: refusal.action.annotation().to_owned(),
+                    target: refusal.value.clone(),
+                    phase: ActionPhase::Refused,
+                    job: None,
+                    started_at: now.clone(),
+                    finished_at: Some(now),
+                    message: refusal.message.clone(),
+                });
+                self.publish(EventType::Warning, "ActionRefused", refusal.message, None)
+                    .await;
+                self.remove_annotation(refusal.action.annotation(), &refusal.value)
+                    .await
+            }
+            Some(Ok(request)) => {
+                self.start(&request, jobs, outcome).await?;
+                outcome.requeue = outcome.requeue.min(WHILE_RUNNING);
+                Ok(())
+            }
+        }
+    }
+
     /// Deletes earlier action Jobs, creates `request`'s, and announces it.
     async fn start(
         &self,
@@ -181,7 +183,7 @@ impl Step<'_> {
             target: request.target.clone(),
             phase: ActionPhase::Running,
             job: Some(name),
-            started_at: Time(now),
+            started_at: started_at(&job),
             finished_at: None,
             message: note.clone(),
         });
@@ -197,35 +199,36 @@ impl Step<'_> {
 
     /// Reports `job` once it has finished and was not reported yet.
     async fn report_if_finished(&self, job: &Job, outcome: &mut Outcome) -> Result<(), Error> {
-        let reported = job.annotations().contains_key(labels::ACTION_REPORTED);
         let state = migration_job::state(job);
-        let (Some(request), false, false) = (
-            action_job::request_of(job),
-            reported,
-            state == JobState::Running,
-        ) else {
+        let Some(request) = action_job::request_of(job).filter(|_| state != JobState::Running)
+        else {
             return Ok(());
         };
         let name = job.name_any();
+        let reported = job.annotations().contains_key(labels::ACTION_REPORTED);
+        let shown_running = outcome.last_action.as_ref().is_some_and(|a| {
+            a.job.as_deref() == Some(name.as_str()) && a.phase == ActionPhase::Running
+        });
+        if reported && !shown_running {
+            return Ok(());
+        }
         let message = action_job::outcome_message(&request, &name, &state);
         let (phase, type_, reason) = match state {
             JobState::Succeeded => (ActionPhase::Succeeded, EventType::Normal, "ActionSucceeded"),
             _ => (ActionPhase::Failed, EventType::Warning, "ActionFailed"),
         };
-        let started = job
-            .metadata
-            .creation_timestamp
-            .clone()
-            .unwrap_or(Time(Timestamp::now()));
         outcome.last_action = Some(LastAction {
             annotation: request.action.annotation().to_owned(),
             target: request.target.clone(),
             phase,
             job: Some(name.clone()),
-            started_at: started,
+            started_at: started_at(job),
             finished_at: Some(Time(Timestamp::now())),
             message: message.clone(),
         });
+        if reported {
+            return Ok(()); // Reported before; only the status write had not happened.
+        }
         self.publish(type_, reason, message, Some(job.object_ref(&())))
             .await;
         self.remove_annotation(request.action.annotation(), &request.target)
@@ -298,6 +301,14 @@ impl Step<'_> {
         };
         self.ctx.publish(self.pd, event).await;
     }
+}
+
+/// When an action Job was created: when its action started.
+fn started_at(job: &Job) -> Time {
+    job.metadata
+        .creation_timestamp
+        .clone()
+        .unwrap_or(Time(Timestamp::now()))
 }
 
 fn background() -> kube::api::DeleteParams {
