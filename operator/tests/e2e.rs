@@ -2766,10 +2766,10 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     w.apply(&gated_yaml("shop", &w.schema));
     w.wait_condition("shop", "Ready", "True", None).await;
     let mut conn = db().await;
-    append_orders(&mut conn, &w.schema, 2).await;
+    append_orders(&mut conn, &w.schema, 4).await;
 
     // 1. Status: the count and the newest per perspective, Degraded naming them, one Event.
-    let pd = wait_dead_letters(&w, "shop", 2).await;
+    let pd = wait_dead_letters(&w, "shop", 4).await;
     assert_eq!(condition(&pd, "Degraded").reason, "EventsFailing");
     let st = pd.status.clone().unwrap();
     let summary = st
@@ -2777,8 +2777,8 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         .iter()
         .find(|p| p.name == "order_summary")
         .expect("order_summary in status");
-    assert_eq!(summary.dead_letters, 2);
-    assert_eq!(summary.newest_dead_letters.len(), 2);
+    assert_eq!(summary.dead_letters, 4);
+    assert_eq!(summary.newest_dead_letters.len(), 3, "the newest 3 of 4");
     let newest = &summary.newest_dead_letters[0];
     assert_eq!(newest.event_type, "OrderPlaced");
     assert!(
@@ -2795,7 +2795,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     );
     let degraded = condition(&pd, "Degraded").message;
     assert!(
-        degraded.starts_with("2 dead letter(s) waiting for replay (order_summary: 2; newest: order_summary OrderPlaced on stream ")
+        degraded.starts_with("4 dead letter(s) waiting for replay (order_summary: 4; newest: order_summary OrderPlaced on stream ")
             && degraded.contains("division by zero"),
         "{degraded}"
     );
@@ -2822,7 +2822,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     for part in [
         "PerspectiveDeployment shop (namespace ",
         "Status:         Degraded: EventsFailing\n",
-        "Dead letters:   2\n",
+        "Dead letters:   4\n",
         "    Degraded ",
         "order_summary  Live ",
         "Pods:\n    NAME ",
@@ -2839,10 +2839,10 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         &["dead-letters", "list", "shop", "order_summary"],
     ));
     assert!(list.starts_with("PERSPECTIVE    ID "), "{list}");
-    assert_eq!(list.matches("OrderPlaced").count(), 2, "{list}");
+    assert_eq!(list.matches("OrderPlaced").count(), 3, "{list}");
     assert!(list.contains("division by zero"), "{list}");
     assert!(
-        list.ends_with("waiting for replay: order_summary: 2\n"),
+        list.ends_with("waiting for replay: order_summary: 4\n"),
         "{list}"
     );
     // The worker pods' logs, through the API (kwok runs no kubelet: each pod says why not).
@@ -2949,9 +2949,9 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         "SELECT count(*) FROM {}.wh_dead_letters WHERE recovery_status = 'pending'",
         w.schema
     );
-    assert_eq!(scalar(&mut conn, &pending).await, 2);
+    assert_eq!(scalar(&mut conn, &pending).await, 4);
 
-    // 4. The handler fixed (the gate opened): a replay of order_summary applies both events.
+    // 4. The handler fixed (the gate opened): a replay of order_summary applies the 4 events.
     sqlx::query(&format!("UPDATE {}.gate SET broken = false", w.schema))
         .execute(&mut conn)
         .await
@@ -2985,7 +2985,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
             &format!("SELECT count(*) FROM {}.order_summary", w.schema)
         )
         .await,
-        2
+        4
     );
     assert_eq!(
         scalar(
@@ -2996,7 +2996,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
             )
         )
         .await,
-        2
+        4
     );
     let pd = w.pd("shop").await;
     assert!(!pd
@@ -3065,7 +3065,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         .await;
 
     // 6. A rebuild through the plugin: order_count (spoilt here) reset and replayed from the
-    // store: 3 orders.
+    // store: 5 orders.
     sqlx::query(&format!("UPDATE {}.order_count SET n = 99", w.schema))
         .execute(&mut conn)
         .await
@@ -3080,7 +3080,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         &mut conn,
         "order_count rebuilt",
         &format!("SELECT n FROM {}.order_count", w.schema),
-        3,
+        5,
     )
     .await;
     w.shutdown().await;

@@ -63,9 +63,7 @@ pub fn status(pd: &PerspectiveDeployment, pods: &[Pod], logs: &[LogTail]) -> Str
     out.push_str("\nPerspectives:\n");
     out.push_str(&indent(&perspectives(&st)));
     if st.perspectives.iter().any(|p| p.dead_letters > 0) {
-        out.push_str(
-            "\nDead letters (newest first; `kubectl pd dead-letters list` for all shown):\n",
-        );
+        out.push_str("\nDead letters (the newest 3 of each perspective):\n");
         out.push_str(&indent(&dead_letters(pd, None)));
     }
     out.push_str("\nPods:\n");

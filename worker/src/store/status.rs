@@ -144,15 +144,17 @@ const LOCK_CONFLICTS: &str = "SELECT name, sum(n)::bigint, (array_agg(sqlstate O
            WHERE i.last_heartbeat_at > now() - make_interval(secs => $1)) AS x
      WHERE n >= 1
      GROUP BY name";
-/// The newest [`NEWEST_DEAD_LETTERS`] pending dead letters of each perspective (served by the
-/// partial index `wh_dead_letters_pending`).
-const NEWEST: &str = "SELECT perspective_name, dead_letter_id, event_type, stream_id,
-            left(error, $2) AS error, coalesce(first_failed_at, dead_lettered_at) AS first_failed_at
-     FROM (SELECT d.*, row_number() OVER (PARTITION BY perspective_name
-                                          ORDER BY dead_letter_id DESC) AS rank
-           FROM {schema}.wh_dead_letters d WHERE recovery_status = {dead_letter_pending}) AS x
-     WHERE rank <= $1
-     ORDER BY perspective_name, dead_letter_id DESC";
+/// The newest [`NEWEST_DEAD_LETTERS`] pending dead letters of each of the perspectives `$1`
+/// (those with any; the partial index `wh_dead_letters_pending` finds each one's).
+const NEWEST: &str = "SELECT p.name, d.dead_letter_id, d.event_type, d.stream_id,
+            left(d.error, $2) AS error,
+            coalesce(d.first_failed_at, d.dead_lettered_at) AS first_failed_at
+     FROM unnest($1::text[]) AS p(name)
+     CROSS JOIN LATERAL (
+       SELECT * FROM {schema}.wh_dead_letters
+       WHERE perspective_name = p.name AND recovery_status = {dead_letter_pending}
+       ORDER BY dead_letter_id DESC LIMIT $3) AS d
+     ORDER BY p.name, d.dead_letter_id DESC";
 const PENDING_PER_PERSPECTIVE: &str = "SELECT perspective_name, count(*),
             extract(epoch FROM now() - min(created_at))::float8
      FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY perspective_name";
@@ -178,7 +180,12 @@ pub async fn read_status(
             .bind(CONTENTION_METADATA_KEY)
             .fetch_all(&mut *conn)
             .await?;
-    let newest = newest_dead_letters(&mut *conn, schema).await?;
+    let holding: Vec<String> = rows
+        .iter()
+        .filter(|r| r.get::<i64, _>(5) > 0)
+        .map(|r| r.get(0))
+        .collect();
+    let newest = newest_dead_letters(&mut *conn, schema, &holding).await?;
     let perspectives = rows
         .iter()
         .map(|r| {
@@ -226,14 +233,20 @@ pub async fn read_status(
     })
 }
 
-/// The newest pending dead letters per perspective, with the perspective's name.
+/// The newest pending dead letters of `perspectives`, with the perspective's name; no query
+/// when there are none.
 async fn newest_dead_letters(
     conn: &mut PgConnection,
     schema: &str,
+    perspectives: &[String],
 ) -> Result<Vec<(String, DeadLetterSummary)>, sqlx::Error> {
+    if perspectives.is_empty() {
+        return Ok(Vec::new());
+    }
     let rows = sqlx::query(&super::sql(schema, NEWEST))
-        .bind(NEWEST_DEAD_LETTERS)
+        .bind(perspectives)
         .bind(DEAD_LETTER_ERROR_CHARS)
+        .bind(NEWEST_DEAD_LETTERS)
         .fetch_all(&mut *conn)
         .await?;
     rows.iter()
