@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::{get, Wait, CALL_TIMEOUT};
 use crate::action_job::{self, Action};
-use crate::crd::{ActionPhase, LastAction, PerspectiveDeployment};
+use crate::crd::{ActionPhase, LastAction, PerspectiveDeployment, PerspectivePhase};
 
 /// How often the status is read while waiting.
 const POLL: Duration = Duration::from_secs(1);
@@ -78,6 +78,8 @@ async fn follow(
             }
             match a.phase {
                 ActionPhase::Running => {}
+                // A rebuild's Job only queues it: follow the perspective until it is live.
+                ActionPhase::Succeeded if action == Action::Rebuild && !is_live(&pd, target) => {}
                 ActionPhase::Succeeded => return Ok(true),
                 ActionPhase::Failed | ActionPhase::Refused => return Ok(false),
             }
@@ -97,6 +99,14 @@ fn is_ours(a: &LastAction, action: Action, target: &str, before: Option<&LastAct
     a.annotation == action.annotation()
         && a.target.trim() == target.trim()
         && before.is_none_or(|b| (b.job.as_ref(), &b.started_at) != (a.job.as_ref(), &a.started_at))
+}
+
+/// Whether perspective `name` is live in the deployment's status.
+fn is_live(pd: &PerspectiveDeployment, name: &str) -> bool {
+    pd.status
+        .as_ref()
+        .and_then(|s| s.perspectives.iter().find(|p| p.name == name))
+        .is_some_and(|p| p.phase == PerspectivePhase::Live)
 }
 
 /// "Running: …", "Succeeded: …"; while a rebuild runs, the perspective's phase too.
