@@ -2814,6 +2814,19 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
             .starts_with("order_summary: "),
         "{warned:?}"
     );
+    // One Event per increase (the status shows 4, so each is published): each new dead letter
+    // counted once over them.
+    let new_in = |e: &k8s_openapi::api::events::v1::Event| -> i64 {
+        let note = e.note.as_deref().unwrap_or_default();
+        let rest = note.strip_prefix("order_summary: ").unwrap_or_default();
+        rest.split(' ')
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .unwrap_or(0)
+    };
+    assert_eq!(warned.iter().map(new_in).sum::<i64>(), 4, "{warned:#?}");
+    let warnings_before = warned.len();
 
     // The plugin shows the same from status, with the kubeconfig only.
     let status = kubectl_pd(&w, &["status", "shop"]);
@@ -3028,6 +3041,17 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     append_orders(&mut conn, &w.schema, 1).await;
     // A failed stream is EventsFailing too, before its event is dead-lettered: wait for that.
     wait_dead_letters(&w, "shop", 1).await;
+    // Only this increase is a new Event: none while the count stayed or fell (the replays).
+    let warned = events_of(&w, "shop", "DeadLetters").await.unwrap();
+    assert_eq!(warned.len(), warnings_before + 1, "{warned:#?}");
+    assert!(
+        warned
+            .iter()
+            .any(|e| e.note.as_deref().unwrap_or_default().starts_with(
+                "order_summary: 1 new dead letter(s), 1 waiting for replay; newest: OrderPlaced"
+            )),
+        "{warned:#?}"
+    );
     kubectl_ok(
         &[
             "-n",
