@@ -453,6 +453,37 @@ claimWorker:
         .unwrap();
     assert!(!out.status.success());
     assert_eq!(seen(bad).await, vec![1, 3, 2]);
+    // Nor does a discard: the id named is no pending dead letter.
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["dead-letters", "discard", &dl_id.to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("1 of the 1 id(s) named were not pending"),
+        "{out:?}"
+    );
+    // A perspective not in the config is refused, naming it.
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args([
+            "dead-letters",
+            "discard",
+            "--all",
+            "--perspective",
+            "nosuch",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("--perspective nosuch: no such perspective in the config"),
+        "{out:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
