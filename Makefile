@@ -7,6 +7,7 @@
 #   make bench-scale  how the cost grows with history, breadth, fan-out, a hot stream and churn
 #                (~15 min; appends its table to docs/benchmarks-history.md)
 #   make images  the worker and operator container images, built with buildah
+#   make plugin  the kubectl plugin `kubectl pd` (put kubectl-pd on your PATH; docs/day-two.md)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
@@ -16,7 +17,7 @@ CARGO ?= cargo
 PG := tests/pg/pg.sh
 WORKER := $(CARGO_TARGET_DIR)/debug/perspective-worker
 
-.PHONY: all build lint fmt test unit integration demo bench bench-scale images postgres clean-cache
+.PHONY: all build lint fmt test unit integration demo bench bench-scale images plugin postgres clean-cache
 
 all: build
 
@@ -67,6 +68,11 @@ bench-scale: postgres
 # Container images (buildah, no Docker engine): perspective-worker and perspective-operator.
 images:
 	images/build.sh
+
+# The kubectl plugin: kubectl runs `kubectl-pd` from the PATH as `kubectl pd`.
+plugin:
+	$(CARGO) build -p perspective-operator --bin kubectl-pd
+	@echo "built $(CARGO_TARGET_DIR)/debug/kubectl-pd: put it on your PATH, then: kubectl pd --help"
 
 clean-cache:
 	rm -rf $(CARGO_TARGET_DIR)

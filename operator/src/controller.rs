@@ -8,7 +8,7 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::{Api, ListParams};
 use kube::runtime::controller::Controller;
-use kube::runtime::{predicates, reflector, watcher, WatchStreamExt};
+use kube::runtime::{predicates, reflector, watcher, Predicate, WatchStreamExt};
 use kube::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -16,6 +16,18 @@ use tracing::{debug, warn};
 use crate::crd::PerspectiveDeployment;
 use crate::labels;
 use crate::reconcile::{describe, error_policy, one_line, reconcile, Context};
+
+/// A hash of the day-2 action annotations (`crate::action_job`), so that setting one triggers a
+/// reconcile at once although it leaves the generation as it was.
+fn action_annotations(pd: &PerspectiveDeployment) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let annotations = pd.metadata.annotations.as_ref()?;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for action in crate::action_job::Action::ALL {
+        annotations.get(action.annotation()).hash(&mut hasher);
+    }
+    Some(hasher.finish())
+}
 
 /// Which namespace to watch; `None` watches all.
 pub fn deployments_api(client: Client, namespace: Option<&str>) -> Api<PerspectiveDeployment> {
@@ -53,7 +65,10 @@ pub async fn run(ctx: Arc<Context>, namespace: Option<String>, shutdown: Cancell
         .modify(slim)
         .reflect(writer)
         .applied_objects()
-        .predicate_filter(predicates::generation, Default::default());
+        .predicate_filter(
+            predicates::generation.combine(action_annotations),
+            Default::default(),
+        );
     let children = watcher::Config::default().labels(&format!(
         "{}={}",
         labels::MANAGED_BY,

@@ -385,6 +385,69 @@ pub struct PerspectiveDeploymentStatus {
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub perspectives: Vec<PerspectiveLag>,
+    /// The last day-2 action asked for by annotation (replay or discard dead letters, rebuild):
+    /// what, its Job, and how it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_action: Option<LastAction>,
+}
+
+/// A day-2 action asked for by an annotation on the deployment (see `docs/day-two.md`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LastAction {
+    /// The annotation that asked for it, e.g. `perspectives.dev/replay-dead-letters`.
+    pub annotation: String,
+    /// Its value: a perspective, or `all`.
+    pub target: String,
+    /// `Running`, `Succeeded`, `Failed`, or `Refused` (a bad value: no Job ran).
+    pub phase: ActionPhase,
+    /// The Job that carries it out (absent when refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    /// When the operator took it up.
+    pub started_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
+    /// When it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// What happened, or why it was refused or failed.
+    #[serde(default)]
+    pub message: String,
+}
+
+/// Where a [`LastAction`] stands.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ActionPhase {
+    #[default]
+    Running,
+    Succeeded,
+    Failed,
+    Refused,
+}
+
+impl ActionPhase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActionPhase::Running => "Running",
+            ActionPhase::Succeeded => "Succeeded",
+            ActionPhase::Failed => "Failed",
+            ActionPhase::Refused => "Refused",
+        }
+    }
+}
+
+/// One pending dead letter of a perspective, as status shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetterSample {
+    /// The dead letter's id (`perspective-worker dead-letters list`).
+    pub id: i64,
+    pub event_type: String,
+    pub stream_id: String,
+    /// The handler's error, cut to 200 characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// When the event first failed.
+    pub first_failed_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
 }
 
 /// What the operator's last read of a deployment's database found.
@@ -415,6 +478,9 @@ pub struct PerspectiveLag {
     pub failed_streams: i64,
     /// Dead letters waiting for replay.
     pub dead_letters: i64,
+    /// The newest (at most 3) of those dead letters, newest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub newest_dead_letters: Vec<DeadLetterSample>,
     /// Live, or catching up on history (Backfilling when new, Rebuilding after a version change).
     #[serde(default)]
     pub phase: PerspectivePhase,

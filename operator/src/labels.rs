@@ -15,6 +15,16 @@ pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 /// Annotations on children.
 pub const CONFIG_HASH: &str = "perspectives.dev/config-hash";
 pub const MIGRATION_HASH: &str = "perspectives.dev/migration-hash";
+/// Annotations on a deployment asking for a day-2 action (see the action Job module): the value is a
+/// perspective, or `all` for the dead-letter actions. The operator removes each once done.
+pub const REPLAY_DEAD_LETTERS: &str = "perspectives.dev/replay-dead-letters";
+pub const DISCARD_DEAD_LETTERS: &str = "perspectives.dev/discard-dead-letters";
+pub const REBUILD: &str = "perspectives.dev/rebuild";
+/// Annotations on an action Job: the deployment's annotation it carries out, its value, and
+/// that its outcome was reported.
+pub const ACTION: &str = "perspectives.dev/action";
+pub const ACTION_TARGET: &str = "perspectives.dev/action-target";
+pub const ACTION_REPORTED: &str = "perspectives.dev/action-reported";
 
 /// The longest `PerspectiveDeployment` name: child names append up to 23 characters
 /// (`-migrate-` plus a 12-character hash) and must stay valid label values (63).
@@ -24,6 +34,7 @@ pub const MAX_NAME_LEN: usize = 40;
 pub const WORKER: &str = "worker";
 pub const MIGRATION: &str = "migration";
 pub const CONFIG: &str = "config";
+pub const ACTION_JOB: &str = "action";
 
 /// Labels of one component of deployment `instance`.
 pub fn labels(instance: &str, component: &str) -> BTreeMap<String, String> {
@@ -87,6 +98,11 @@ pub fn migration_job_name(instance: &str, migration_hash: &str) -> String {
     format!("{instance}-migrate-{}", &migration_hash[..12])
 }
 
+/// Name of an action Job: `verb` (`replay`, `discard`, `rebuild`) and a 12-character id.
+pub fn action_job_name(instance: &str, verb: &str, id: &str) -> String {
+    format!("{instance}-{verb}-{}", &id[..12])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,6 +113,9 @@ mod tests {
         let hash = "0123456789abcdef".repeat(4);
         assert!(migration_job_name(&name, &hash).len() <= 63);
         assert!(config_map_name(&name, &hash).len() <= 63);
+        for verb in ["replay", "discard", "rebuild"] {
+            assert!(action_job_name(&name, verb, &hash).len() <= 63);
+        }
         // StatefulSet pods get `controller-revision-hash: <sts>-<10 chars>`.
         assert!(workers_name(&name).len() + 11 <= 63);
     }

@@ -8,16 +8,20 @@
 //! - [`labels`]: names, labels and selectors of the children
 //! - builders of the desired children, pure functions: [`config_map`], [`migration_job`],
 //!   [`workers`] (StatefulSet, headless Service, PodDisruptionBudget), with [`pod`] shared
+//! - [`action_job`]: day-2 actions asked for by annotation (replay or discard dead letters,
+//!   rebuild) and the Job that carries one out, pure
 //! - [`reconcile`]: the pipeline, one module per step: resolve → dereference → validate → build
-//!   → apply (server-side apply; the migration retry a pure decision) → update_status
+//!   → apply (server-side apply; the migration retry a pure decision) → action → update_status
 //! - [`status`]: status computed from observations, one builder per condition
 //!   (`status::condition::{ready, degraded, migrations_applied, progressing, …}`), the printer
 //!   columns' words (`status::summary`), condition transitions
 //! - [`lag`]: lag / dead letters read from the deployment's database (`store::status`, read-only)
 //! - [`events`]: Kubernetes Events about a deployment, each with the text of what happened
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
+//! - [`plugin`]: the `kubectl pd` plugin (status, dead letters, rebuild, logs) over the API
 //! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 
+pub mod action_job;
 pub mod config_map;
 pub mod controller;
 pub mod crd;
@@ -27,6 +31,7 @@ pub mod lag;
 pub mod leader;
 pub mod metrics;
 pub mod migration_job;
+pub mod plugin;
 pub mod pod;
 pub mod pod_policy;
 pub mod reconcile;

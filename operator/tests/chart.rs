@@ -55,7 +55,7 @@ const OPERATOR_RULES: &[(&str, &str, &[&str])] = &[
     (
         "perspectives.dev",
         "perspectivedeployments",
-        &["list", "watch"],
+        &["get", "list", "watch", "patch"],
     ),
     (
         "perspectives.dev",

@@ -1313,6 +1313,25 @@ async fn operator_works_with_the_charts_rbac() {
     })
     .await
     .unwrap();
+    // A day-2 action with these grants: the deployment read and its annotation removed, the
+    // action Job created and marked reported.
+    kubectl_ok(
+        &[
+            "-n",
+            &ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/discard-dead-letters=all",
+        ],
+        None,
+    );
+    wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/discard-dead-letters",
+        perspective_operator::crd::ActionPhase::Succeeded,
+    )
+    .await;
     let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
     let holder = leases
         .get("po")
@@ -2815,4 +2834,481 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
             .execute(&mut conn)
             .await;
     }
+}
+
+/// A deployment whose order_summary handler fails while `gate.broken` is true (a division by
+/// zero at run time), dead-lettering at the first failure.
+fn gated_yaml(name: &str, schema: &str) -> String {
+    format!(
+        r#"apiVersion: perspectives.dev/v1alpha1
+kind: PerspectiveDeployment
+metadata:
+  name: {name}
+spec:
+  schema: {schema}
+  replicas: 1
+  database:
+    secretRef: {{name: shop-db}}
+  worker:
+    heartbeatIntervalSeconds: 2
+    abandonStaleInstanceThresholdSeconds: 10
+    maxPerspectiveEventAttempts: 1
+  perspectives:
+    - name: order_summary
+      setup: |
+        CREATE TABLE IF NOT EXISTS gate (broken boolean NOT NULL);
+        INSERT INTO gate SELECT true WHERE NOT EXISTS (SELECT 1 FROM gate);
+        CREATE TABLE IF NOT EXISTS order_summary (order_id uuid PRIMARY KEY, total numeric NOT NULL)
+      handlers:
+        OrderPlaced: |
+          INSERT INTO order_summary (order_id, total)
+          SELECT :stream_id, (:data->>'total')::numeric / (CASE WHEN g.broken THEN 0 ELSE 1 END)
+          FROM gate g
+    - name: order_count
+      setup: |
+        CREATE TABLE IF NOT EXISTS order_count (id int PRIMARY KEY, n bigint NOT NULL);
+        INSERT INTO order_count VALUES (1, 0) ON CONFLICT DO NOTHING
+      reset: UPDATE order_count SET n = 0
+      handlers:
+        OrderPlaced: UPDATE order_count SET n = n + 1 WHERE id = 1
+"#
+    )
+}
+
+async fn scalar(conn: &mut PgConnection, sql: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap()
+}
+
+/// Events of `reason` about deployment `name`.
+async fn events_of(
+    w: &World,
+    name: &str,
+    reason: &str,
+) -> anyhow::Result<Vec<k8s_openapi::api::events::v1::Event>> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(w.client.clone(), &w.ns);
+    Ok(events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some(reason)
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+        })
+        .collect())
+}
+
+/// Runs `kubectl pd ARGS` in the world's namespace, as a user would: kubectl finds the plugin
+/// `kubectl-pd` (built with this crate) on the PATH; it reads the test's kubeconfig.
+fn kubectl_pd(w: &World, args: &[&str]) -> std::process::Output {
+    let plugin = PathBuf::from(env!("CARGO_BIN_EXE_kubectl-pd"));
+    let path = format!(
+        "{}:{}",
+        plugin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    Command::new("kubectl")
+        .args(["pd", "-n", &w.ns])
+        .args(args)
+        .env("PATH", path)
+        .output()
+        .expect("run kubectl pd")
+}
+
+fn stdout(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits until the status of `name` counts `n` dead letters.
+async fn wait_dead_letters(w: &World, name: &str, n: i64) -> PerspectiveDeployment {
+    poll(&format!("{n} dead letters in status"), LONG, || async {
+        let pd = w.pds().get(name).await?;
+        let count = pd.status.as_ref().and_then(|s| s.dead_letters);
+        Ok((count == Some(n)).then_some(pd))
+    })
+    .await
+    .unwrap()
+}
+
+/// Waits until `status.lastAction` of `name` is in `phase` for `annotation`.
+async fn wait_last_action(
+    w: &World,
+    name: &str,
+    annotation: &str,
+    phase: perspective_operator::crd::ActionPhase,
+) -> perspective_operator::crd::LastAction {
+    let what = format!("{name}: lastAction {annotation} {phase:?}");
+    let found = poll(&what, LONG, || async {
+        let pd = w.pds().get(name).await?;
+        Ok(pd
+            .status
+            .and_then(|s| s.last_action)
+            .filter(|a| a.annotation == annotation && a.phase == phase))
+    })
+    .await;
+    match found {
+        Ok(a) => a,
+        Err(e) => panic!(
+            "{e:#}\nstatus: {:#?}\noperator log:\n{}",
+            w.pd(name).await.status,
+            tail(&w.operators[0].log(), 4000)
+        ),
+    }
+}
+
+/// Issue 27: dead letters in status (count, newest, Degraded naming them, a Warning Event),
+/// then refused, replayed and discarded through annotations, each by a Job that runs the real
+/// worker against the real PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_reported_and_handled_by_annotation() {
+    use perspective_operator::crd::ActionPhase;
+    let w = World::new("dl", &[("op", &[])]).await;
+    w.apply(&gated_yaml("shop", &w.schema));
+    w.wait_condition("shop", "Ready", "True", None).await;
+    let mut conn = db().await;
+    append_orders(&mut conn, &w.schema, 4).await;
+
+    // 1. Status: the count and the newest per perspective, Degraded naming them, one Event.
+    let pd = wait_dead_letters(&w, "shop", 4).await;
+    assert_eq!(condition(&pd, "Degraded").reason, "EventsFailing");
+    let st = pd.status.clone().unwrap();
+    let summary = st
+        .perspectives
+        .iter()
+        .find(|p| p.name == "order_summary")
+        .expect("order_summary in status");
+    assert_eq!(summary.dead_letters, 4);
+    assert_eq!(summary.newest_dead_letters.len(), 3, "the newest 3 of 4");
+    let newest = &summary.newest_dead_letters[0];
+    assert_eq!(newest.event_type, "OrderPlaced");
+    assert!(
+        newest
+            .error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("division by zero"),
+        "{newest:?}"
+    );
+    assert!(
+        newest.id > summary.newest_dead_letters[1].id,
+        "newest first"
+    );
+    let degraded = condition(&pd, "Degraded").message;
+    assert!(
+        degraded.starts_with("4 dead letter(s) waiting for replay (order_summary: 4; newest: order_summary OrderPlaced on stream ")
+            && degraded.contains("division by zero"),
+        "{degraded}"
+    );
+    let warned = poll("a DeadLetters Event", LONG, || async {
+        let list = events_of(&w, "shop", "DeadLetters").await?;
+        Ok((!list.is_empty()).then_some(list))
+    })
+    .await
+    .unwrap();
+    assert_eq!(warned[0].type_.as_deref(), Some("Warning"));
+    assert!(
+        warned[0]
+            .note
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("order_summary: "),
+        "{warned:?}"
+    );
+    // One Event per increase (the status shows 4, so each is published): each new dead letter
+    // counted once over them.
+    let new_in = |e: &k8s_openapi::api::events::v1::Event| -> i64 {
+        let note = e.note.as_deref().unwrap_or_default();
+        let rest = note.strip_prefix("order_summary: ").unwrap_or_default();
+        rest.split(' ')
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .unwrap_or(0)
+    };
+    assert_eq!(warned.iter().map(new_in).sum::<i64>(), 4, "{warned:#?}");
+    let warnings_before = warned.len();
+
+    // The plugin shows the same from status, with the kubeconfig only.
+    let status = kubectl_pd(&w, &["status", "shop"]);
+    assert!(status.status.success(), "{status:?}");
+    let text = stdout(&status);
+    for part in [
+        "PerspectiveDeployment shop (namespace ",
+        "Status:         Degraded: EventsFailing\n",
+        "Dead letters:   4\n",
+        "    Degraded ",
+        "order_summary  Live ",
+        "Pods:\n    NAME ",
+        "Last action:    none\n",
+        "Log of job/shop-migrate-",
+    ] {
+        assert!(
+            text.contains(part),
+            "kubectl pd status lacks {part:?}:\n{text}"
+        );
+    }
+    let list = stdout(&kubectl_pd(
+        &w,
+        &["dead-letters", "list", "shop", "order_summary"],
+    ));
+    assert!(list.starts_with("PERSPECTIVE    ID "), "{list}");
+    assert_eq!(list.matches("OrderPlaced").count(), 3, "{list}");
+    assert!(list.contains("division by zero"), "{list}");
+    assert!(
+        list.ends_with("waiting for replay: order_summary: 4\n"),
+        "{list}"
+    );
+    // The worker pods' logs, through the API (kwok runs no kubelet: each pod says why not).
+    let logs = kubectl_pd(&w, &["logs", "shop", "--tail", "5"]);
+    assert!(logs.status.success(), "{logs:?}");
+    assert!(
+        stdout(&logs).starts_with("==> pod/shop-0 <==\n"),
+        "{logs:?}"
+    );
+    // A value the operator would refuse is refused at once, and nothing is annotated.
+    let typo = kubectl_pd(&w, &["rebuild", "shop", "order_sumary"]);
+    assert!(!typo.status.success());
+    assert!(
+        String::from_utf8_lossy(&typo.stderr)
+            .contains("annotation perspectives.dev/rebuild: \"order_sumary\" is not a perspective"),
+        "{typo:?}"
+    );
+
+    // 2. A bad value: refused with the annotation and the value named, no Job, annotation gone.
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/rebuild=order_sumary",
+        ],
+        None,
+    );
+    let refused =
+        wait_last_action(&w, "shop", "perspectives.dev/rebuild", ActionPhase::Refused).await;
+    assert!(
+        refused.message.starts_with(
+            "annotation perspectives.dev/rebuild: \"order_sumary\" is not a perspective of spec.perspectives"
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(refused.job, None);
+    let action_jobs = || async {
+        w.jobs()
+            .await
+            .into_iter()
+            .filter(|j| {
+                j.labels()
+                    .get("app.kubernetes.io/component")
+                    .map(String::as_str)
+                    == Some("action")
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(action_jobs().await.is_empty(), "no Job for a refused value");
+    poll("the refused annotation removed", LONG, || async {
+        let pd = w.pds().get("shop").await?;
+        Ok((!pd.annotations().contains_key("perspectives.dev/rebuild")).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        events_of(&w, "shop", "ActionRefused").await.unwrap().len(),
+        1
+    );
+
+    // 3. A replay while the handler still fails: its Job fails; Failed with a pointer to the
+    // log, a Warning Event, the annotation removed (it does not loop), the letters pending.
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/replay-dead-letters=all",
+        ],
+        None,
+    );
+    let failed = wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/replay-dead-letters",
+        ActionPhase::Failed,
+    )
+    .await;
+    assert!(
+        failed
+            .message
+            .starts_with("perspectives.dev/replay-dead-letters all failed (")
+            && failed
+                .message
+                .contains("its output: kubectl logs job/shop-replay-"),
+        "{failed:?}"
+    );
+    poll("the failed action's annotation removed", LONG, || async {
+        let pd = w.pds().get("shop").await?;
+        Ok((!pd
+            .annotations()
+            .contains_key("perspectives.dev/replay-dead-letters"))
+        .then_some(()))
+    })
+    .await
+    .unwrap();
+    let failed_events = events_of(&w, "shop", "ActionFailed").await.unwrap();
+    assert_eq!(failed_events.len(), 1, "{failed_events:?}");
+    assert_eq!(failed_events[0].type_.as_deref(), Some("Warning"));
+    let pending = format!(
+        "SELECT count(*) FROM {}.wh_dead_letters WHERE recovery_status = 'pending'",
+        w.schema
+    );
+    assert_eq!(scalar(&mut conn, &pending).await, 4);
+
+    // 4. The handler fixed (the gate opened): a replay of order_summary applies the 4 events.
+    sqlx::query(&format!("UPDATE {}.gate SET broken = false", w.schema))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    // Through the plugin, which sets the annotation and waits for the outcome.
+    let replay = kubectl_pd(&w, &["dead-letters", "replay", "shop", "order_summary"]);
+    let said = stdout(&replay);
+    assert!(replay.status.success(), "{replay:?}");
+    assert!(
+        said.starts_with("annotated shop: perspectives.dev/replay-dead-letters=order_summary\n")
+            && said.contains("Succeeded: replayed the dead letters of order_summary"),
+        "{said}"
+    );
+    let replayed = wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/replay-dead-letters",
+        ActionPhase::Succeeded,
+    )
+    .await;
+    assert_eq!(replayed.target, "order_summary");
+    assert!(
+        replayed
+            .message
+            .starts_with("replayed the dead letters of order_summary"),
+        "{replayed:?}"
+    );
+    assert_eq!(
+        scalar(
+            &mut conn,
+            &format!("SELECT count(*) FROM {}.order_summary", w.schema)
+        )
+        .await,
+        4
+    );
+    assert_eq!(
+        scalar(
+            &mut conn,
+            &format!(
+                "SELECT count(*) FROM {}.wh_dead_letters WHERE recovery_status = 'replayed'",
+                w.schema
+            )
+        )
+        .await,
+        4
+    );
+    let pd = w.pd("shop").await;
+    assert!(!pd
+        .annotations()
+        .contains_key("perspectives.dev/replay-dead-letters"));
+    let jobs = action_jobs().await;
+    assert_eq!(jobs.len(), 1, "one action Job, kept for its log");
+    assert_eq!(Some(jobs[0].name_any()), replayed.job);
+    let text = stdout(&kubectl_pd(&w, &["status", "shop"]));
+    assert!(
+        text.contains("Last action:    perspectives.dev/replay-dead-letters order_summary: Succeeded (Job shop-replay-"),
+        "{text}"
+    );
+    w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
+        .await;
+    assert_eq!(
+        events_of(&w, "shop", "ActionSucceeded")
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // 5. Broken again: a new dead letter, discarded for all perspectives.
+    sqlx::query(&format!("UPDATE {}.gate SET broken = true", w.schema))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    append_orders(&mut conn, &w.schema, 1).await;
+    // A failed stream is EventsFailing too, before its event is dead-lettered: wait for that.
+    wait_dead_letters(&w, "shop", 1).await;
+    // Only this increase is a new Event: none while the count stayed or fell (the replays).
+    let warned = events_of(&w, "shop", "DeadLetters").await.unwrap();
+    assert_eq!(warned.len(), warnings_before + 1, "{warned:#?}");
+    assert!(
+        warned
+            .iter()
+            .any(|e| e.note.as_deref().unwrap_or_default().starts_with(
+                "order_summary: 1 new dead letter(s), 1 waiting for replay; newest: OrderPlaced"
+            )),
+        "{warned:#?}"
+    );
+    kubectl_ok(
+        &[
+            "-n",
+            &w.ns,
+            "annotate",
+            "pd/shop",
+            "perspectives.dev/discard-dead-letters=all",
+        ],
+        None,
+    );
+    wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/discard-dead-letters",
+        ActionPhase::Succeeded,
+    )
+    .await;
+    assert_eq!(
+        scalar(
+            &mut conn,
+            &format!(
+                "SELECT count(*) FROM {}.wh_dead_letters WHERE recovery_status = 'discarded'",
+                w.schema
+            )
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        action_jobs().await.len(),
+        1,
+        "the earlier action Job deleted"
+    );
+    w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
+        .await;
+
+    // 6. A rebuild through the plugin: order_count (spoilt here) reset and replayed from the
+    // store: 5 orders.
+    sqlx::query(&format!("UPDATE {}.order_count SET n = 99", w.schema))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let rebuild = kubectl_pd(&w, &["rebuild", "shop", "order_count"]);
+    assert!(rebuild.status.success(), "{rebuild:?}");
+    assert!(
+        stdout(&rebuild).contains("Succeeded: rebuild of order_count started"),
+        "{rebuild:?}"
+    );
+    wait_sql(
+        &mut conn,
+        "order_count rebuilt",
+        &format!("SELECT n FROM {}.order_count", w.schema),
+        5,
+    )
+    .await;
+    w.shutdown().await;
 }

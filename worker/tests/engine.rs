@@ -363,6 +363,26 @@ claimWorker:
         .unwrap()
         .contains("division by zero"));
     assert_eq!(dl.get::<String, _>(4), "A");
+    // Status shows it (the operator's status reads this): the newest per perspective.
+    let status = perspective_worker::store::status::read_status(
+        &mut conn,
+        &schema,
+        &["p1".to_owned()],
+        30.0,
+    )
+    .await
+    .unwrap();
+    let p1 = status.perspectives.iter().find(|p| p.name == "p1").unwrap();
+    assert_eq!(p1.dead_letters, 1);
+    assert_eq!(p1.newest_dead_letters.len(), 1, "{p1:?}");
+    let newest = &p1.newest_dead_letters[0];
+    assert_eq!((newest.id, newest.event_type.as_str()), (dl_id, "A"));
+    assert_eq!(newest.stream_id, bad);
+    assert!(newest
+        .error
+        .as_deref()
+        .unwrap()
+        .contains("division by zero"));
 
     // Replay with the broken handler fails and changes nothing.
     let file = std::env::temp_dir().join(format!("{schema}.yaml"));
@@ -433,6 +453,37 @@ claimWorker:
         .unwrap();
     assert!(!out.status.success());
     assert_eq!(seen(bad).await, vec![1, 3, 2]);
+    // Nor does a discard: the id named is no pending dead letter.
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["dead-letters", "discard", &dl_id.to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("1 of the 1 id(s) named were not pending"),
+        "{out:?}"
+    );
+    // A perspective not in the config is refused, naming it.
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args([
+            "dead-letters",
+            "discard",
+            "--all",
+            "--perspective",
+            "nosuch",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("--perspective nosuch: no such perspective in the config"),
+        "{out:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

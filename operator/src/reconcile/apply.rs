@@ -49,6 +49,8 @@ pub struct Outcome {
     pub requeue: Duration,
     /// The API server's refusal of a child, naming it.
     pub rejected: Option<String>,
+    /// The last day-2 action (status `lastAction`), as the action step left it.
+    pub last_action: Option<crate::crd::LastAction>,
 }
 
 /// One deployment's apply step.

@@ -10,11 +10,13 @@
 //! 5. [`apply`] them with server-side apply, gated: the StatefulSet takes a new template only
 //!    after that template's migration Job succeeded; a failed Job, or a succeeded one whose
 //!    schema has gone from the database, runs again as [`migration_retry`] decides (pure);
-//! 6. [`update_status`]: compute and write the status ([`crate::status::compute`]), and Events
+//! 6. [`action`]: day-2 actions asked for by annotation, each through a short Job;
+//! 7. [`update_status`]: compute and write the status ([`crate::status::compute`]), and Events
 //!    on change ([`announcements`]: what users wait for).
 //!
 //! [`context`] holds what all reconciles share, [`error`] why one could not finish.
 
+pub mod action;
 pub mod announcements;
 pub mod apply;
 pub mod build;
@@ -62,7 +64,7 @@ pub fn error_policy(pd: Arc<PerspectiveDeployment>, error: &Error, _ctx: Arc<Con
     Action::requeue(Duration::from_secs(5))
 }
 
-/// The pipeline: resolve → dereference → validate → build → apply → update_status.
+/// The pipeline: resolve → dereference → validate → build → apply → action → update_status.
 async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Action, Error> {
     let namespace = pd
         .namespace()
@@ -95,6 +97,7 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
         database,
         requeue: validated.requeue_within(ctx.options.status_interval),
         rejected: None,
+        last_action: previous.last_action.clone(),
     };
     if validated.may_apply() {
         let uid = pd
@@ -118,6 +121,9 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
             outcome.statefulset.as_ref(),
         );
         apply::apply(ctx, pd, &resolved, &previous, children, &mut outcome).await?;
+        if outcome.rejected.is_none() {
+            action::act(ctx, pd, &resolved, &mut outcome).await?;
+        }
     }
     let requeue =
         update_status::update_status(ctx, pd, &resolved, &previous, validated, outcome).await?;

@@ -75,6 +75,7 @@ pub async fn update_status(
     if new_status.migrated_hash.as_deref() == Some(r.target.hash.as_str()) {
         new_status.migrated_perspectives = announcements::qualified(&pd.spec);
     }
+    new_status.last_action = outcome.last_action;
 
     report_degraded_change(ctx, pd, previous, &new_status).await;
     report_database_change(ctx, pd, previous, &new_status).await;
@@ -83,6 +84,7 @@ pub async fn update_status(
         info!(namespace = pd.namespace().unwrap_or_default(), name = %pd.name_any(), note = %event.note, "catch-up finished");
         ctx.publish(pd, event).await;
     }
+    report_new_dead_letters(ctx, pd, previous, &new_status).await;
     if new_status != *previous {
         let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
         pds.patch_status(
@@ -270,6 +272,74 @@ async fn report_lock_contention(
     ctx.publish(pd, event).await;
 }
 
+/// The note of the Warning Event `DeadLetters`: one line per perspective whose dead letters
+/// grew since the previous status, with the newest one's event type, stream and error. Once per
+/// increase: nothing while the count stays or falls (a replay), nor on the first read after
+/// the database could not be read (the earlier count is unknown).
+fn new_dead_letters_note(
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) -> Option<String> {
+    if matches!(
+        previous.database,
+        Some(DatabaseState::Unreachable | DatabaseState::SchemaMissing)
+    ) {
+        return None;
+    }
+    let lines: Vec<String> = new
+        .perspectives
+        .iter()
+        .filter_map(|p| {
+            let before = previous
+                .perspectives
+                .iter()
+                .find(|q| q.name == p.name)
+                .map_or(0, |q| q.dead_letters);
+            let added = p.dead_letters - before;
+            (added > 0).then(|| {
+                let newest = p.newest_dead_letters.first().map_or_else(String::new, |d| {
+                    format!(
+                        "; newest: {} on stream {}: {}",
+                        d.event_type,
+                        d.stream_id,
+                        d.error.as_deref().unwrap_or("(no error text)")
+                    )
+                });
+                format!(
+                    "{}: {added} new dead letter(s), {} waiting for replay{newest}",
+                    p.name, p.dead_letters
+                )
+            })
+        })
+        .collect();
+    (!lines.is_empty()).then(|| lines.join("\n"))
+}
+
+/// A Warning Event (and a log line) when dead letters appear (see [`new_dead_letters_note`]).
+async fn report_new_dead_letters(
+    ctx: &Context,
+    pd: &PerspectiveDeployment,
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) {
+    let Some(note) = new_dead_letters_note(previous, new) else {
+        return;
+    };
+    warn!(
+        namespace = pd.namespace().unwrap_or_default(),
+        name = %pd.name_any(),
+        dead_letters = %note,
+        "events were dead-lettered"
+    );
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "DeadLetters",
+        note,
+        related: None,
+    };
+    ctx.publish(pd, event).await;
+}
+
 #[cfg(test)]
 mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -328,6 +398,60 @@ mod tests {
         assert!(
             lock_contention_note(&PerspectiveDeploymentStatus::default(), &contended).is_some()
         );
+    }
+
+    fn dead(figures: &[(&str, i64)]) -> PerspectiveDeploymentStatus {
+        PerspectiveDeploymentStatus {
+            database: Some(DatabaseState::Reachable),
+            perspectives: figures
+                .iter()
+                .map(|(name, n)| crate::crd::PerspectiveLag {
+                    name: (*name).into(),
+                    dead_letters: *n,
+                    newest_dead_letters: (*n > 0)
+                        .then(|| crate::crd::DeadLetterSample {
+                            id: *n,
+                            event_type: "OrderPlaced".into(),
+                            stream_id: "s1".into(),
+                            error: Some("division by zero".into()),
+                            first_failed_at: Time(Timestamp::UNIX_EPOCH),
+                        })
+                        .into_iter()
+                        .collect(),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn new_dead_letters_are_reported_once_per_increase() {
+        let none = dead(&[("totals", 0), ("carts", 0)]);
+        let two = dead(&[("totals", 2), ("carts", 0)]);
+        assert_eq!(new_dead_letters_note(&none, &none), None);
+        assert_eq!(
+            new_dead_letters_note(&none, &two).as_deref(),
+            Some(
+                "totals: 2 new dead letter(s), 2 waiting for replay; newest: OrderPlaced on \
+                 stream s1: division by zero"
+            )
+        );
+        // The same count again, or fewer (a replay): nothing.
+        assert_eq!(new_dead_letters_note(&two, &two), None);
+        let one = dead(&[("totals", 1), ("carts", 0)]);
+        assert_eq!(new_dead_letters_note(&two, &one), None);
+        // One more: reported, naming only the perspective that grew.
+        let more = dead(&[("totals", 1), ("carts", 3)]);
+        assert!(new_dead_letters_note(&one, &more)
+            .unwrap()
+            .starts_with("carts: 3 new dead letter(s), 3 waiting"));
+        // After an unreadable database the earlier count is unknown: no Event.
+        let lost = PerspectiveDeploymentStatus {
+            database: Some(DatabaseState::Unreachable),
+            ..Default::default()
+        };
+        assert_eq!(new_dead_letters_note(&lost, &two), None);
     }
 
     fn with_database(state: Option<DatabaseState>) -> PerspectiveDeploymentStatus {

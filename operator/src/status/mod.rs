@@ -17,11 +17,12 @@ pub mod summary;
 
 use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use perspective_worker::store::status::Status as DbStatus;
+use perspective_worker::store::status::{DeadLetterSummary, Status as DbStatus};
 
 use crate::crd::{
-    DatabaseState, PerspectiveDeploymentStatus, PerspectiveLag, PerspectivePhase,
+    DatabaseState, DeadLetterSample, PerspectiveDeploymentStatus, PerspectiveLag, PerspectivePhase,
     PerspectiveProgress,
 };
 use crate::labels;
@@ -143,6 +144,7 @@ fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dea
             phase: p.phase.into(),
             progress: p.progress.as_ref().map(PerspectiveProgress::from),
             lock_conflicts_per_minute: p.lock_conflicts_per_minute,
+            newest_dead_letters: p.newest_dead_letters.iter().map(dead_letter).collect(),
         })
         .collect();
     status.phase = Some(phase_summary(&status.perspectives));
@@ -157,6 +159,19 @@ fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dea
     status.lag = Some(format_lag(oldest));
     status.dead_letters = Some(dead_letters);
     status.live_instances = Some(db.live_instances);
+}
+
+/// A dead letter as status shows it.
+fn dead_letter(d: &DeadLetterSummary) -> DeadLetterSample {
+    let at = Timestamp::from_millisecond(d.first_failed_at.timestamp_millis())
+        .unwrap_or(Timestamp::UNIX_EPOCH);
+    DeadLetterSample {
+        id: d.id,
+        event_type: d.event_type.clone(),
+        stream_id: d.stream_id.to_string(),
+        error: d.error.clone(),
+        first_failed_at: Time(at),
+    }
 }
 
 #[cfg(test)]

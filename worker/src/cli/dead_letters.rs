@@ -1,4 +1,4 @@
-//! `perspective-worker dead-letters list|replay`.
+//! `perspective-worker dead-letters list|replay|discard`.
 
 use perspective_worker::admin::dead_letters;
 use perspective_worker::db;
@@ -27,6 +27,20 @@ pub enum DeadLettersCommand {
         ids: Vec<i64>,
         #[arg(long, conflicts_with = "ids")]
         all: bool,
+        /// With --all: only this perspective's dead letters.
+        #[arg(long, value_name = "NAME", requires = "all")]
+        perspective: Option<String>,
+    },
+    /// Mark pending dead letters `discarded`: they are never applied (their events may then be
+    /// pruned by retention). The given ids, or every pending one with --all.
+    Discard {
+        /// Dead letter ids (see `dead-letters list`).
+        ids: Vec<i64>,
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// With --all: only this perspective's dead letters.
+        #[arg(long, value_name = "NAME", requires = "all")]
+        perspective: Option<String>,
     },
 }
 
@@ -34,8 +48,61 @@ pub async fn execute(ctx: &Context, command: &DeadLettersCommand) -> anyhow::Res
     let mut conn = ctx.connect("dead-letters").await?;
     match command {
         DeadLettersCommand::List { all, json } => list(ctx, &mut conn, *all, *json).await,
-        DeadLettersCommand::Replay { ids, all } => replay(ctx, &mut conn, ids, *all).await,
+        DeadLettersCommand::Replay {
+            ids,
+            all,
+            perspective,
+        } => {
+            let perspective = known_perspective(ctx, perspective.as_deref())?;
+            replay(ctx, &mut conn, ids, *all, perspective).await
+        }
+        DeadLettersCommand::Discard {
+            ids,
+            all,
+            perspective,
+        } => {
+            let perspective = known_perspective(ctx, perspective.as_deref())?;
+            discard(ctx, &mut conn, ids, *all, perspective).await
+        }
     }
+}
+
+/// `--perspective NAME`, refused unless NAME is in the config.
+fn known_perspective<'a>(ctx: &Context, name: Option<&'a str>) -> anyhow::Result<Option<&'a str>> {
+    match name {
+        Some(n) if !ctx.perspective_names().iter().any(|p| p == n) => Err(InvalidInput::error(
+            format!("--perspective {n}: no such perspective in the config"),
+        )),
+        other => Ok(other),
+    }
+}
+
+async fn discard(
+    ctx: &Context,
+    conn: &mut PgConnection,
+    ids: &[i64],
+    all: bool,
+    perspective: Option<&str>,
+) -> anyhow::Result<()> {
+    if !all && ids.is_empty() {
+        return Err(InvalidInput::error(
+            "name dead letter ids to discard, or pass --all",
+        ));
+    }
+    let n = store::discard(conn, &ctx.config.schema, ids, all, perspective)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!("discarding dead letters: {}", db::describe_error(&e, None))
+        })?;
+    outln!("{n} dead letter(s) discarded")?;
+    if !all && n < ids.len() as u64 {
+        anyhow::bail!(
+            "{} of the {} id(s) named were not pending dead letters",
+            ids.len() as u64 - n,
+            ids.len()
+        );
+    }
+    Ok(())
 }
 
 async fn list(ctx: &Context, conn: &mut PgConnection, all: bool, json: bool) -> anyhow::Result<()> {
@@ -87,12 +154,14 @@ async fn replay(
     conn: &mut PgConnection,
     ids: &[i64],
     all: bool,
+    perspective: Option<&str>,
 ) -> anyhow::Result<()> {
     let schema = &ctx.config.schema;
     let ids: Vec<i64> = if all {
         store::list(conn, schema, false)
             .await?
             .iter()
+            .filter(|d| perspective.is_none_or(|p| d.perspective == p))
             .map(|d| d.id)
             .collect()
     } else if ids.is_empty() {

@@ -124,6 +124,7 @@ mod tests {
             progress: None,
             lock_conflicts_per_minute: 0,
             lock_conflict_sqlstate: None,
+            newest_dead_letters: vec![],
         }
     }
 

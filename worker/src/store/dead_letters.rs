@@ -21,6 +21,12 @@ const MARK_REPLAYED: &str = "UPDATE {schema}.wh_dead_letters
         SET recovery_status = {dead_letter_replayed}, recovered_at = now(),
             replay_count = replay_count + 1
       WHERE dead_letter_id = $1";
+/// Marks pending dead letters `discarded`: those of `ids`, or all (of `perspective`, if given).
+const DISCARD: &str = "UPDATE {schema}.wh_dead_letters
+        SET recovery_status = {dead_letter_discarded}, recovered_at = now()
+      WHERE recovery_status = {dead_letter_pending}
+        AND ($1 OR dead_letter_id = ANY($2))
+        AND ($3::text IS NULL OR perspective_name = $3)";
 
 /// The `<schema>_applied` NOTIFY for a replayed event, if every subscribed perspective has now
 /// applied it (see `wh_applied_by_all`).
@@ -86,6 +92,24 @@ pub async fn list(
         .bind(all)
         .fetch_all(&mut *conn)
         .await
+}
+
+/// Mark pending dead letters `discarded` (they are never applied; their events may be pruned):
+/// `ids`, or every pending one with `all`; only `perspective`'s when given. Returns how many.
+pub async fn discard(
+    conn: &mut PgConnection,
+    schema: &str,
+    ids: &[i64],
+    all: bool,
+    perspective: Option<&str>,
+) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(&super::sql(schema, DISCARD))
+        .bind(all)
+        .bind(ids)
+        .bind(perspective)
+        .execute(&mut *conn)
+        .await?;
+    Ok(done.rows_affected())
 }
 
 /// Lock pending dead letter `id` for the rest of the transaction; None when it does not exist

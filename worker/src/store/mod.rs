@@ -76,6 +76,10 @@ pub(crate) fn sql(schema: &str, template: &str) -> String {
             "{dead_letter_replayed}",
             &format!("'{}'", recovery_status::REPLAYED),
         )
+        .replace(
+            "{dead_letter_discarded}",
+            &format!("'{}'", recovery_status::DISCARDED),
+        )
 }
 
 /// The engine's handle on its deployment's schema: its connection pools, the schema name, and

@@ -35,10 +35,11 @@ pub mod cursor_status {
 }
 
 /// Values of `wh_dead_letters.recovery_status`; statements spell them `{dead_letter_pending}` /
-/// `{dead_letter_replayed}`.
+/// `{dead_letter_replayed}` / `{dead_letter_discarded}`.
 pub mod recovery_status {
     pub const PENDING: &str = "pending";
     pub const REPLAYED: &str = "replayed";
+    pub const DISCARDED: &str = "discarded";
 }
 
 /// Values of `wh_perspective_jobs.kind` (spelled in the table's CHECK, and in the functions

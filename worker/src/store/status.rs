@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 use sqlx::postgres::PgConnection;
-use sqlx::Row;
+use sqlx::{FromRow, Row};
 
 use crate::store::catchup::progress::{Phase, Progress};
 use crate::store::instances::CONTENTION_METADATA_KEY;
@@ -42,6 +42,30 @@ pub struct PerspectiveStatus {
     /// The SQLSTATE most of those conflicts had (40P01, 40001, 55P03), when there were any.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lock_conflict_sqlstate: Option<String>,
+    /// The newest pending dead letters, newest first (at most [`NEWEST_DEAD_LETTERS`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub newest_dead_letters: Vec<DeadLetterSummary>,
+}
+
+/// How many of a perspective's pending dead letters the status shows.
+pub const NEWEST_DEAD_LETTERS: i64 = 3;
+
+/// The longest error text of a [`DeadLetterSummary`], in characters (the full text is in
+/// `perspective-worker dead-letters list`).
+pub const DEAD_LETTER_ERROR_CHARS: i32 = 200;
+
+/// One pending dead letter, as status shows it.
+#[derive(Debug, Clone, Serialize, PartialEq, sqlx::FromRow)]
+#[serde(rename_all = "camelCase")]
+pub struct DeadLetterSummary {
+    #[sqlx(rename = "dead_letter_id")]
+    pub id: i64,
+    pub event_type: String,
+    pub stream_id: uuid::Uuid,
+    /// The handler's error, cut to [`DEAD_LETTER_ERROR_CHARS`].
+    pub error: Option<String>,
+    /// When the event first failed (when it was dead-lettered, for rows that lack it).
+    pub first_failed_at: chrono::DateTime<chrono::Utc>,
 }
 
 impl PerspectiveStatus {
@@ -120,6 +144,17 @@ const LOCK_CONFLICTS: &str = "SELECT name, sum(n)::bigint, (array_agg(sqlstate O
            WHERE i.last_heartbeat_at > now() - make_interval(secs => $1)) AS x
      WHERE n >= 1
      GROUP BY name";
+/// The newest [`NEWEST_DEAD_LETTERS`] pending dead letters of each of the perspectives `$1`
+/// (those with any; the partial index `wh_dead_letters_pending` finds each one's).
+const NEWEST: &str = "SELECT p.name, d.dead_letter_id, d.event_type, d.stream_id,
+            left(d.error, $2) AS error,
+            coalesce(d.first_failed_at, d.dead_lettered_at) AS first_failed_at
+     FROM unnest($1::text[]) AS p(name)
+     CROSS JOIN LATERAL (
+       SELECT * FROM {schema}.wh_dead_letters
+       WHERE perspective_name = p.name AND recovery_status = {dead_letter_pending}
+       ORDER BY dead_letter_id DESC LIMIT $3) AS d
+     ORDER BY p.name, d.dead_letter_id DESC";
 const PENDING_PER_PERSPECTIVE: &str = "SELECT perspective_name, count(*),
             extract(epoch FROM now() - min(created_at))::float8
      FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY perspective_name";
@@ -145,6 +180,12 @@ pub async fn read_status(
             .bind(CONTENTION_METADATA_KEY)
             .fetch_all(&mut *conn)
             .await?;
+    let holding: Vec<String> = rows
+        .iter()
+        .filter(|r| r.get::<i64, _>(5) > 0)
+        .map(|r| r.get(0))
+        .collect();
+    let newest = newest_dead_letters(&mut *conn, schema, &holding).await?;
     let perspectives = rows
         .iter()
         .map(|r| {
@@ -161,7 +202,6 @@ pub async fn read_status(
                 .find(|(p, _, _)| *p == name)
                 .map_or((0, None), |(_, n, state)| (*n, state.clone()));
             PerspectiveStatus {
-                name,
                 configured: r.get(1),
                 pending_events: r.get(2),
                 oldest_pending_seconds: r.get(3),
@@ -171,6 +211,12 @@ pub async fn read_status(
                 progress,
                 lock_conflicts_per_minute,
                 lock_conflict_sqlstate,
+                newest_dead_letters: newest
+                    .iter()
+                    .filter(|(p, _)| *p == name)
+                    .map(|(_, d)| d.clone())
+                    .collect(),
+                name,
             }
         })
         .collect();
@@ -185,6 +231,27 @@ pub async fn read_status(
         live_instances: row.get(0),
         active_streams: row.get(1),
     })
+}
+
+/// The newest pending dead letters of `perspectives`, with the perspective's name; no query
+/// when there are none.
+async fn newest_dead_letters(
+    conn: &mut PgConnection,
+    schema: &str,
+    perspectives: &[String],
+) -> Result<Vec<(String, DeadLetterSummary)>, sqlx::Error> {
+    if perspectives.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query(&super::sql(schema, NEWEST))
+        .bind(perspectives)
+        .bind(DEAD_LETTER_ERROR_CHARS)
+        .bind(NEWEST_DEAD_LETTERS)
+        .fetch_all(&mut *conn)
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get(0)?, DeadLetterSummary::from_row(r)?)))
+        .collect()
 }
 
 impl super::Store {

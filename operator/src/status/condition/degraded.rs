@@ -3,6 +3,8 @@
 //! failing events, persistent lock contention between appliers (the events still apply,
 //! slowly).
 
+use perspective_worker::store::status::PerspectiveStatus;
+
 use super::{Desired, DEGRADED};
 use crate::migration_job::JobState;
 use crate::status::facts::Facts;
@@ -25,11 +27,14 @@ pub fn desired(f: &Facts) -> Desired {
     } else if let Some(problem) = f.database_problem {
         degraded(problem.reason(), problem.message())
     } else if f.dead_letters > 0 || f.failed_streams > 0 {
+        let perspectives = f.db.map_or(&[][..], |db| &db.perspectives[..]);
         degraded(
             "EventsFailing",
             format!(
-                "{} dead letter(s) waiting for replay, {} stream(s) retrying after a failure",
-                f.dead_letters, f.failed_streams
+                "{} dead letter(s) waiting for replay{}, {} stream(s) retrying after a failure",
+                f.dead_letters,
+                dead_letter_detail(perspectives),
+                f.failed_streams
             ),
         )
     } else if !f.lock_contention.is_empty() {
@@ -39,9 +44,38 @@ pub fn desired(f: &Facts) -> Desired {
     }
 }
 
+/// Which perspectives hold the dead letters and the newest one's error, e.g. " (order_summary:
+/// 2, carts: 1; newest: order_summary OrderPlaced on stream 0190…: division by zero)"; empty
+/// without dead letters.
+fn dead_letter_detail(perspectives: &[PerspectiveStatus]) -> String {
+    let holding: Vec<String> = perspectives
+        .iter()
+        .filter(|p| p.dead_letters > 0)
+        .map(|p| format!("{}: {}", p.name, p.dead_letters))
+        .collect();
+    if holding.is_empty() {
+        return String::new();
+    }
+    let newest = perspectives
+        .iter()
+        .flat_map(|p| p.newest_dead_letters.iter().map(move |d| (p, d)))
+        .max_by_key(|(_, d)| d.id)
+        .map(|(p, d)| {
+            format!(
+                "; newest: {} {} on stream {}: {}",
+                p.name,
+                d.event_type,
+                d.stream_id,
+                d.error.as_deref().unwrap_or("(no error text)")
+            )
+        })
+        .unwrap_or_default();
+    format!(" ({}{newest})", holding.join(", "))
+}
+
 #[cfg(test)]
 mod tests {
-    use perspective_worker::store::status::PerspectiveStatus;
+    use perspective_worker::store::status::DeadLetterSummary;
 
     use super::*;
     use crate::status::facts::fixture;
@@ -106,7 +140,7 @@ mod tests {
         assert_eq!(failing.reason, "EventsFailing");
         assert_eq!(
             failing.message,
-            "2 dead letter(s) waiting for replay, 1 stream(s) retrying after a failure"
+            "2 dead letter(s) waiting for replay (a: 2), 1 stream(s) retrying after a failure"
         );
         o.database = Some(Err(unreachable("connection refused")));
         let unreachable = desired(&Facts::of(&o));
@@ -134,6 +168,53 @@ mod tests {
         let invalid = desired(&Facts::of(&o));
         assert_eq!(invalid.reason, "InvalidSpec");
         assert_eq!(invalid.message, "spec.a: x; spec.b: y");
+    }
+
+    fn letter(id: i64, event_type: &str, error: &str) -> DeadLetterSummary {
+        DeadLetterSummary {
+            id,
+            event_type: event_type.into(),
+            stream_id: uuid::Uuid::nil(),
+            error: Some(error.into()),
+            first_failed_at: chrono::DateTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn dead_letters_are_named_by_perspective_with_the_newest_error() {
+        let mut o = fixture::migrated(3);
+        o.database = Some(Ok(fixture::database(
+            3,
+            vec![
+                PerspectiveStatus {
+                    name: "carts".into(),
+                    dead_letters: 1,
+                    newest_dead_letters: vec![letter(7, "ItemAdded", "duplicate key")],
+                    ..Default::default()
+                },
+                PerspectiveStatus {
+                    name: "quiet".into(),
+                    ..Default::default()
+                },
+                PerspectiveStatus {
+                    name: "totals".into(),
+                    dead_letters: 2,
+                    newest_dead_letters: vec![
+                        letter(9, "OrderPlaced", "division by zero"),
+                        letter(3, "OrderPlaced", "older"),
+                    ],
+                    ..Default::default()
+                },
+            ],
+        )));
+        let d = desired(&Facts::of(&o));
+        assert_eq!((d.status, d.reason.as_str()), (true, "EventsFailing"));
+        assert_eq!(
+            d.message,
+            "3 dead letter(s) waiting for replay (carts: 1, totals: 2; newest: totals \
+             OrderPlaced on stream 00000000-0000-0000-0000-000000000000: division by zero), \
+             0 stream(s) retrying after a failure"
+        );
     }
 
     fn unreachable(e: &str) -> DatabaseProblem {

@@ -1,0 +1,366 @@
+//! Day-2 actions asked for by annotation on a deployment, and the short Job that carries one
+//! out: `perspective-worker dead-letters replay|discard --all [--perspective P]` or
+//! `perspective-worker rebuild --perspective P`, with the migration Job's image, pod policy and
+//! Secret (the owner role). Pure: which action an annotation asks for (or why it is refused),
+//! the Job, and what its outcome says.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::PodTemplateSpec;
+use kube::api::ObjectMeta;
+
+use crate::crd::{DatabaseRole, PerspectiveDeploymentSpec};
+use crate::labels;
+use crate::migration_job::JobState;
+use crate::pod;
+
+/// The value of a dead-letter annotation that means every perspective.
+pub const ALL: &str = "all";
+
+/// A day-2 action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    ReplayDeadLetters,
+    DiscardDeadLetters,
+    Rebuild,
+}
+
+impl Action {
+    /// Every action, in the order their annotations are taken up.
+    pub const ALL: [Action; 3] = [
+        Action::ReplayDeadLetters,
+        Action::DiscardDeadLetters,
+        Action::Rebuild,
+    ];
+
+    /// The annotation on the deployment that asks for it.
+    pub fn annotation(self) -> &'static str {
+        match self {
+            Action::ReplayDeadLetters => labels::REPLAY_DEAD_LETTERS,
+            Action::DiscardDeadLetters => labels::DISCARD_DEAD_LETTERS,
+            Action::Rebuild => labels::REBUILD,
+        }
+    }
+
+    /// The action of `annotation`.
+    pub fn of_annotation(annotation: &str) -> Option<Action> {
+        Action::ALL
+            .into_iter()
+            .find(|a| a.annotation() == annotation)
+    }
+
+    /// The word in its Job's name.
+    pub fn verb(self) -> &'static str {
+        match self {
+            Action::ReplayDeadLetters => "replay",
+            Action::DiscardDeadLetters => "discard",
+            Action::Rebuild => "rebuild",
+        }
+    }
+
+    /// Whether `all` is a valid value.
+    fn takes_all(self) -> bool {
+        self != Action::Rebuild
+    }
+
+    /// The worker's arguments for target `target` (a perspective, or [`ALL`]).
+    pub fn args(self, target: &str) -> Vec<String> {
+        let mut args: Vec<String> = match self {
+            Action::ReplayDeadLetters => {
+                vec!["dead-letters".into(), "replay".into(), "--all".into()]
+            }
+            Action::DiscardDeadLetters => {
+                vec!["dead-letters".into(), "discard".into(), "--all".into()]
+            }
+            Action::Rebuild => vec!["rebuild".into()],
+        };
+        if target != ALL {
+            args.extend(["--perspective".to_owned(), target.to_owned()]);
+        }
+        args
+    }
+
+    /// What a finished run did, e.g. "replayed the dead letters of order_summary".
+    pub fn done(self, target: &str) -> String {
+        let whose = if target == ALL {
+            "all perspectives".to_owned()
+        } else {
+            target.to_owned()
+        };
+        match self {
+            Action::ReplayDeadLetters => format!("replayed the dead letters of {whose}"),
+            Action::DiscardDeadLetters => format!("discarded the dead letters of {whose}"),
+            Action::Rebuild => format!("rebuild of {whose} started (status shows its progress)"),
+        }
+    }
+}
+
+/// An action asked for with a valid value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub action: Action,
+    /// A configured perspective, or [`ALL`].
+    pub target: String,
+}
+
+/// The first action the deployment's `annotations` ask for, in [`Action::ALL`]'s order: a
+/// [`Request`], or (as `Err`) the annotation, its value and why it is refused.
+pub fn requested(
+    annotations: &BTreeMap<String, String>,
+    perspectives: &[String],
+) -> Option<Result<Request, Refusal>> {
+    let (action, value) = Action::ALL
+        .into_iter()
+        .find_map(|a| annotations.get(a.annotation()).map(|v| (a, v)))?;
+    let target = value.trim();
+    let valid = (action.takes_all() && target == ALL) || perspectives.iter().any(|p| p == target);
+    if valid {
+        return Some(Ok(Request {
+            action,
+            target: target.to_owned(),
+        }));
+    }
+    let expected = if action.takes_all() {
+        format!("a perspective of spec.perspectives or `{ALL}`")
+    } else {
+        "a perspective of spec.perspectives".to_owned()
+    };
+    let known = if perspectives.is_empty() {
+        "none".to_owned()
+    } else {
+        perspectives.join(", ")
+    };
+    Some(Err(Refusal {
+        action,
+        value: value.clone(),
+        message: format!(
+            "annotation {}: {value:?} is not {expected} (perspectives: {known}); nothing was run",
+            action.annotation()
+        ),
+    }))
+}
+
+/// A refused annotation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub action: Action,
+    pub value: String,
+    pub message: String,
+}
+
+/// The Job carrying out `request` for deployment `instance`, named `job_name`, reading its
+/// config from ConfigMap `config_map`. No retries: a failed action is reported, not repeated.
+pub fn build(
+    instance: &str,
+    namespace: &str,
+    spec: &PerspectiveDeploymentSpec,
+    image: &str,
+    config_map: &str,
+    request: &Request,
+    job_name: &str,
+) -> Job {
+    let labels = labels::labels(instance, labels::ACTION_JOB);
+    let annotations = BTreeMap::from([
+        (
+            labels::ACTION.to_owned(),
+            request.action.annotation().to_owned(),
+        ),
+        (labels::ACTION_TARGET.to_owned(), request.target.clone()),
+    ]);
+    let args = request.action.args(&request.target);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let container = pod::container(
+        request.action.verb(),
+        image,
+        spec,
+        &args,
+        pod::base_env(spec, DatabaseRole::Migration),
+    );
+    Job {
+        metadata: ObjectMeta {
+            name: Some(job_name.to_owned()),
+            namespace: Some(namespace.to_owned()),
+            labels: Some(labels.clone()),
+            annotations: Some(annotations),
+            ..ObjectMeta::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(0),
+            active_deadline_seconds: Some(spec.migrations.active_deadline_seconds),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(pod::pod_spec(spec, config_map, container, "Never")),
+            },
+            ..JobSpec::default()
+        }),
+        ..Job::default()
+    }
+}
+
+/// The request an action Job carries out, from its annotations.
+pub fn request_of(job: &Job) -> Option<Request> {
+    let annotations = job.metadata.annotations.as_ref()?;
+    Some(Request {
+        action: Action::of_annotation(annotations.get(labels::ACTION)?)?,
+        target: annotations.get(labels::ACTION_TARGET)?.clone(),
+    })
+}
+
+/// What status and the Event say about a finished action Job: what it did, or the Job
+/// controller's message and where the output is (never the output: see
+/// [`failure_message`]).
+pub fn outcome_message(request: &Request, job_name: &str, state: &JobState) -> String {
+    match state {
+        JobState::Succeeded => format!(
+            "{} (Job {job_name}; its output: kubectl logs job/{job_name})",
+            request.action.done(&request.target)
+        ),
+        JobState::Failed {
+            reason, message, ..
+        } => format!(
+            "{} {} failed ({reason}): {message}",
+            request.action.annotation(),
+            request.target
+        ),
+        JobState::Running => format!("Job {job_name} is running"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::migration_job::failure_message;
+
+    fn annotated(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn names() -> Vec<String> {
+        vec!["order_summary".into(), "order_count".into()]
+    }
+
+    #[test]
+    fn an_annotation_names_a_perspective_or_all() {
+        let none = annotated(&[("kubectl.kubernetes.io/last-applied-configuration", "{}")]);
+        assert_eq!(requested(&none, &names()), None);
+        let replay = annotated(&[(labels::REPLAY_DEAD_LETTERS, " order_summary ")]);
+        assert_eq!(
+            requested(&replay, &names()),
+            Some(Ok(Request {
+                action: Action::ReplayDeadLetters,
+                target: "order_summary".into()
+            }))
+        );
+        let discard = annotated(&[(labels::DISCARD_DEAD_LETTERS, "all")]);
+        assert_eq!(
+            requested(&discard, &names()).unwrap().unwrap().action,
+            Action::DiscardDeadLetters
+        );
+        // Replay goes first when several are asked for.
+        let both = annotated(&[
+            (labels::REBUILD, "order_count"),
+            (labels::REPLAY_DEAD_LETTERS, "all"),
+        ]);
+        assert_eq!(
+            requested(&both, &names()).unwrap().unwrap().action,
+            Action::ReplayDeadLetters
+        );
+    }
+
+    #[test]
+    fn a_bad_value_is_refused_naming_the_annotation_and_the_value() {
+        let typo = annotated(&[(labels::REPLAY_DEAD_LETTERS, "order_sumary")]);
+        let refusal = requested(&typo, &names()).unwrap().unwrap_err();
+        assert_eq!(
+            refusal.message,
+            "annotation perspectives.dev/replay-dead-letters: \"order_sumary\" is not a \
+             perspective of spec.perspectives or `all` (perspectives: order_summary, \
+             order_count); nothing was run"
+        );
+        // A rebuild of everything is not offered.
+        let all = annotated(&[(labels::REBUILD, "all")]);
+        let refusal = requested(&all, &names()).unwrap().unwrap_err();
+        assert!(refusal.message.starts_with(
+            "annotation perspectives.dev/rebuild: \"all\" is not a perspective of spec.perspectives ("
+        ));
+    }
+
+    #[test]
+    fn the_job_runs_the_workers_command_once_as_the_owner_role() {
+        let spec: PerspectiveDeploymentSpec = serde_yaml::from_str(
+            "schema: shop\ndatabase: {secretRef: {name: db}, migrationSecretRef: {name: owner}}\n\
+             perspectives: []",
+        )
+        .unwrap();
+        let request = Request {
+            action: Action::ReplayDeadLetters,
+            target: "order_summary".into(),
+        };
+        let job = build(
+            "shop",
+            "ns",
+            &spec,
+            "img:1",
+            "shop-config-x",
+            &request,
+            "shop-replay-1",
+        );
+        let js = job.spec.as_ref().unwrap();
+        assert_eq!(js.backoff_limit, Some(0));
+        let pod = js.template.spec.as_ref().unwrap();
+        assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+        let c = &pod.containers[0];
+        assert_eq!(c.image.as_deref(), Some("img:1"));
+        assert_eq!(
+            c.args.as_deref().unwrap(),
+            [
+                "dead-letters",
+                "replay",
+                "--all",
+                "--perspective",
+                "order_summary"
+            ]
+        );
+        let secret = c
+            .env
+            .iter()
+            .flatten()
+            .find_map(|e| e.value_from.as_ref()?.secret_key_ref.as_ref())
+            .expect("the database URL from a Secret");
+        assert_eq!(secret.name, "owner");
+        assert_eq!(request_of(&job), Some(request));
+        assert_eq!(
+            Action::Rebuild.args("carts"),
+            ["rebuild", "--perspective", "carts"]
+        );
+        assert_eq!(
+            Action::DiscardDeadLetters.args(ALL),
+            ["dead-letters", "discard", "--all"]
+        );
+    }
+
+    #[test]
+    fn a_failed_action_points_to_its_log_not_its_output() {
+        let request = Request {
+            action: Action::Rebuild,
+            target: "carts".into(),
+        };
+        let failed = JobState::Failed {
+            reason: "BackoffLimitExceeded".into(),
+            message: failure_message("Job has reached the specified backoff limit", "j"),
+            at: None,
+        };
+        assert_eq!(
+            outcome_message(&request, "j", &failed),
+            "perspectives.dev/rebuild carts failed (BackoffLimitExceeded): Job has reached the \
+             specified backoff limit; its output: kubectl logs job/j"
+        );
+    }
+}
