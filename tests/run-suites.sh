@@ -25,22 +25,30 @@ trap 'rm -rf "$dir"' EXIT
 # Seconds each job took in a warm three-stream run on the project machine (2026-12-02), to
 # balance the streams.
 declare -A SECONDS_OF=(
-  [operator]=195 [engine]=89 [failover]=40 [backfill]=37 [sequencing_lifecycle]=29 [scale]=27
+  [op-e2e]=180 [op-chart]=90 [op-units]=12 [op-pod_runner]=8 [op-monitoring]=6 [op-crd]=6
+  [op-builders]=6 [op-real_node]=3 [engine]=89 [failover]=40 [backfill]=37 [sequencing_lifecycle]=29 [scale]=27
   [partition]=23 [failures]=22 [migrate]=18 [sequencing_failures]=16 [process]=14
   [contention]=10 [options]=9 [sequencing]=9 [rebuild]=9 [connections]=7 [embedded]=6
   [claim]=5 [worker-units]=4 [truth]=4 [statistics]=4 [producer]=3
 )
 
-# The jobs: the operator's suites (its real-node binary runs with every test skipped), the
-# worker's unit tests and doc tests, and each worker test file.
-jobs=(operator worker-units worker-doc)
+# The jobs: the operator's unit and doc tests and each of its test files (the real-node binary
+# runs with every real-node test skipped), the worker's unit tests and doc tests, and each
+# worker test file.
+jobs=(op-units op-doc worker-units worker-doc)
+for f in operator/tests/*.rs; do
+  jobs+=("op-$(basename "$f" .rs)")
+done
 for f in worker/tests/*.rs; do
   jobs+=("$(basename "$f" .rs)")
 done
 
 args_of() {
   case "$1" in
-    operator) echo "-p perspective-operator -- --skip real_node::" ;;
+    op-units) echo "-p perspective-operator --lib --bins" ;;
+    op-doc) echo "-p perspective-operator --doc" ;;
+    op-real_node) echo "-p perspective-operator --test real_node -- --skip real_node::" ;;
+    op-*) echo "-p perspective-operator --test ${1#op-}" ;;
     worker-units) echo "-p perspective-worker --lib --bins" ;;
     worker-doc) echo "-p perspective-worker --doc" ;;
     *) echo "-p perspective-worker --test $1" ;;
