@@ -60,6 +60,7 @@ bench: postgres
 	tests/bench/apply.sh
 	tests/bench/backfill.sh
 	tests/bench/crossstream.sh
+	tests/bench/latency.sh
 
 bench-scale: postgres
 	$(CARGO) build --release -p perspective-worker
