@@ -950,10 +950,24 @@ async fn invalid_specs_are_rejected_or_reported() {
             ),
             Ok("spec.database.secretRef:"),
         ),
+        // CEL rules of the CRD (issue 27: admission-time validation), in the worker's words.
         (
             "duplicate perspective",
             valid.replace("name: order_count", "name: order_summary"),
-            Ok("spec.perspectives[1]"),
+            Err("spec.perspectives: Invalid value: duplicate perspective name"),
+        ),
+        (
+            "sequencing key without its key",
+            valid.replace("    - name: order_count\n", "    - name: order_count\n      sequencing: key\n"),
+            Err("spec.perspectives[1].sequencingKey: Invalid value: sequencing: key needs a sequencingKey"),
+        ),
+        (
+            "a key without sequencing: key",
+            valid.replace(
+                "    - name: order_count\n",
+                "    - name: order_count\n      sequencingKey: \":data->>'customer'\"\n",
+            ),
+            Err("spec.perspectives[1].sequencingKey: Invalid value: sequencingKey is used only with sequencing: key (this perspective has sequencing: stream)"),
         ),
         (
             "unknown handler parameter",
