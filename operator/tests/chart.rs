@@ -1549,3 +1549,70 @@ fn tempdir(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// Issue 27: installed, the webhook's objects are accepted by the API server, and an upgrade
+/// keeps the generated CA and certificate (lookup), so the `caBundle` never changes under the
+/// pods' mounted certificate. Scoped to the release's own namespace (`watchNamespace`), so the
+/// other tests' deployments never reach this webhook.
+#[test]
+fn cluster_webhook_certificate_survives_an_upgrade() {
+    require_cluster();
+    let release = Release::new("hook");
+    let ns = release.namespace.as_str();
+    let flags = [
+        "--set".to_owned(),
+        "webhook.enabled=true".to_owned(),
+        "--set".to_owned(),
+        format!("watchNamespace={ns}"),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    release.install(&flags);
+    let config = format!("{ns}-{}", release.fullname());
+    let secret = format!("{}-webhook-tls", release.fullname());
+    let bundle = || {
+        ok(kubectl().args([
+            "get",
+            "validatingwebhookconfiguration",
+            &config,
+            "-o",
+            "jsonpath={.webhooks[0].clientConfig.caBundle}",
+        ]))
+    };
+    let stored_ca = || {
+        ok(kubectl().args([
+            "-n",
+            ns,
+            "get",
+            "secret",
+            &secret,
+            "-o",
+            "jsonpath={.data.ca\\.crt}",
+        ]))
+    };
+    let first = bundle();
+    assert!(
+        !first.trim().is_empty(),
+        "no caBundle: {}",
+        ok(kubectl().args([
+            "get",
+            "validatingwebhookconfiguration",
+            &config,
+            "-o",
+            "yaml"
+        ]))
+    );
+    assert_eq!(first, stored_ca());
+    ok(helm()
+        .args(["upgrade", &release.name])
+        .arg(chart_dir())
+        .args(["--namespace", ns, "--wait=false", "--timeout=2m"])
+        .args(&flags));
+    assert_eq!(bundle(), first, "the upgrade replaced the CA");
+    assert_eq!(stored_ca(), first);
+    release.uninstall();
+    let gone = output(kubectl().args(["get", "validatingwebhookconfiguration", &config]));
+    assert!(
+        !gone.status.success(),
+        "the webhook configuration outlived the release"
+    );
+}
