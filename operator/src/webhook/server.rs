@@ -43,7 +43,7 @@ pub async fn serve(
     })?;
     let local = listener.local_addr()?;
     let acceptor = TlsAcceptor::from(certificate.server_config()?);
-    tokio::spawn(certificate.reload_until(shutdown.clone()));
+    tokio::spawn(certificate.reload_until(super::tls::RELOAD_EVERY, shutdown.clone()));
     let app = Router::new()
         .route(PATH, post(validate))
         .layer(DefaultBodyLimit::max(MAX_BODY))

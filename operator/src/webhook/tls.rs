@@ -1,10 +1,11 @@
 //! The webhook's serving certificate: `tls.crt` (the chain, PEM) and `tls.key` (PEM) in one
-//! directory — a mounted `kubernetes.io/tls` Secret. The files are read again when they change
-//! (checked every [`RELOAD_EVERY`]), so a renewed Secret is served without a restart.
+//! directory — a mounted `kubernetes.io/tls` Secret. The files are read again every
+//! [`RELOAD_EVERY`] and served when they changed, so a renewed Secret is served without a
+//! restart.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use tokio_rustls::rustls::crypto::{ring, CryptoProvider};
 use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -35,24 +36,34 @@ pub enum CertError {
 #[derive(Debug)]
 pub struct Certificate {
     dir: PathBuf,
-    current: RwLock<(Arc<CertifiedKey>, Option<SystemTime>)>,
+    /// The certificate and the files' bytes it was read from.
+    current: RwLock<(Arc<CertifiedKey>, [Vec<u8>; 2])>,
 }
 
 impl ResolvesServerCert for Certificate {
     fn resolve(&self, _: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let current = self.current.read().unwrap_or_else(|p| p.into_inner());
-        Some(current.0.clone())
+        Some(self.current())
     }
 }
 
 impl Certificate {
     /// Reads `dir`'s `tls.crt` and `tls.key`.
     pub async fn load(dir: &Path) -> Result<Arc<Certificate>, CertError> {
-        let (key, modified) = read(dir).await?;
+        let bytes = files(dir).await?;
+        let key = parse(dir, &bytes)?;
         Ok(Arc::new(Certificate {
             dir: dir.to_owned(),
-            current: RwLock::new((key, modified)),
+            current: RwLock::new((key, bytes)),
         }))
+    }
+
+    /// The certificate served now.
+    pub fn current(&self) -> Arc<CertifiedKey> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .clone()
     }
 
     /// A rustls server config that serves this certificate (HTTP/1.1, no client certificates).
@@ -66,68 +77,132 @@ impl Certificate {
         Ok(Arc::new(config))
     }
 
-    /// Reads the files again whenever their modification time changes, until `stop`; a
-    /// change that cannot be read keeps the previous certificate (and is logged).
-    pub async fn reload_until(self: Arc<Self>, stop: CancellationToken) {
+    /// Reads the files every `every` and serves them when they changed, until `stop`; a change that cannot be read keeps the previous certificate (and
+    /// is logged).
+    pub async fn reload_until(self: Arc<Self>, every: Duration, stop: CancellationToken) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(RELOAD_EVERY) => {}
+                _ = tokio::time::sleep(every) => {}
             }
-            let seen = self.current.read().unwrap_or_else(|p| p.into_inner()).1;
-            if modified(&self.dir).await == seen {
-                continue;
-            }
-            match read(&self.dir).await {
-                Ok(fresh) => {
-                    *self.current.write().unwrap_or_else(|p| p.into_inner()) = fresh;
-                    tracing::info!(dir = %self.dir.display(), "webhook certificate reloaded");
+            match self.reload().await {
+                Ok(true) => {
+                    tracing::info!(dir = %self.dir.display(), "webhook certificate reloaded")
                 }
+                Ok(false) => {}
                 Err(e) => tracing::warn!("webhook certificate not reloaded: {e}"),
             }
         }
     }
-}
 
-/// The newest modification time of the two files (none when unreadable).
-async fn modified(dir: &Path) -> Option<SystemTime> {
-    let mut newest = None;
-    for name in ["tls.crt", "tls.key"] {
-        let m = tokio::fs::metadata(dir.join(name))
-            .await
-            .ok()?
-            .modified()
-            .ok()?;
-        newest = newest.max(Some(m));
+    /// Reads the files again and serves them if they changed: whether a new certificate is
+    /// served. On an error the previous one stays (and the change is tried again next time).
+    pub async fn reload(&self) -> Result<bool, CertError> {
+        let bytes = files(&self.dir).await?;
+        if self.current.read().unwrap_or_else(|p| p.into_inner()).1 == bytes {
+            return Ok(false);
+        }
+        let key = parse(&self.dir, &bytes)?;
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = (key, bytes);
+        Ok(true)
     }
-    newest
 }
 
-async fn read(dir: &Path) -> Result<(Arc<CertifiedKey>, Option<SystemTime>), CertError> {
-    let stamp = modified(dir).await;
-    let (crt, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+/// The bytes of `dir`'s `tls.crt` and `tls.key` (two small files: read whole each check, so
+/// no file-time granularity can hide a change).
+async fn files(dir: &Path) -> Result<[Vec<u8>; 2], CertError> {
     let read = |path: PathBuf| async move {
         tokio::fs::read(&path)
             .await
             .map_err(|source| CertError::Read { path, source })
     };
-    let (crt_pem, key_pem) = (read(crt.clone()).await?, read(key.clone()).await?);
+    Ok([
+        read(dir.join("tls.crt")).await?,
+        read(dir.join("tls.key")).await?,
+    ])
+}
+
+/// The certified key in `[tls.crt, tls.key]` of `dir`.
+fn parse(dir: &Path, [crt_pem, key_pem]: &[Vec<u8>; 2]) -> Result<Arc<CertifiedKey>, CertError> {
+    let (crt, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let invalid = |path: &Path, message: String| CertError::Invalid {
         path: path.to_owned(),
         message,
     };
-    let chain = CertificateDer::pem_slice_iter(&crt_pem)
+    let chain = CertificateDer::pem_slice_iter(crt_pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| invalid(&crt, format!("not a PEM certificate chain: {e}")))?;
     if chain.is_empty() {
         return Err(invalid(&crt, "holds no certificate".to_owned()));
     }
-    let private = PrivateKeyDer::from_pem_slice(&key_pem)
+    let private = PrivateKeyDer::from_pem_slice(key_pem)
         .map_err(|e| invalid(&key, format!("not a PEM private key: {e}")))?;
     let provider: CryptoProvider = ring::default_provider();
     let signing = provider
         .key_provider
         .load_private_key(private)
         .map_err(|e| invalid(&key, format!("unusable private key: {e}")))?;
-    Ok((Arc::new(CertifiedKey::new(chain, signing)), stamp))
+    Ok(Arc::new(CertifiedKey::new(chain, signing)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A self-signed certificate for `name` written to `dir`; returns its DER.
+    fn write_certificate(dir: &Path, name: &str) -> Vec<u8> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec![name.to_owned()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        std::fs::write(dir.join("tls.crt"), cert.pem()).unwrap();
+        std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
+        cert.der().to_vec()
+    }
+
+    fn served(certificate: &Certificate) -> Vec<u8> {
+        certificate.current().cert[0].to_vec()
+    }
+
+    #[tokio::test]
+    async fn a_renewed_secret_is_served_without_a_restart_and_garbage_keeps_the_old_one() {
+        let dir = std::env::temp_dir().join(format!("webhook-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let first = write_certificate(&dir, "first.example");
+        let certificate = Certificate::load(&dir).await.unwrap();
+        assert_eq!(served(&certificate), first);
+        assert!(!certificate.reload().await.unwrap(), "nothing changed");
+
+        // Unreadable files: an error naming the file, and the old certificate stays.
+        std::fs::write(dir.join("tls.key"), "not a key").unwrap();
+        let refused = certificate.reload().await.unwrap_err().to_string();
+        assert!(refused.contains("tls.key"), "{refused}");
+        assert_eq!(served(&certificate), first);
+
+        // Renewed: the loop serves the new one.
+        let stop = CancellationToken::new();
+        let every = Duration::from_millis(20);
+        tokio::spawn(certificate.clone().reload_until(every, stop.clone()));
+        let second = write_certificate(&dir, "second.example");
+        let renewed = tokio::time::timeout(Duration::from_secs(5), async {
+            while served(&certificate) != second {
+                tokio::time::sleep(every).await;
+            }
+        })
+        .await;
+        stop.cancel();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            renewed.is_ok(),
+            "the renewed certificate was not served within 5 s"
+        );
+        let missing = Certificate::load(Path::new("/nonexistent"))
+            .await
+            .unwrap_err();
+        assert!(
+            missing.to_string().contains("/nonexistent/tls.crt"),
+            "{missing}"
+        );
+    }
 }
