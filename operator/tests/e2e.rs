@@ -3400,7 +3400,7 @@ impl Drop for WebhookConfiguration {
 }
 
 /// Issue 27, admission-time validation: with the operator's webhook registered (failurePolicy
-/// Fail), `kubectl apply` of a deployment with a handler typo fails at once with the message the
+/// Fail, served by a standby replica), `kubectl apply` of a deployment with a handler typo fails at once with the message the
 /// reconciler gives as `InvalidSpec`, and stores nothing; a valid one is stored; with the
 /// operator down, the API server refuses rather than store unchecked specs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -3408,16 +3408,28 @@ async fn the_webhook_refuses_an_invalid_deployment_at_apply() {
     let mut w = World::new("hook", &[]).await;
     let ca = webhook_certificate(&w.dir.join("webhook-tls"));
     let cert_dir = w.dir.join("webhook-tls");
-    let op = Operator::start(
-        &w.dir,
-        &w.ns,
-        "op",
-        &[
-            "--webhook-addr=127.0.0.1:0",
-            "--webhook-cert-dir",
-            cert_dir.to_str().unwrap(),
-        ],
-    );
+    // Every replica serves the webhook: the one called here is a standby.
+    let ns = w.ns.clone();
+    let election = ["--leader-election", "--lease-namespace", &ns];
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "leader", &election));
+    let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
+    poll("the first replica leads", LONG, || async {
+        let holder = leases
+            .get_opt("perspective-operator")
+            .await?
+            .and_then(|l| l.spec?.holder_identity);
+        Ok((holder.as_deref() == Some("leader")).then_some(()))
+    })
+    .await
+    .unwrap();
+    let mut args = election.to_vec();
+    args.extend([
+        "--webhook-addr=127.0.0.1:0",
+        "--webhook-cert-dir",
+        cert_dir.to_str().unwrap(),
+    ]);
+    let op = Operator::start(&w.dir, &ns, "standby", &args);
     let addr = poll("the webhook's address in the log", LONG, || {
         let log = op.log();
         async move {
@@ -3474,6 +3486,18 @@ async fn the_webhook_refuses_an_invalid_deployment_at_apply() {
     let (ok, stderr) = apply(&pd_yaml("valid", &w.schema, 1, "v1", ""), false);
     assert!(ok, "a valid spec was refused: {stderr}");
     assert!(w.pds().get_opt("valid").await.unwrap().is_some());
+
+    let holder = leases
+        .get("perspective-operator")
+        .await
+        .unwrap()
+        .spec
+        .and_then(|l| l.holder_identity);
+    assert_eq!(
+        holder.as_deref(),
+        Some("leader"),
+        "the webhook's replica was a standby"
+    );
 
     // The operator down: failurePolicy Fail refuses every create and update.
     for o in &mut w.operators {
