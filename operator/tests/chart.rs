@@ -315,7 +315,16 @@ fn args_of(deployment: &Value) -> Vec<String> {
 /// Operator's kinds) is linted for its hint only; its rendering is checked by the render tests.
 #[test]
 fn lint_is_clean_in_strict_mode() {
-    for extra in [&[][..], &["--set", "watchNamespace=apps"][..]] {
+    for extra in [
+        &[][..],
+        &["--set", "watchNamespace=apps"][..],
+        &[
+            "--set",
+            "webhook.enabled=true",
+            "--set",
+            "networkPolicy.enabled=true",
+        ][..],
+    ] {
         let out = ok(helm()
             .args(["lint", "--strict"])
             .arg(chart_dir())
