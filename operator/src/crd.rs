@@ -40,6 +40,29 @@ const TEXT_RULE: &str = "self.perspectives.map(p, (has(p.setup) ? size(p.setup) 
      (has(p.reset) ? size(p.reset) : 0) + p.handlers.map(k, size(k) + size(p.handlers[k])).sum())\
      .sum() <= 262144";
 
+/// CEL: perspective names are unique (the worker's check, at `kubectl apply`).
+const UNIQUE_NAMES_RULE: &str =
+    "self.perspectives.all(p, self.perspectives.exists_one(q, q.name == p.name))";
+// (A messageExpression naming the duplicate exceeds the API server's CEL cost budget.)
+
+/// CEL rules of one perspective: the worker's `sequencingKey` checks that need no SQL parser
+/// (the webhook runs the rest), worded as the worker words them.
+fn perspective_rules() -> serde_json::Value {
+    serde_json::json!([{
+        "rule": "!has(self.sequencing) || self.sequencing != 'key' || has(self.sequencingKey)",
+        "message": "sequencing: key needs a sequencingKey, an SQL expression over the event's \
+                    parameters (e.g. :data->>'customer')",
+        "fieldPath": ".sequencingKey",
+    }, {
+        "rule": "!has(self.sequencingKey) || (has(self.sequencing) && self.sequencing == 'key')",
+        "message": "sequencingKey is used only with sequencing: key",
+        "messageExpression": "'sequencingKey is used only with sequencing: key (this perspective \
+                              has sequencing: ' + (has(self.sequencing) ? self.sequencing : \
+                              'stream') + ')'",
+        "fieldPath": ".sequencingKey",
+    }])
+}
+
 // Every list, map and string of the spec is bounded (issue 26, finding 3): the operator caches
 // every deployment whole, so one namespace's many large objects must not exhaust it.
 /// Desired state of a perspective deployment: the worker config plus how to run it.
@@ -80,6 +103,10 @@ const TEXT_RULE: &str = "self.perspectives.map(p, (has(p.setup) ? size(p.setup) 
 #[schemars(extend("x-kubernetes-validations" = [{
     "rule": TEXT_RULE,
     "message": "spec.perspectives: setup, reset, handlers and event types total more than 262144 characters",
+    "fieldPath": ".perspectives",
+}, {
+    "rule": UNIQUE_NAMES_RULE,
+    "message": "duplicate perspective name: each perspective needs a name of its own",
     "fieldPath": ".perspectives",
 }]))]
 pub struct PerspectiveDeploymentSpec {
@@ -152,15 +179,28 @@ pub struct PerspectiveDeploymentSpec {
 }
 
 /// Bounds the worker's perspective type where the deployment embeds it: the length of
-/// `setup`, `reset` and each handler, and the number of handlers.
+/// `setup`, `reset` and each handler, and the number of handlers; adds its CEL rules.
 fn bound_perspective(schema: &mut schemars::Schema) {
-    let Some(fields) = schema
+    let Some(items) = schema
         .get_mut("items")
-        .and_then(|items| items.get_mut("properties"))
         .and_then(serde_json::Value::as_object_mut)
     else {
         return;
     };
+    items.insert("x-kubernetes-validations".into(), perspective_rules());
+    let Some(fields) = items
+        .get_mut("properties")
+        .and_then(serde_json::Value::as_object_mut)
+    else {
+        return;
+    };
+    // The pattern allows 63 characters; CEL's cost estimate needs the bound spelled out.
+    if let Some(name) = fields
+        .get_mut("name")
+        .and_then(serde_json::Value::as_object_mut)
+    {
+        name.insert("maxLength".into(), 63.into());
+    }
     for sql in ["setup", "reset"] {
         if let Some(field) = fields
             .get_mut(sql)

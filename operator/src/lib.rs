@@ -19,6 +19,7 @@
 //! - [`events`]: Kubernetes Events about a deployment, each with the text of what happened
 //! - [`controller`]: watches and runs the reconciler; [`leader`]: Lease-based leader election
 //! - [`plugin`]: the `kubectl pd` plugin (status, dead letters, rebuild, logs) over the API
+//! - [`webhook`]: the validating admission webhook (the same checks, at `kubectl apply`)
 //! - [`metrics`]: reconcile metrics, served with the worker's `/metrics` `/livez` `/readyz`
 
 pub mod action_job;
@@ -38,4 +39,5 @@ pub mod reconcile;
 pub mod reference;
 pub mod status;
 pub mod validate;
+pub mod webhook;
 pub mod workers;

@@ -17,6 +17,8 @@ use perspective_operator::leader::{self, Election};
 use perspective_operator::metrics::OperatorMetrics;
 use perspective_operator::pod_policy::PodPolicy;
 use perspective_operator::reconcile::{Context, Options};
+use perspective_operator::webhook;
+use perspective_operator::webhook::tls::Certificate;
 use perspective_worker::engine::http::Readiness;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
@@ -103,6 +105,24 @@ struct RunArgs {
     /// This replica's identity in the Lease and in Events (default: $POD_NAME, else host and pid).
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
+    /// Serve the validating admission webhook (`POST /validate-perspectivedeployment`, HTTPS) on
+    /// this address, with --webhook-cert-dir; port 0 picks a free port (logged). Every replica
+    /// serves it, leader or not. Default: no webhook (invalid specs are then reported only in
+    /// status, as `Degraded` `InvalidSpec`).
+    #[arg(
+        long,
+        env = "PERSPECTIVE_OPERATOR_WEBHOOK_ADDR",
+        requires = "webhook_cert_dir"
+    )]
+    webhook_addr: Option<SocketAddr>,
+    /// Directory with the webhook's serving certificate: `tls.crt` (chain, PEM) and `tls.key`
+    /// (PEM), e.g. a mounted kubernetes.io/tls Secret; re-read when the files change.
+    #[arg(
+        long,
+        env = "PERSPECTIVE_OPERATOR_WEBHOOK_CERT_DIR",
+        requires = "webhook_addr"
+    )]
+    webhook_cert_dir: Option<std::path::PathBuf>,
     /// Log format (default: json when stderr is not a terminal).
     #[arg(long, value_enum)]
     log_format: Option<LogFormat>,
@@ -159,6 +179,14 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     .await?;
     info!(addr = %bound, "serving /livez /readyz /metrics");
 
+    let options = options(&args);
+    if let (Some(addr), Some(dir)) = (args.webhook_addr, &args.webhook_cert_dir) {
+        let certificate = Certificate::load(dir).await?;
+        let (bound, _webhook) =
+            webhook::server::serve(addr, certificate, options.clone(), shutdown.clone()).await?;
+        info!(webhook_addr = %bound, "serving the admission webhook");
+    }
+
     let api = controller::deployments_api(client.clone(), args.watch_namespace.as_deref());
     controller::check_crd(&api).await?;
     readiness.set_ready();
@@ -195,17 +223,7 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         client: client.clone(),
         events: Publisher::new(client, "perspective-operator", &identity),
         metrics: metrics.clone(),
-        options: Options {
-            default_worker_image: args.default_worker_image,
-            status_interval: Duration::from_secs(args.status_interval_seconds),
-            migration_retry_base: Duration::from_secs(args.migration_retry_seconds),
-            allowed_image_prefixes: args.allowed_image_prefixes,
-            pod_policy: PodPolicy {
-                priority_classes: args.allowed_priority_classes,
-                service_accounts: args.allowed_service_accounts,
-            },
-            app_armor_runtime_default: args.apparmor_runtime_default,
-        },
+        options,
         lag: LagReader::default(),
     });
     info!(
@@ -229,6 +247,21 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             info!("stopped");
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// The reconciler's (and the webhook's) settings from the flags.
+fn options(args: &RunArgs) -> Options {
+    Options {
+        default_worker_image: args.default_worker_image.clone(),
+        status_interval: Duration::from_secs(args.status_interval_seconds),
+        migration_retry_base: Duration::from_secs(args.migration_retry_seconds),
+        allowed_image_prefixes: args.allowed_image_prefixes.clone(),
+        pod_policy: PodPolicy {
+            priority_classes: args.allowed_priority_classes.clone(),
+            service_accounts: args.allowed_service_accounts.clone(),
+        },
+        app_armor_runtime_default: args.apparmor_runtime_default,
     }
 }
 

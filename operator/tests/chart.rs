@@ -315,7 +315,16 @@ fn args_of(deployment: &Value) -> Vec<String> {
 /// Operator's kinds) is linted for its hint only; its rendering is checked by the render tests.
 #[test]
 fn lint_is_clean_in_strict_mode() {
-    for extra in [&[][..], &["--set", "watchNamespace=apps"][..]] {
+    for extra in [
+        &[][..],
+        &["--set", "watchNamespace=apps"][..],
+        &[
+            "--set",
+            "webhook.enabled=true",
+            "--set",
+            "networkPolicy.enabled=true",
+        ][..],
+    ] {
         let out = ok(helm()
             .args(["lint", "--strict"])
             .arg(chart_dir())
@@ -1410,4 +1419,209 @@ fn the_chart_docs_name_the_secret_key_the_operator_reads() {
             "{file} names DATABASE_URL as the Secret key"
         );
     }
+}
+
+/// The base64 value at `path` (its last key may hold dots, as `data.tls.crt`), decoded.
+fn decoded(v: &Value, path: &str) -> Vec<u8> {
+    let text = match path.strip_prefix("data.") {
+        Some(key) => at(v, "data").get(key).and_then(Value::as_str),
+        None => at(v, path).as_str(),
+    }
+    .unwrap_or_else(|| panic!("no {path} in:\n{}", to_yaml(v)))
+    .to_owned();
+    serde_json::from_value::<k8s_openapi::ByteString>(serde_json::Value::String(text))
+        .unwrap_or_else(|e| panic!("{path} is not base64: {e}"))
+        .0
+}
+
+/// Issue 27, admission-time validation: the chart's webhook (off by default) is a
+/// ValidatingWebhookConfiguration for PerspectiveDeployments calling the operator pods through
+/// a Service, with a caBundle that verifies the certificate the pods mount for the Service's
+/// name, which the operator can load.
+#[test]
+fn renders_the_admission_webhook_with_a_certificate_its_ca_bundle_trusts() {
+    use std::sync::Arc;
+    use tokio_rustls::rustls::client::danger::ServerCertVerifier;
+    use tokio_rustls::rustls::client::WebPkiServerVerifier;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    use tokio_rustls::rustls::RootCertStore;
+
+    assert!(!kinds(&render("ops", &[])).contains("ValidatingWebhookConfiguration"));
+    let docs = render(
+        "ops",
+        &[
+            "--set",
+            "webhook.enabled=true",
+            "--set",
+            "watchNamespace=shop",
+            "--set",
+            "networkPolicy.enabled=true",
+        ],
+    );
+    let name = "rel-perspective-operator";
+    let config = object(
+        &docs,
+        "ValidatingWebhookConfiguration",
+        &format!("ops-{name}"),
+    );
+    let hook = at(config, "webhooks.0");
+    assert_eq!(str_at(hook, "name"), "validate.perspectives.dev");
+    assert_eq!(str_at(hook, "failurePolicy"), "Fail");
+    assert_eq!(str_at(hook, "sideEffects"), "None");
+    assert_eq!(strings(at(hook, "admissionReviewVersions")), ["v1"]);
+    assert_eq!(
+        strings(at(hook, "rules.0.resources")),
+        ["perspectivedeployments"]
+    );
+    assert_eq!(
+        strings(at(hook, "rules.0.operations")),
+        ["CREATE", "UPDATE"]
+    );
+    assert_eq!(
+        at(hook, "namespaceSelector.matchLabels").get("kubernetes.io/metadata.name"),
+        Some(&Value::from("shop"))
+    );
+    let service = format!("{name}-webhook");
+    assert_eq!(str_at(hook, "clientConfig.service.name"), service);
+    assert_eq!(str_at(hook, "clientConfig.service.namespace"), "ops");
+    assert_eq!(
+        str_at(hook, "clientConfig.service.path"),
+        "/validate-perspectivedeployment"
+    );
+    let svc = object(&docs, "Service", &service);
+    assert_eq!(str_at(svc, "spec.ports.0.targetPort"), "webhook");
+    let deployment = object(&docs, "Deployment", name);
+    let args = args_of(deployment);
+    assert!(
+        args.contains(&"--webhook-addr=0.0.0.0:9443".to_owned()),
+        "{args:?}"
+    );
+    let dir = "/etc/perspective-operator/webhook";
+    assert!(
+        args.contains(&format!("--webhook-cert-dir={dir}")),
+        "{args:?}"
+    );
+    let container = operator_container(deployment);
+    assert_eq!(str_at(container, "ports.1.name"), "webhook");
+    assert_eq!(str_at(container, "volumeMounts.0.mountPath"), dir);
+    let secret_name = format!("{name}-webhook-tls");
+    assert_eq!(
+        str_at(deployment, "spec.template.spec.volumes.0.secret.secretName"),
+        secret_name
+    );
+    let rules = at(object(&docs, "NetworkPolicy", name), "spec.ingress");
+    assert_eq!(str_at(rules, "1.ports.0.port"), "webhook");
+
+    // The caBundle verifies the mounted certificate for the Service's DNS name.
+    let secret = object(&docs, "Secret", &secret_name);
+    assert_eq!(str_at(secret, "type"), "kubernetes.io/tls");
+    let ca = decoded(hook, "clientConfig.caBundle");
+    assert_eq!(ca, decoded(secret, "data.ca.crt"));
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(&ca).unwrap())
+        .unwrap();
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider)
+        .build()
+        .unwrap();
+    let crt = decoded(secret, "data.tls.crt");
+    let serving = CertificateDer::from_pem_slice(&crt).unwrap();
+    for host in [format!("{service}.ops.svc"), format!("{service}.ops")] {
+        verifier
+            .verify_server_cert(
+                &serving,
+                &[],
+                &ServerName::try_from(host.clone()).unwrap(),
+                &[],
+                UnixTime::now(),
+            )
+            .unwrap_or_else(|e| panic!("{host}: {e}"));
+    }
+    // The operator loads what the pods mount.
+    let mounted = tempdir("webhook-tls");
+    std::fs::write(mounted.join("tls.crt"), crt).unwrap();
+    std::fs::write(mounted.join("tls.key"), decoded(secret, "data.tls.key")).unwrap();
+    tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(perspective_operator::webhook::tls::Certificate::load(
+            &mounted,
+        ))
+        .expect("the operator loads the chart's certificate");
+}
+
+/// A fresh directory under the system's temp dir.
+fn tempdir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("chart-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Issue 27: installed, the webhook's objects are accepted by the API server, and an upgrade
+/// keeps the generated CA and certificate (lookup), so the `caBundle` never changes under the
+/// pods' mounted certificate. Scoped to the release's own namespace (`watchNamespace`), so the
+/// other tests' deployments never reach this webhook.
+#[test]
+fn cluster_webhook_certificate_survives_an_upgrade() {
+    require_cluster();
+    let release = Release::new("hook");
+    let ns = release.namespace.as_str();
+    let flags = [
+        "--set".to_owned(),
+        "webhook.enabled=true".to_owned(),
+        "--set".to_owned(),
+        format!("watchNamespace={ns}"),
+    ];
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    release.install(&flags);
+    let config = format!("{ns}-{}", release.fullname());
+    let secret = format!("{}-webhook-tls", release.fullname());
+    let bundle = || {
+        ok(kubectl().args([
+            "get",
+            "validatingwebhookconfiguration",
+            &config,
+            "-o",
+            "jsonpath={.webhooks[0].clientConfig.caBundle}",
+        ]))
+    };
+    let stored_ca = || {
+        ok(kubectl().args([
+            "-n",
+            ns,
+            "get",
+            "secret",
+            &secret,
+            "-o",
+            "jsonpath={.data.ca\\.crt}",
+        ]))
+    };
+    let first = bundle();
+    assert!(
+        !first.trim().is_empty(),
+        "no caBundle: {}",
+        ok(kubectl().args([
+            "get",
+            "validatingwebhookconfiguration",
+            &config,
+            "-o",
+            "yaml"
+        ]))
+    );
+    assert_eq!(first, stored_ca());
+    ok(helm()
+        .args(["upgrade", &release.name])
+        .arg(chart_dir())
+        .args(["--namespace", ns, "--wait=false", "--timeout=2m"])
+        .args(&flags));
+    assert_eq!(bundle(), first, "the upgrade replaced the CA");
+    assert_eq!(stored_ca(), first);
+    release.uninstall();
+    let gone = output(kubectl().args(["get", "validatingwebhookconfiguration", &config]));
+    assert!(
+        !gone.status.success(),
+        "the webhook configuration outlived the release"
+    );
 }

@@ -950,10 +950,24 @@ async fn invalid_specs_are_rejected_or_reported() {
             ),
             Ok("spec.database.secretRef:"),
         ),
+        // CEL rules of the CRD (issue 27: admission-time validation), in the worker's words.
         (
             "duplicate perspective",
             valid.replace("name: order_count", "name: order_summary"),
-            Ok("spec.perspectives[1]"),
+            Err("spec.perspectives: Invalid value: duplicate perspective name"),
+        ),
+        (
+            "sequencing key without its key",
+            valid.replace("    - name: order_count\n", "    - name: order_count\n      sequencing: key\n"),
+            Err("spec.perspectives[1].sequencingKey: Invalid value: sequencing: key needs a sequencingKey"),
+        ),
+        (
+            "a key without sequencing: key",
+            valid.replace(
+                "    - name: order_count\n",
+                "    - name: order_count\n      sequencingKey: \":data->>'customer'\"\n",
+            ),
+            Err("spec.perspectives[1].sequencingKey: Invalid value: sequencingKey is used only with sequencing: key (this perspective has sequencing: stream)"),
         ),
         (
             "unknown handler parameter",
@@ -3310,5 +3324,188 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         5,
     )
     .await;
+    w.shutdown().await;
+}
+
+/// A CA and a serving certificate for 127.0.0.1 written to `dir` as `tls.crt`/`tls.key` (what
+/// a kubernetes.io/tls Secret holds); returns the CA's PEM, the webhook's `caBundle`.
+fn webhook_certificate(dir: &std::path::Path) -> String {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "perspective-operator webhook CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .unwrap()
+        .signed_by(&key, &Issuer::from_params(&ca_params, &ca_key))
+        .unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("tls.crt"), cert.pem()).unwrap();
+    std::fs::write(dir.join("tls.key"), key.serialize_pem()).unwrap();
+    ca.pem()
+}
+
+/// The webhook configuration of a test: what the chart's template holds, but calling the
+/// operator process at `url` and scoped to namespace `ns` (tests run side by side). Deleted
+/// on drop.
+struct WebhookConfiguration(String);
+
+impl WebhookConfiguration {
+    fn create(ns: &str, url: &str, ca_pem: &str) -> WebhookConfiguration {
+        use k8s_openapi::ByteString;
+        let name = format!("perspective-operator-{ns}");
+        let ca = serde_json::to_value(ByteString(ca_pem.as_bytes().to_vec())).unwrap();
+        let config = serde_json::json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": name},
+            "webhooks": [{
+                "name": "validate.perspectives.dev",
+                "clientConfig": {"url": url, "caBundle": ca},
+                "rules": [{
+                    "apiGroups": ["perspectives.dev"],
+                    "apiVersions": ["v1alpha1"],
+                    "operations": ["CREATE", "UPDATE"],
+                    "resources": ["perspectivedeployments"],
+                    "scope": "Namespaced",
+                }],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 5,
+            }],
+        });
+        kubectl_ok(&["apply", "-f", "-"], Some(&config.to_string()));
+        WebhookConfiguration(name)
+    }
+}
+
+impl Drop for WebhookConfiguration {
+    fn drop(&mut self) {
+        let _ = kubectl(
+            &[
+                "delete",
+                "validatingwebhookconfiguration",
+                &self.0,
+                "--wait=false",
+            ],
+            None,
+        );
+    }
+}
+
+/// Issue 27, admission-time validation: with the operator's webhook registered (failurePolicy
+/// Fail, served by a standby replica), `kubectl apply` of a deployment with a handler typo fails at once with the message the
+/// reconciler gives as `InvalidSpec`, and stores nothing; a valid one is stored; with the
+/// operator down, the API server refuses rather than store unchecked specs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_webhook_refuses_an_invalid_deployment_at_apply() {
+    let mut w = World::new("hook", &[]).await;
+    let ca = webhook_certificate(&w.dir.join("webhook-tls"));
+    let cert_dir = w.dir.join("webhook-tls");
+    // Every replica serves the webhook: the one called here is a standby.
+    let ns = w.ns.clone();
+    let election = ["--leader-election", "--lease-namespace", &ns];
+    w.operators
+        .push(Operator::start(&w.dir, &ns, "leader", &election));
+    let leases: Api<Lease> = Api::namespaced(w.client.clone(), &ns);
+    poll("the first replica leads", LONG, || async {
+        let holder = leases
+            .get_opt("perspective-operator")
+            .await?
+            .and_then(|l| l.spec?.holder_identity);
+        Ok((holder.as_deref() == Some("leader")).then_some(()))
+    })
+    .await
+    .unwrap();
+    let mut args = election.to_vec();
+    args.extend([
+        "--webhook-addr=127.0.0.1:0",
+        "--webhook-cert-dir",
+        cert_dir.to_str().unwrap(),
+    ]);
+    let op = Operator::start(&w.dir, &ns, "standby", &args);
+    let addr = poll("the webhook's address in the log", LONG, || {
+        let log = op.log();
+        async move {
+            let at = log
+                .find("\"webhook_addr\":\"")
+                .map(|i| &log[i + 16..])
+                .and_then(|rest| rest.find('"').map(|end| rest[..end].to_owned()));
+            Ok(at)
+        }
+    })
+    .await
+    .unwrap();
+    w.operators.push(op);
+    let _config = WebhookConfiguration::create(
+        &w.ns,
+        &format!("https://{addr}/validate-perspectivedeployment"),
+        &ca,
+    );
+
+    let typo = pd_yaml("typo", &w.schema, 1, "v1", "").replace("WHERE id = 1", "WHERE id = :totl");
+    let apply = |yaml: &str, dry_run: bool| {
+        let mut args = vec!["-n", w.ns.as_str(), "apply", "--server-side", "-f", "-"];
+        if dry_run {
+            args.push("--dry-run=server");
+        }
+        let out = kubectl(&args, Some(yaml));
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // The API server picks a new webhook configuration up within a moment.
+    poll("the webhook registered", LONG, || {
+        let (ok, stderr) = apply(&typo, true);
+        async move { Ok((!ok && stderr.contains("denied the request")).then_some(())) }
+    })
+    .await
+    .unwrap();
+
+    let started = Instant::now();
+    let (ok, stderr) = apply(&typo, false);
+    assert!(!ok, "an invalid spec was accepted");
+    assert!(
+        stderr.contains(
+            "admission webhook \"validate.perspectives.dev\" denied the request: \
+             spec.perspectives[1] (order_count).handlers.OrderPlaced: unknown parameter :totl \
+             at line 1"
+        ),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5), "not at once");
+    assert!(w.pds().get_opt("typo").await.unwrap().is_none(), "stored");
+
+    let (ok, stderr) = apply(&pd_yaml("valid", &w.schema, 1, "v1", ""), false);
+    assert!(ok, "a valid spec was refused: {stderr}");
+    assert!(w.pds().get_opt("valid").await.unwrap().is_some());
+
+    let holder = leases
+        .get("perspective-operator")
+        .await
+        .unwrap()
+        .spec
+        .and_then(|l| l.holder_identity);
+    assert_eq!(
+        holder.as_deref(),
+        Some("leader"),
+        "the webhook's replica was a standby"
+    );
+
+    // The operator down: failurePolicy Fail refuses every create and update.
+    for o in &mut w.operators {
+        o.kill();
+    }
+    let (ok, stderr) = apply(&pd_yaml("unchecked", &w.schema, 1, "v1", ""), false);
+    assert!(!ok, "accepted with the webhook down");
+    assert!(stderr.contains("failed calling webhook"), "{stderr}");
+    assert!(w.pds().get_opt("unchecked").await.unwrap().is_none());
     w.shutdown().await;
 }

@@ -33,6 +33,15 @@ pub struct Options {
     pub app_armor_runtime_default: bool,
 }
 
+impl Options {
+    /// The worker image `spec` runs: its own, else the operator's default.
+    pub fn image_of(&self, spec: &crate::crd::PerspectiveDeploymentSpec) -> String {
+        spec.image
+            .clone()
+            .unwrap_or_else(|| self.default_worker_image.clone())
+    }
+}
+
 /// Shared state of all reconciles.
 pub struct Context {
     pub client: Client,

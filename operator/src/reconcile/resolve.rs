@@ -33,10 +33,7 @@ impl Resolved {
     pub fn new(pd: &PerspectiveDeployment, namespace: &str, options: &Options) -> Resolved {
         let name = pd.name_any();
         let spec = &pd.spec;
-        let image = spec
-            .image
-            .clone()
-            .unwrap_or_else(|| options.default_worker_image.clone());
+        let image = options.image_of(spec);
         let config = spec.worker_config();
         let (_, config_hash) = config_map::render(&config);
         let target = migration_job::target(&name, spec, &image);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::context::Options;
 use super::dereference::Found;
 use super::resolve::Resolved;
-use crate::crd::PerspectiveDeployment;
+use crate::crd::{PerspectiveDeployment, PerspectiveDeploymentSpec};
 use crate::pod_policy;
 use crate::status::SECRET_RECHECK;
 use crate::validate;
@@ -47,18 +47,28 @@ pub fn validate(
     found: &Found,
     options: &Options,
 ) -> Validated {
-    let mut problems = validate::problems(&resolved.name, &pd.spec);
-    problems.extend(validate::image_problem(
-        &resolved.image,
-        pd.spec.image.is_none(),
-        &options.allowed_image_prefixes,
-    ));
-    problems.extend(pod_policy::problems(&pd.spec, &options.pod_policy));
     Validated {
-        problems,
+        problems: spec_problems(&resolved.name, &pd.spec, options),
         secret_problem: found.secret_problem.clone(),
         paused: pd.spec.paused,
     }
+}
+
+/// Every problem of deployment `name`'s spec under the operator's `options`, each naming its
+/// field: what makes it `InvalidSpec`, and what the admission webhook refuses.
+pub fn spec_problems(
+    name: &str,
+    spec: &PerspectiveDeploymentSpec,
+    options: &Options,
+) -> Vec<String> {
+    let mut problems = validate::problems(name, spec);
+    problems.extend(validate::image_problem(
+        &options.image_of(spec),
+        spec.image.is_none(),
+        &options.allowed_image_prefixes,
+    ));
+    problems.extend(pod_policy::problems(spec, &options.pod_policy));
+    problems
 }
 
 #[cfg(test)]
