@@ -20,10 +20,10 @@
 # Sequencing (DESIGN §12.2) of the shared-row perspectives: CUSTOMER_SEQ (key: by
 # :data->>'customer', the default; serial; stream) and GLOBAL_SEQ (serial, the default; stream).
 #
-# HANDLERS (batch, the default; event) is the form of the shared-row perspectives' handlers:
-# batch handlers read the run of events as :events and write each shared row once per run
-# (README, "Batch handlers"); event handlers write it once per event. The per-stream
-# perspective always has an event handler.
+# HANDLERS (batch, the default; event; all-batch) is the form of the shared-row perspectives'
+# handlers: batch handlers read the run of events as :events and write each shared row once
+# per run (README, "Batch handlers"); event handlers write it once per event. The per-stream
+# perspective has an event handler, except with all-batch (a batch handler grouping by stream).
 #
 #   tests/bench/crossstream.sh            (make bench builds the release worker first)
 #   HANDLERS=event tests/bench/crossstream.sh   (the shared rows written once per event)
@@ -43,7 +43,7 @@ MODES=${MODES:-backlog live}
 CUSTOMER_SEQ=${CUSTOMER_SEQ:-key}
 GLOBAL_SEQ=${GLOBAL_SEQ:-serial}
 HANDLERS=${HANDLERS:-batch}
-case $HANDLERS in batch|event) ;; *) echo "HANDLERS must be batch or event, not $HANDLERS" >&2; exit 2 ;; esac
+case $HANDLERS in batch|event|all-batch) ;; *) echo "HANDLERS must be batch, event or all-batch, not $HANDLERS" >&2; exit 2 ;; esac
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
 [ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
 
@@ -74,7 +74,7 @@ sequencing_yaml() { # mode
 }
 
 shared_handler() { # perspective: its OrderLine handler in the form HANDLERS says
-  case $1:$HANDLERS in
+  case $1:${HANDLERS/all-batch/batch} in
     customer_stats:event) cat <<'Y'
       OrderLine: |
         INSERT INTO customer_stats AS c VALUES (:data->>'customer', 1, (:data->>'total')::numeric)
@@ -108,10 +108,19 @@ perspective_yaml() { # name
   - name: orders
     setup: CREATE TABLE IF NOT EXISTS orders (order_id uuid PRIMARY KEY, customer text NOT NULL, lines bigint NOT NULL, total numeric NOT NULL)
     handlers:
+Y
+      if [ "$HANDLERS" = all-batch ]; then cat <<'Y'
+      OrderLine: |
+        INSERT INTO orders AS o
+        SELECT stream_id, min(data->>'customer'), count(*), sum((data->>'total')::numeric) FROM :events GROUP BY 1
+        ON CONFLICT (order_id) DO UPDATE SET lines = o.lines + excluded.lines, total = o.total + excluded.total
+Y
+      else cat <<'Y'
       OrderLine: |
         INSERT INTO orders AS o VALUES (:stream_id, :data->>'customer', 1, (:data->>'total')::numeric)
         ON CONFLICT (order_id) DO UPDATE SET lines = o.lines + 1, total = o.total + excluded.total
 Y
+      fi
     ;;
     customer_stats) cat <<Y
   - name: customer_stats
