@@ -534,10 +534,14 @@ mod tests {
         let batch = create_batch_function("s", &p);
         assert!(batch.contains("WHILE v_j < v_n AND a_types[v_j + 1] = a_types[v_i] LOOP"));
         assert!(batch.contains("_wh_run_streams := a_streams[v_i:v_j];"));
-        // Without a batch handler: no run, and each event's own identity.
+        // Without a batch handler: no run, a FOR loop, and each event's own identity.
         let plain = create_batch_function("s", &commit_ordered());
-        assert!(!plain.contains("v_run_user :="), "{plain}");
-        assert!(plain.contains("v_j := v_i;"));
+        assert!(!plain.contains("v_run_user"), "{plain}");
+        assert!(!plain.contains("v_j"), "{plain}");
+        assert!(plain.contains("FOR v_i IN 1..v_n LOOP"), "{plain}");
+        let plain = create_apply_function("s", &commit_ordered());
+        assert!(!plain.contains("v_j"), "{plain}");
+        assert!(plain.contains("FOR v_i IN v_start..v_end LOOP"), "{plain}");
     }
 
     /// apply_function.sql: the argument list the drop block keeps matches the CREATE statement.

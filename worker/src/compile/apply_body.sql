@@ -155,8 +155,13 @@ BEGIN
 {% if event_id_order %}
 {% include "rewind_reset.sql" %}
 {% endif %}
+{% if batch_types %}
+    -- (A WHILE loop: a batch handler's run moves v_i past its last event.)
     v_i := v_start;
     WHILE v_i <= v_end LOOP
+{% else %}
+    FOR v_i IN v_start..v_end LOOP
+{% endif %}
       -- Past p_stop_at (wh_drain's handler-timeout budget), leave the rest for the next call,
       -- whose timer starts afresh; the first event always runs (progress).
       -- (A rewind's replay is all or nothing: never cut.)
@@ -166,7 +171,9 @@ BEGIN
       END IF;
       v_running := v_i;
 {% with run_to = "v_end", run_streams = "array_fill(p_stream_id, ARRAY[v_j - v_i + 1])" %}{% include "apply_event.sql" %}{% endwith %}
+{% if batch_types %}
       v_i := v_j + 1;
+{% endif %}
     END LOOP;
     v_ok := true;
     IF v_end >= v_start THEN

@@ -2,12 +2,12 @@
     event), sets the event's identity for row-level security and current_setting(), and runs
     the handler of its type. A batch handler (one that reads :events) runs once for the run of
     events from v_i to v_j: the consecutive events of its type, at most up to run_to (otherwise
-    v_j is v_i); the identity set is the run's when all its events share it, else '' (each
+    v_j is v_i; without batch handlers v_j is not used and the callers' loops step by one); the identity set is the run's when all its events share it, else '' (each
     event's is in :events). The caller goes on at v_j + 1. Slots: uses, handlers (event_type,
     statements), batch_types (the batch handlers' types as SQL literals, '' for none), run_to,
     run_streams (the run's stream ids, an array expression over v_i..v_j). #}
-      v_j := v_i;
 {% if batch_types %}
+      v_j := v_i;
       v_run_user := a_users[v_i];
       v_run_tenant := a_tenants[v_i];
       IF a_types[v_i] IN ({{ batch_types }}) THEN

@@ -53,8 +53,13 @@ BEGIN
     RAISE EXCEPTION 'events are missing from {{ schema }}.wh_event_store' USING ERRCODE = 'WH404';
   END IF;
   BEGIN
+{% if batch_types %}
+    -- (A WHILE loop: a batch handler's run moves v_i past its last event.)
     v_i := 1;
     WHILE v_i <= v_n LOOP
+{% else %}
+    FOR v_i IN 1..v_n LOOP
+{% endif %}
       IF v_i > 1 AND clock_timestamp() >= p_stop_at THEN
         RETURN QUERY SELECT v_i - 1, NULL::integer, NULL::text;
         RETURN;
@@ -62,7 +67,9 @@ BEGIN
       v_running := v_i;
       _wh_stream_id := a_streams[v_i];
 {% with run_to = "v_n", run_streams = "a_streams[v_i:v_j]" %}{% include "apply_event.sql" %}{% endwith %}
+{% if batch_types %}
       v_i := v_j + 1;
+{% endif %}
     END LOOP;
   EXCEPTION WHEN query_canceled THEN
     RETURN QUERY SELECT 0, v_running, SQLERRM;
