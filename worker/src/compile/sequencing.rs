@@ -215,7 +215,7 @@ mod tests {
 
     #[test]
     fn every_parameter_has_a_column() {
-        for param in Param::PER_EVENT {
+        for &param in Param::PER_EVENT {
             assert!(event_column(param).contains("e."), "{param:?}");
         }
     }

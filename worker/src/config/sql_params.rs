@@ -57,19 +57,8 @@ impl Param {
         Param::Events,
     ];
 
-    /// The parameters that hold one event's values (every one but `:events`).
-    pub const PER_EVENT: [Param; 10] = [
-        Param::StreamId,
-        Param::EventId,
-        Param::StreamVersion,
-        Param::EventType,
-        Param::Data,
-        Param::Metadata,
-        Param::Scope,
-        Param::CreatedAt,
-        Param::UserId,
-        Param::TenantId,
-    ];
+    /// The parameters that hold one event's values: every one but `:events`, the last.
+    pub const PER_EVENT: &[Param] = Param::ALL.split_last().unwrap().1;
 
     /// The name written after the colon in handler SQL.
     pub fn name(&self) -> &'static str {
