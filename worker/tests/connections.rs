@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use common::proxy::{address_of, Proxy};
 use common::{database_url, migrated_schema, wait_until};
-use perspective_worker::db::{connect_options, pool_options, PoolRole};
+use perspective_worker::db::connect_options;
 use perspective_worker::store::instances::InstanceInfo;
+use perspective_worker::store::pool::{pool_options, PoolRole};
 use perspective_worker::store::{is_deadline_exceeded, is_unreachable, Deadlines, Store};
 use sqlx::postgres::PgPool;
 use sqlx::Connection;

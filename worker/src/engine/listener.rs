@@ -113,8 +113,8 @@ impl Listener {
         tracing::warn!(error = %e, "LISTEN session did not answer; reconnecting");
         if crate::store::is_deadline_exceeded(&e) {
             let options = (*self.pool.connect_options()).clone();
-            self.pool =
-                crate::db::pool_options(crate::db::PoolRole::Listen).connect_lazy_with(options);
+            self.pool = crate::store::pool::pool_options(crate::store::pool::PoolRole::Listen)
+                .connect_lazy_with(options);
         }
         false
     }

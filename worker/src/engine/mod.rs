@@ -264,9 +264,9 @@ impl Engine {
 }
 
 /// The engine's pool (connected, so a bad URL fails here) and the listener's (lazy); see
-/// [`crate::db::pool_options`] for their timeouts and session settings.
+/// [`crate::store::pool::pool_options`] for their timeouts and session settings.
 async fn connect(options: &EngineOptions) -> Result<(Store, PgPool), EngineError> {
-    use crate::db::{pool_options, PoolRole};
+    use crate::store::pool::{pool_options, PoolRole};
     let connect = |app: &str| crate::db::connect_options(&options.database_url, app);
     let pool = pool_options(PoolRole::Statements {
         max_connections: options.max_connections.max(2),

@@ -9,6 +9,7 @@
 //!
 //! - [`deadline`]: the deadline on every statement, and what tells its expiry apart
 //! - [`names`]: channels, cursor status flags, dead-letter recovery states
+//! - [`pool`]: the engine's connection pools, and the settings applied to each new connection
 //! - [`migrations`]: the embedded, versioned schema SQL (tables, indexes, types, data)
 //! - [`functions`]: the engine's server-side functions, one `.sql` file each in `functions/`,
 //!   installed by `migrate` and verified by `run` with one hash
@@ -48,6 +49,7 @@ pub mod instances;
 pub mod lifecycle;
 pub mod migrations;
 pub mod names;
+pub mod pool;
 pub mod removal;
 pub mod schema;
 pub mod statistics;
