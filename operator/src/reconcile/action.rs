@@ -101,15 +101,15 @@ impl Step<'_> {
         if action_job::requested(&cached, &names).is_none() {
             return Ok(());
         }
-        // Read afresh: the cached deployment may still carry an annotation just removed.
+        // Read afresh: the cached copy may still carry an annotation just removed (by this
+        // reconcile, or by one whose writes the cache has not seen; then it is stale).
         let pds: Api<PerspectiveDeployment> =
             Api::namespaced(self.ctx.client.clone(), &self.r.namespace);
-        let annotations = pds
-            .get(&self.r.name)
-            .await?
-            .metadata
-            .annotations
-            .unwrap_or_default();
+        let fresh = pds.get(&self.r.name).await?;
+        if fresh.resource_version() != outcome.resource_version {
+            return Err(Error::Stale);
+        }
+        let annotations = fresh.metadata.annotations.unwrap_or_default();
         match action_job::requested(&annotations, &names) {
             None => Ok(()),
             Some(Err(refusal)) => {
@@ -123,10 +123,11 @@ impl Step<'_> {
                     finished_at: Some(now),
                     message: refusal.message.clone(),
                 });
+                self.remove_annotation(refusal.action.annotation(), &refusal.value, outcome)
+                    .await?;
                 self.publish(EventType::Warning, "ActionRefused", refusal.message, None)
                     .await;
-                self.remove_annotation(refusal.action.annotation(), &refusal.value)
-                    .await
+                Ok(())
             }
             Some(Ok(request)) => {
                 self.start(&request, jobs, outcome).await?;
@@ -229,10 +230,10 @@ impl Step<'_> {
         if reported {
             return Ok(()); // Reported before; only the status write had not happened.
         }
+        self.remove_annotation(request.action.annotation(), &request.target, outcome)
+            .await?;
         self.publish(type_, reason, message, Some(job.object_ref(&())))
             .await;
-        self.remove_annotation(request.action.annotation(), &request.target)
-            .await?;
         let mark = json!({"metadata": {"annotations": {labels::ACTION_REPORTED: "true"}}});
         self.jobs
             .patch(&name, &PatchParams::default(), &Patch::Merge(&mark))
@@ -261,28 +262,35 @@ impl Step<'_> {
     }
 
     /// Removes annotation `key` from the deployment if it still says `value` (compared
-    /// trimmed), guarded by the resource version it was read at.
-    async fn remove_annotation(&self, key: &str, value: &str) -> Result<(), Error> {
+    /// trimmed), conditional on the version the status is computed from
+    /// (`outcome.resource_version`), which it advances. A deployment changed since (our last
+    /// status write not yet in the cache, or a user's edit) is [`Error::Stale`]: nothing is
+    /// removed or reported from this reconcile's stale view; the next one does it.
+    async fn remove_annotation(
+        &self,
+        key: &str,
+        value: &str,
+        outcome: &mut Outcome,
+    ) -> Result<(), Error> {
+        if self.pd.annotations().get(key).map(|v| v.trim()) != Some(value.trim()) {
+            return Ok(()); // Removed or changed since: the new value runs next.
+        }
         let pds: Api<PerspectiveDeployment> =
             Api::namespaced(self.ctx.client.clone(), &self.r.namespace);
-        let mut conflicts = 0;
-        loop {
-            let pd = pds.get(&self.r.name).await?;
-            if pd.annotations().get(key).map(|v| v.trim()) != Some(value.trim()) {
-                return Ok(()); // Removed or changed meanwhile: the new value runs next.
+        let patch = json!({"metadata": {
+            "resourceVersion": outcome.resource_version,
+            "annotations": {key: null},
+        }});
+        match pds
+            .patch(&self.r.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(pd) => {
+                outcome.resource_version = pd.resource_version();
+                Ok(())
             }
-            let patch = json!({"metadata": {
-                "resourceVersion": pd.resource_version(),
-                "annotations": {key: null},
-            }});
-            match pds
-                .patch(&self.r.name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                Ok(_) => return Ok(()),
-                Err(kube::Error::Api(s)) if s.code == 409 && conflicts < 3 => conflicts += 1,
-                Err(e) => return Err(e.into()),
-            }
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(Error::Stale),
+            Err(e) => Err(e.into()),
         }
     }
 

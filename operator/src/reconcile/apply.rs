@@ -51,6 +51,9 @@ pub struct Outcome {
     pub rejected: Option<String>,
     /// The last day-2 action (status `lastAction`), as the action step left it.
     pub last_action: Option<crate::crd::LastAction>,
+    /// The deployment's version the status is computed from: the cached copy's, advanced by
+    /// this reconcile's own writes to the deployment. The status write is conditional on it.
+    pub resource_version: Option<String>,
 }
 
 /// One deployment's apply step.

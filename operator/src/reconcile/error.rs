@@ -10,6 +10,11 @@ pub enum Error {
     Rejected { object: String, message: String },
     #[error("{0} is missing")]
     MissingField(&'static str),
+    /// The deployment changed since the cached copy this reconcile started from (typically
+    /// by our own last status write, not yet in the cache): nothing more is written from it,
+    /// and the reconcile runs again soon from the newer copy.
+    #[error("the deployment changed since the cached copy was read")]
+    Stale,
 }
 
 impl Error {
@@ -19,6 +24,7 @@ impl Error {
             Error::Kube(kube::Error::Api(_)) | Error::Rejected { .. } => "api",
             Error::Kube(_) => "transport",
             Error::MissingField(_) => "invalid_object",
+            Error::Stale => "stale_copy",
         }
     }
 }

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::crd::PerspectiveDeployment;
 use apply::Outcome;
@@ -53,8 +53,20 @@ pub async fn reconcile(pd: Arc<PerspectiveDeployment>, ctx: Arc<Context>) -> Res
     result
 }
 
+/// How soon a reconcile that met a newer copy of its deployment runs again.
+const STALE_RETRY: Duration = Duration::from_millis(500);
+
 /// What the controller does after a failed reconcile: log (the one line about it), retry soon.
 pub fn error_policy(pd: Arc<PerspectiveDeployment>, error: &Error, _ctx: Arc<Context>) -> Action {
+    if matches!(error, Error::Stale) {
+        // Routine: the watch brings the newer copy within moments.
+        debug!(
+            namespace = pd.namespace().unwrap_or_default(),
+            name = pd.name_any(),
+            "{error}; reconciling again"
+        );
+        return Action::requeue(STALE_RETRY);
+    }
     warn!(
         namespace = pd.namespace().unwrap_or_default(),
         name = pd.name_any(),
@@ -98,6 +110,7 @@ async fn reconcile_inner(pd: &PerspectiveDeployment, ctx: &Context) -> Result<Ac
         requeue: validated.requeue_within(ctx.options.status_interval),
         rejected: None,
         last_action: previous.last_action.clone(),
+        resource_version: pd.resource_version(),
     };
     if validated.may_apply() {
         let uid = pd

@@ -76,7 +76,23 @@ pub async fn update_status(
         new_status.migrated_perspectives = announcements::qualified(&pd.spec);
     }
     new_status.last_action = outcome.last_action;
+    let outcome_version = outcome.resource_version;
 
+    if new_status != *previous {
+        let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
+        let patch = status_patch(previous, &new_status, outcome_version);
+        match pds
+            .patch_status(&r.name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+        {
+            Ok(_) => {}
+            // `previous` came from a cache that had not seen our last write yet: the figures
+            // carried from it (reruns, failures) and the Events it would announce are stale.
+            // Announce nothing; the next reconcile starts from the newer copy.
+            Err(kube::Error::Api(s)) if s.code == 409 => return Err(Error::Stale),
+            Err(e) => return Err(e.into()),
+        }
+    }
     report_degraded_change(ctx, pd, previous, &new_status).await;
     report_database_change(ctx, pd, previous, &new_status).await;
     report_lock_contention(ctx, pd, previous, &new_status).await;
@@ -85,23 +101,18 @@ pub async fn update_status(
         ctx.publish(pd, event).await;
     }
     report_new_dead_letters(ctx, pd, previous, &new_status).await;
-    if new_status != *previous {
-        let pds: Api<PerspectiveDeployment> = Api::namespaced(ctx.client.clone(), &r.namespace);
-        pds.patch_status(
-            &r.name,
-            &PatchParams::default(),
-            &Patch::Merge(status_patch(previous, &new_status)),
-        )
-        .await?;
-    }
     Ok(status::refresh_within(&new_status, outcome.requeue))
 }
 
 /// The merge patch from `previous` to `new`: a field `new` leaves out (figures that became
-/// unknown) is `null`, so that the merge removes it instead of keeping the stale value.
+/// unknown) is `null`, so that the merge removes it instead of keeping the stale value. It is
+/// conditional on `resource_version`, the version `previous` was read from: the API server
+/// refuses it (409) when the object changed since, so that a reconcile that started from a
+/// stale cached copy never writes back figures carried from it.
 fn status_patch(
     previous: &PerspectiveDeploymentStatus,
     new: &PerspectiveDeploymentStatus,
+    resource_version: Option<String>,
 ) -> serde_json::Value {
     let mut status = serde_json::to_value(new).unwrap_or_default();
     if let (Some(fields), Ok(serde_json::Value::Object(old))) =
@@ -111,7 +122,7 @@ fn status_patch(
             fields.entry(key.clone()).or_insert(serde_json::Value::Null);
         }
     }
-    json!({ "status": status })
+    json!({ "metadata": { "resourceVersion": resource_version }, "status": status })
 }
 
 /// The Event of a change of what the database read found: a Warning when it became
@@ -505,7 +516,9 @@ mod tests {
             lag: Some("Unknown".into()),
             ..Default::default()
         };
-        let patch = status_patch(&before, &after);
+        let patch = status_patch(&before, &after, Some("42".into()));
+        // Conditional on the version `before` was read from.
+        assert_eq!(patch["metadata"]["resourceVersion"], "42");
         assert_eq!(patch["status"]["pendingEvents"], serde_json::Value::Null);
         assert!(patch["status"]
             .as_object()
