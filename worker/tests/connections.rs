@@ -63,7 +63,7 @@ async fn a_heartbeat_over_a_cut_link_returns_the_deadline_error_in_time_and_drop
     let store = Store::new(pool, &schema).with_deadlines(short());
     let me = instance(Uuid::now_v7());
     store
-        .record_heartbeat(&me)
+        .record_heartbeat(&me, 30.0)
         .await
         .expect("heartbeat through the proxy");
     let idle = store.pool().clone();
@@ -80,7 +80,7 @@ async fn a_heartbeat_over_a_cut_link_returns_the_deadline_error_in_time_and_drop
     // Cut: testing the idle connection before handing it out, and then opening a new one,
     // would each wait for the kernel; the deadline counts from asking for the connection.
     proxy.cut();
-    let (outcome, took) = bounded(Duration::from_secs(10), store.record_heartbeat(&me)).await;
+    let (outcome, took) = bounded(Duration::from_secs(10), store.record_heartbeat(&me, 30.0)).await;
     let err = outcome.expect_err("a heartbeat over a cut link must fail");
     assert!(is_deadline_exceeded(&err), "not a deadline error: {err}");
     assert!(is_unreachable(&err));
@@ -107,7 +107,7 @@ async fn a_heartbeat_over_a_cut_link_returns_the_deadline_error_in_time_and_drop
     assert_eq!(store.pool().size(), 0);
 
     proxy.heal();
-    let (healed, took) = bounded(Duration::from_secs(10), store.record_heartbeat(&me)).await;
+    let (healed, took) = bounded(Duration::from_secs(10), store.record_heartbeat(&me, 30.0)).await;
     healed.expect("heartbeat after the heal");
     assert!(took < Duration::from_secs(5), "took {took:?}");
 }
@@ -118,7 +118,7 @@ async fn a_statement_past_its_deadline_is_abandoned_and_the_server_ends_its_back
     let pool = worker_pool(&database_url(), "deadline-lock", 2).await;
     let store = Store::new(pool, &schema).with_deadlines(short());
     let me = instance(Uuid::now_v7());
-    store.record_heartbeat(&me).await.unwrap();
+    store.record_heartbeat(&me, 30.0).await.unwrap();
 
     // Another session holds the instances table: the heartbeat waits on its lock, on a healthy
     // link, until its deadline.
@@ -130,7 +130,7 @@ async fn a_statement_past_its_deadline_is_abandoned_and_the_server_ends_its_back
     .execute(&mut *tx)
     .await
     .unwrap();
-    let (outcome, took) = bounded(Duration::from_secs(10), store.record_heartbeat(&me)).await;
+    let (outcome, took) = bounded(Duration::from_secs(10), store.record_heartbeat(&me, 30.0)).await;
     let err = outcome.expect_err("the heartbeat waits on the lock");
     assert!(is_deadline_exceeded(&err), "not a deadline error: {err}");
     assert!(
@@ -182,7 +182,7 @@ async fn a_statement_past_its_deadline_is_abandoned_and_the_server_ends_its_back
     .await;
     tx.rollback().await.unwrap();
     store
-        .record_heartbeat(&me)
+        .record_heartbeat(&me, 30.0)
         .await
         .expect("heartbeat after the lock");
 }

@@ -849,17 +849,19 @@ async fn an_idle_worker_sends_few_statements() {
             "pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh); without it idle load cannot be measured",
         );
     }
-    let calls = |schema: String| async move {
+    let calls_like = |pattern: String| async move {
         let mut conn = connect().await;
         sqlx::query_scalar::<_, Option<i64>>(
-            "SELECT sum(calls)::int8 FROM pg_stat_statements WHERE query LIKE '%' || $1 || '.%'",
+            "SELECT sum(calls)::int8 FROM pg_stat_statements WHERE query LIKE $1",
         )
-        .bind(schema)
+        .bind(pattern)
         .fetch_one(&mut conn)
         .await
         .unwrap()
         .unwrap_or(0)
     };
+    let calls = |schema: String| calls_like(format!("%{schema}.%"));
+    let sweeps = || calls_like(format!("%{schema}.cleanup_stale_instances%"));
     let engine = RunningEngine::start(&config).await;
     wait_until("LISTEN connected", Duration::from_secs(10), || {
         let m = engine.metrics.clone();
@@ -867,9 +869,11 @@ async fn an_idle_worker_sends_few_statements() {
     })
     .await;
     let before = calls(schema.clone()).await;
+    let sweeps_before = sweeps().await;
     let window = Duration::from_secs(30);
     tokio::time::sleep(window).await; // the measurement itself: nothing to wait for but time
     let after = calls(schema.clone()).await;
+    let swept = sweeps().await - sweeps_before;
     engine.stop().await;
     let per_second = (after - before) as f64 / window.as_secs_f64();
     println!(
@@ -877,10 +881,12 @@ async fn an_idle_worker_sends_few_statements() {
         after - before,
         window
     );
-    // Cadence: claim every 5 s growing to 10 s while idle (≤ 6), heartbeat + stale sweep +
-    // pending gauge every 10 s (≤ 12 statements): at most 18 in 30 s.
+    // Cadence: claim every 5 s growing to 10 s while idle (≤ 6), heartbeat + pending gauge
+    // every 10 s (≤ 8 statements): at most 14 in 30 s. The stale sweep runs only when a
+    // heartbeat saw a silent peer: here none.
+    assert_eq!(swept, 0, "no peer is silent: no sweep");
     assert!(
-        after - before <= 18,
+        after - before <= 14,
         "{} statements in 30 s is more than the cadences explain",
         after - before
     );
@@ -888,6 +894,65 @@ async fn an_idle_worker_sends_few_statements() {
         after - before >= 3,
         "the safety net and heartbeats must still run"
     );
+}
+
+/// The heartbeat sweeps only when it sees a silent peer (so an idle worker sends one statement
+/// less per interval), but it does see one: a peer that falls silent after the worker started
+/// is abandoned by a later heartbeat, and its stream released.
+#[tokio::test]
+async fn a_peer_that_falls_silent_is_abandoned_by_a_heartbeat() {
+    let schema = unique_schema("sweep");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:\n  heartbeatIntervalSeconds: 1\n  abandonStaleInstanceThresholdSeconds: 3\n",
+    ));
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let mut conn = connect().await;
+    // A live peer owning a stream (no events: nothing for the engine to drain or claim).
+    let peer = Uuid::now_v7();
+    let stream = Uuid::now_v7();
+    sqlx::query(&format!(
+        "SELECT {schema}.record_heartbeat($1, 'peer', 'h', 1)"
+    ))
+    .bind(peer)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_active_streams (stream_id, partition_number, assigned_instance_id)
+         VALUES ($1, 0, $2)"
+    ))
+    .bind(stream)
+    .bind(peer)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    // It falls silent: its last heartbeat ages past the threshold.
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_service_instances SET last_heartbeat_at = now() - interval '1 minute'
+         WHERE instance_id = $1"
+    ))
+    .bind(peer)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let gone = format!(
+        "SELECT NOT EXISTS (SELECT 1 FROM {schema}.wh_service_instances WHERE instance_id = '{peer}')
+            AND NOT EXISTS (SELECT 1 FROM {schema}.wh_active_streams WHERE assigned_instance_id = '{peer}')"
+    );
+    wait_until("the silent peer abandoned", Duration::from_secs(10), || {
+        let gone = gone.clone();
+        async move {
+            let mut conn = connect().await;
+            sqlx::query_scalar::<_, bool>(&gone)
+                .fetch_one(&mut conn)
+                .await
+                .unwrap()
+        }
+    })
+    .await;
+    engine.stop().await;
 }
 
 #[tokio::test]

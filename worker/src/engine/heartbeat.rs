@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::backoff::FailureStreak;
 use super::health::Probe;
 use super::Shared;
-use crate::store::instances::{heartbeat_metadata, InstanceInfo};
+use crate::store::instances::{heartbeat_metadata, Heartbeat as Beat, InstanceInfo};
 
 /// The heartbeat task.
 pub(crate) struct Heartbeat {
@@ -52,14 +52,19 @@ impl Heartbeat {
         }
     }
 
-    /// One heartbeat: the previous heartbeat's age (`None`: the instance was not registered).
-    async fn record(&mut self) -> Result<Option<f64>, sqlx::Error> {
+    /// One heartbeat: the previous heartbeat's age (`None`: the instance was not registered),
+    /// and whether a peer is silent past the stale threshold.
+    async fn record(&mut self) -> Result<Beat, sqlx::Error> {
         let shared = &self.shared;
         self.instance.metadata = heartbeat_metadata(
             &shared.config.worker.instance_metadata,
             &shared.contention.per_minute(),
         );
-        shared.store.record_heartbeat(&self.instance).await
+        let stale = shared
+            .config
+            .worker
+            .abandon_stale_instance_threshold_seconds as f64;
+        shared.store.record_heartbeat(&self.instance, stale).await
     }
 
     /// Abandons the silent peers (which can take a while: their streams are released).
@@ -148,26 +153,30 @@ impl Heartbeat {
             let started = Instant::now();
             // Only the heartbeat itself is watched: a sweep that releases many streams may
             // take seconds.
-            let previous_age = match health.watch(Probe::Heartbeat, self.record()).await {
-                Ok(age) => age,
+            let beat = match health.watch(Probe::Heartbeat, self.record()).await {
+                Ok(beat) => beat,
                 Err(e) => {
                     failures.failed(&crate::db::describe_error(&e, None));
                     continue;
                 }
             };
-            if let Some(reason) = abandoned_by(previous_age, stale) {
+            if let Some(reason) = abandoned_by(beat.previous_age, stale) {
                 health.abandoned(reason);
                 return;
             }
             health.beat_recorded(started);
-            if let Err(e) = self.sweep().await {
-                let error = crate::db::describe_error(&e, None);
-                health.report(
-                    Probe::Heartbeat,
-                    Err(format!("cleanup_stale_instances failed: {error}")),
-                );
-                failures.failed(&error);
-                continue;
+            // The sweep only when the heartbeat saw a silent peer: one statement less every
+            // interval of an idle worker.
+            if beat.stale_peers {
+                if let Err(e) = self.sweep().await {
+                    let error = crate::db::describe_error(&e, None);
+                    health.report(
+                        Probe::Heartbeat,
+                        Err(format!("cleanup_stale_instances failed: {error}")),
+                    );
+                    failures.failed(&error);
+                    continue;
+                }
             }
             failures.succeeded();
             match self.count_pending().await {

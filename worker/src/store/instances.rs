@@ -7,11 +7,16 @@ use uuid::Uuid;
 
 use super::Store;
 
-// The subquery reads the row as it was before the heartbeat (one statement, one snapshot; the
-// function's write is not visible to it).
+// The subqueries read the rows as they were before the heartbeat (one statement, one snapshot;
+// the function's write is not visible to them): the previous heartbeat's age, and whether a
+// peer is silent past the stale threshold ($6), so that the sweep runs only then (an idle
+// worker's statements are few: issue 28).
 const RECORD_HEARTBEAT: &str =
     "SELECT (SELECT extract(epoch FROM now() - i.last_heartbeat_at)::float8
                                   FROM {schema}.wh_service_instances i WHERE i.instance_id = $1),
+                                 EXISTS (SELECT 1 FROM {schema}.wh_service_instances i
+                                         WHERE i.instance_id <> $1
+                                           AND i.last_heartbeat_at < now() - make_interval(secs => $6)),
                                  {schema}.record_heartbeat($1, $2, $3, $4, $5)::text";
 const CLEANUP_STALE_INSTANCES: &str = "SELECT {schema}.cleanup_stale_instances($1, $2)";
 const DEREGISTER_INSTANCE: &str = "SELECT {schema}.deregister_instance($1)";
@@ -31,6 +36,15 @@ pub struct LockConflicts {
     pub per_minute: u64,
     /// The SQLSTATE most of them had: 40P01, 40001 or 55P03.
     pub sqlstate: String,
+}
+
+/// What a heartbeat found, before it was recorded.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Heartbeat {
+    /// The previous heartbeat's age in seconds (`None`: the instance was not registered).
+    pub previous_age: Option<f64>,
+    /// Whether another instance was silent past the stale threshold (a sweep would abandon it).
+    pub stale_peers: bool,
 }
 
 /// Who an instance is, as recorded with each heartbeat.
@@ -66,9 +80,13 @@ impl Store {
     /// Register the instance or refresh its heartbeat. Returns the age in seconds the
     /// previous heartbeat had, by the server's clock (`None`: the instance was not registered:
     /// new, deregistered, or abandoned by a peer's sweep).
-    pub async fn record_heartbeat(&self, info: &InstanceInfo) -> Result<Option<f64>, sqlx::Error> {
+    pub async fn record_heartbeat(
+        &self,
+        info: &InstanceInfo,
+        stale_seconds: f64,
+    ) -> Result<Heartbeat, sqlx::Error> {
         let mut c = self.quick_conn("record_heartbeat").await?;
-        let (previous_age, _): (Option<f64>, Option<String>) = c
+        let (previous_age, stale_peers, _): (Option<f64>, bool, Option<String>) = c
             .deadline()
             .run(
                 sqlx::query_as(&self.sql(RECORD_HEARTBEAT))
@@ -77,10 +95,14 @@ impl Store {
                     .bind(&info.host_name)
                     .bind(info.process_id)
                     .bind(&info.metadata)
+                    .bind(stale_seconds)
                     .fetch_one(&mut *c),
             )
             .await?;
-        Ok(previous_age)
+        Ok(Heartbeat {
+            previous_age,
+            stale_peers,
+        })
     }
 
     /// Abandon instances (other than `instance_id`) silent for longer than `stale_seconds`:
