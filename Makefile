@@ -61,6 +61,7 @@ bench: postgres
 	tests/bench/backfill.sh
 	tests/bench/crossstream.sh
 	tests/bench/latency.sh
+	tests/bench/idle.sh
 
 bench-scale: postgres
 	$(CARGO) build --release -p perspective-worker
