@@ -100,6 +100,24 @@ pub fn running(config: &Config, building: &[Building]) -> Vec<Running> {
     out
 }
 
+/// `config` with its perspectives replaced by those it runs (see [`running`]).
+pub fn running_config(config: &Config, running: &[Running]) -> Config {
+    Config {
+        perspectives: running.iter().map(|r| r.perspective.clone()).collect(),
+        ..config.clone()
+    }
+}
+
+/// A recorded definition (the JSON `migrate` stores for each compiled perspective).
+pub fn parse_definition(json: &str) -> Result<PerspectiveConfig, serde_json::Error> {
+    serde_json::from_str(json)
+}
+
+/// `perspective`'s definition as `migrate` records it (handlers in file order).
+pub fn definition_json(perspective: &PerspectiveConfig) -> String {
+    serde_json::to_string(perspective).expect("a perspective serializes")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,5 +137,33 @@ mod tests {
             home_schema(&"s".repeat(40), &format!("{}a", "p".repeat(62)), 1),
             home_schema(&"s".repeat(40), &format!("{}b", "p".repeat(62)), 1)
         );
+    }
+
+    #[test]
+    fn a_recorded_definition_keeps_its_handler_order_and_a_build_runs_two_perspectives() {
+        let config = Config::from_yaml_str(
+            "schema: s\nperspectives:\n  - name: p\n    version: 2\n    rebuild: blueGreen\n    handlers:\n      Z: SELECT 1\n      A: SELECT 2\n",
+            "t.yaml",
+        )
+        .unwrap();
+        let p = &config.perspectives[0];
+        let back = parse_definition(&definition_json(p)).unwrap();
+        assert_eq!(&back, p);
+        assert_eq!(back.event_types().collect::<Vec<_>>(), ["Z", "A"]);
+        let mut live = p.clone();
+        live.version = 1;
+        let building = [Building {
+            perspective: "p".into(),
+            version: 2,
+            live: live.clone(),
+        }];
+        let running = running(&config, &building);
+        let names: Vec<_> = running.iter().map(|r| r.perspective.name.as_str()).collect();
+        assert_eq!(names, ["p", "p__v2"]);
+        assert_eq!(running[0].perspective.version, 1);
+        assert_eq!(running[1].home.as_deref(), Some("s_p_v2"));
+        assert!(running_config(&config, &running).perspective("p__v2").is_some());
+        // Not building that version: the config as it is.
+        assert_eq!(super::running(&config, &[]).len(), 1);
     }
 }

@@ -103,6 +103,9 @@ pub struct WorkerMetrics {
     /// `perspective_queue_vacuums_total{table}`: vacuums of a queue table run by this worker
     /// (between autovacuum's visits, see `engine::vacuum`).
     pub queue_vacuums: IntCounterVec,
+    /// `perspective_version_switches_total{perspective,version}`: blue/green switches this
+    /// worker made, by the version switched to.
+    pub version_switches: IntCounterVec,
 }
 
 impl WorkerMetrics {
@@ -135,6 +138,7 @@ impl WorkerMetrics {
             catchup_remaining_events: catchup_remaining_events(&r),
             catchup_progress: catchup_progress(&r),
             queue_vacuums: queue_vacuums(&r),
+            version_switches: version_switches(&r),
             registry,
         }
     }
@@ -424,6 +428,15 @@ fn queue_vacuums(r: &Registrar) -> IntCounterVec {
         "Vacuums of a queue table (wh_perspective_events, wh_active_streams) this worker ran \
          because it held as many dead rows as live ones.",
         &["table"],
+    )
+}
+
+fn version_switches(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_version_switches_total",
+        "Blue/green switches this worker made: the perspective's tables replaced by those of the \
+         version built beside them (or kept, for a rollback).",
+        &[PERSPECTIVE, "version"],
     )
 }
 

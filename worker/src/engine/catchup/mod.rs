@@ -12,6 +12,7 @@
 //!   with the `jobs` payload, which the listener turns into a wake-up here.
 
 pub mod plan;
+pub mod switch;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -200,9 +201,11 @@ impl JobRunner {
             }
         }
         self.publish(&mut conn).await?;
+        // A version built beside a live one switches once caught up; until then, watch it.
+        let building = self.switch_versions(&mut conn).await?;
         Ok(if worked {
             Turn::Worked
-        } else if active.is_empty() {
+        } else if active.is_empty() && !building {
             Turn::Idle
         } else {
             Turn::Watching
