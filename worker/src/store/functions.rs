@@ -65,6 +65,7 @@ pub const FUNCTIONS: &[Function] = functions![
     "wh_job_requeue_streams",
     // Blue/green versions.
     "wh_version_move",
+    "wh_version_adopt_work",
     "wh_version_switch",
 ];
 

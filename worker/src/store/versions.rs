@@ -54,9 +54,15 @@ const READINESS: &str = "SELECT
         FROM {schema}.wh_perspective_events w
         WHERE w.perspective_name = $1 AND w.processed_at IS NULL),
        (SELECT count(*) FROM {schema}.wh_dead_letters d
-        WHERE d.perspective_name = $1 AND d.recovery_status = '{dead_letter_pending}')";
+        WHERE d.perspective_name = $1 AND d.recovery_status = {dead_letter_pending})";
 const SWITCH: &str =
     "SELECT o_archived, o_moved_in FROM {schema}.wh_version_switch($1, $2, $3, $4, $5)";
+/// Work rows that producers in flight at a switch created under the new live version's internal
+/// name, given to the perspective (for a few minutes after each switch).
+const ADOPT_STRAGGLERS: &str = "SELECT coalesce(sum({schema}.wh_version_adopt_work(
+         v.perspective_name || '__v' || v.version, v.perspective_name)), 0)::int8
+     FROM {schema}.wh_perspective_versions v
+     WHERE v.state = 'live' AND v.switched_at > now() - interval '5 minutes'";
 const KEPT_BEYOND: &str = "SELECT version FROM {schema}.wh_perspective_versions
      WHERE perspective_name = $1 AND state = 'kept'
      ORDER BY switched_at DESC, version DESC OFFSET $2";
@@ -319,5 +325,13 @@ pub async fn kept_beyond(
         .bind(perspective)
         .bind(keep)
         .fetch_all(&mut *tx)
+        .await
+}
+
+/// Give the perspectives the work rows producers in flight at a recent switch created under
+/// the new live version's internal name; returns how many.
+pub async fn adopt_stragglers(conn: &mut PgConnection, schema: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(&super::sql(schema, ADOPT_STRAGGLERS))
+        .fetch_one(&mut *conn)
         .await
 }

@@ -67,6 +67,9 @@ impl JobRunner {
         let schema = shared.store.schema();
         let routine = shared.store.deadlines().routine;
         let long = shared.store.deadlines().long;
+        conn.limit(routine, "work rows of a switched version")
+            .run(versions::adopt_stragglers(conn, schema))
+            .await?;
         let building = conn
             .limit(routine, "versions being built")
             .run(versions::building(conn, schema))
@@ -105,6 +108,8 @@ impl JobRunner {
                 .version_switches
                 .with_label_values(&[s.perspective.as_str(), &s.to.to_string()])
                 .inc();
+            // Look again soon: rows of appends in flight at the switch are adopted next turn.
+            left = true;
         }
         Ok(left)
     }

@@ -45,14 +45,20 @@ BEGIN
     WHERE c.relnamespace = '{{schema}}'::regnamespace AND c.relname = ANY (v_new);
   END IF;
 
+  -- No applier of any perspective writes a cursor until the commit (they give up after their
+  -- lock_timeout and retry): the old version stops, the new one takes its name, no cursor of
+  -- either is written in between. Readers of the cursors are not held up.
+  LOCK TABLE {{schema}}.wh_perspective_cursors IN EXCLUSIVE MODE;
   DELETE FROM {{schema}}.wh_perspective_events WHERE perspective_name = p_perspective;
   DELETE FROM {{schema}}.wh_perspective_subscriptions WHERE perspective_name = p_perspective;
   UPDATE {{schema}}.wh_perspective_cursors SET perspective_name = v_live_name
   WHERE perspective_name = p_perspective;
   UPDATE {{schema}}.wh_dead_letters SET perspective_name = v_live_name
   WHERE perspective_name = p_perspective;
-  UPDATE {{schema}}.wh_perspective_events SET perspective_name = p_perspective
-  WHERE perspective_name = v_next_name;
+  -- Producers still append under the old subscriptions until the commit: an event can get a
+  -- row of the perspective's name after the DELETE above, beside its row of the next version.
+  -- One row of the pair is enough (the next version's cursors decide what is applied).
+  PERFORM {{schema}}.wh_version_adopt_work(v_next_name, p_perspective);
   UPDATE {{schema}}.wh_perspective_subscriptions SET perspective_name = p_perspective
   WHERE perspective_name = v_next_name;
   UPDATE {{schema}}.wh_perspective_cursors SET perspective_name = p_perspective

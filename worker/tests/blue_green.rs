@@ -1,0 +1,291 @@
+//! Blue/green versions (issue 29, DESIGN §12.6): a version bump of a perspective with
+//! `rebuild: blueGreen` builds the new version in a shadow schema while the old one serves and
+//! applies live events, then one transaction switches the tables; readers see the whole old
+//! model or the whole new one; a rollback to a kept version catches up only what it missed; a
+//! worker killed during the build or the switch leaves exact results.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use perspective_worker::admin::migrate::{migrate, MigrateOptions, MigrateReport};
+use uuid::Uuid;
+
+const FAST: &str = "worker:
+  abandonStaleInstanceThresholdSeconds: 3
+  heartbeatIntervalSeconds: 1
+claimWorker:
+  pollingIntervalMilliseconds: 100
+";
+
+/// Version 1 of `orders`: one row per stream, the versions it applied in order.
+const V1: &str = "    setup: CREATE TABLE IF NOT EXISTS order_totals (stream_id uuid PRIMARY KEY, events bigint NOT NULL, versions bigint[] NOT NULL)
+    handlers:
+      A: INSERT INTO order_totals AS o VALUES (:stream_id, 1, ARRAY[:stream_version]) ON CONFLICT (stream_id) DO UPDATE SET events = o.events + 1, versions = o.versions || :stream_version
+";
+
+/// Version 2: a changed key (one row per event) and a new column; its handler takes a little
+/// time, so the build lasts long enough to be read during. It reads `lookup`, a table of the
+/// deployment schema that no version owns.
+const V2: &str = "    setup: |
+      CREATE TABLE IF NOT EXISTS order_totals (stream_id uuid, stream_version bigint, doubled bigint NOT NULL, PRIMARY KEY (stream_id, stream_version));
+      CREATE INDEX IF NOT EXISTS order_totals_doubled ON order_totals (doubled);
+    handlers:
+      A: SELECT pg_sleep(0.002); INSERT INTO order_totals VALUES (:stream_id, :stream_version, :stream_version * (SELECT factor FROM lookup))
+";
+
+fn yaml(schema: &str, version: u32, body: &str) -> String {
+    format!(
+        "schema: {schema}\nperspectives:\n  - name: orders\n    version: {version}\n    rebuild: blueGreen\n{body}{FAST}"
+    )
+}
+
+async fn migrate_yaml(yaml: &str) -> MigrateReport {
+    let config = parse_config(yaml);
+    let mut conn = connect().await;
+    migrate(&mut conn, &config, "test.yaml", MigrateOptions::default())
+        .await
+        .expect("migrate")
+}
+
+/// A schema with `orders` v1 migrated, `lookup` created, and `streams` × `per_stream` events
+/// applied by an engine.
+async fn v1_with_history(prefix: &str, streams: usize, per_stream: usize) -> (String, Vec<Uuid>) {
+    let schema = unique_schema(prefix);
+    let v1 = parse_config(&yaml(&schema, 1, V1));
+    migrate_config(&v1).await;
+    psql(&format!(
+        "CREATE TABLE {schema}.lookup (factor bigint); INSERT INTO {schema}.lookup VALUES (2)"
+    ));
+    let ids: Vec<Uuid> = (0..streams).map(|_| Uuid::now_v7()).collect();
+    let engine = RunningEngine::start(&v1).await;
+    append_load(&schema, &ids, per_stream, 2, 20).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    (schema, ids)
+}
+
+/// The version `orders` runs live, once no version is being built.
+async fn live_version(schema: &str) -> Option<i64> {
+    let mut conn = connect().await;
+    sqlx::query_scalar::<_, Option<i64>>(&format!(
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM {schema}.wh_perspective_versions WHERE state = 'building')
+                THEN NULL ELSE (SELECT version::int8 FROM {schema}.wh_perspectives WHERE perspective_name = 'orders') END"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap()
+}
+
+async fn wait_live(schema: &str, version: i64) {
+    wait_until(
+        &format!("version {version} is live"),
+        Duration::from_secs(90),
+        || async { live_version(schema).await == Some(version) },
+    )
+    .await;
+}
+
+/// Which model a read of `order_totals` saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Model {
+    V1,
+    V2,
+}
+
+/// Read `<table>` (any shape) and check it is one whole model: at least `streams` streams there,
+/// and each stream's events an ordered prefix 1..k exactly once. Panics otherwise.
+async fn read_model(conn: &mut sqlx::PgConnection, table: &str, streams: usize) -> Model {
+    let rows: Vec<serde_json::Value> =
+        sqlx::query_scalar(&format!("SELECT to_jsonb(o) FROM {table} o"))
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap_or_else(|e| panic!("a read of {table} failed: {e}"));
+    let keys: BTreeSet<String> = rows
+        .iter()
+        .map(|r| {
+            let mut k: Vec<&String> = r.as_object().unwrap().keys().collect();
+            k.sort();
+            k.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
+        })
+        .collect();
+    assert_eq!(keys.len(), 1, "a read of {table} mixed shapes: {keys:?}");
+    let shape = keys.into_iter().next().unwrap();
+    let mut per_stream: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    let model = match shape.as_str() {
+        "events,stream_id,versions" => {
+            for r in &rows {
+                let versions: Vec<i64> = serde_json::from_value(r["versions"].clone()).unwrap();
+                assert_eq!(versions.len() as i64, r["events"].as_i64().unwrap());
+                per_stream.insert(r["stream_id"].to_string(), versions);
+            }
+            Model::V1
+        }
+        "doubled,stream_id,stream_version" => {
+            for r in &rows {
+                let v = r["stream_version"].as_i64().unwrap();
+                assert_eq!(r["doubled"].as_i64().unwrap(), 2 * v);
+                per_stream
+                    .entry(r["stream_id"].to_string())
+                    .or_default()
+                    .push(v);
+            }
+            for versions in per_stream.values_mut() {
+                versions.sort();
+            }
+            Model::V2
+        }
+        other => panic!("a read of {table} saw an unknown shape: {other}"),
+    };
+    assert!(
+        per_stream.len() >= streams,
+        "a read of {table} ({model:?}) lacks streams: {} of {streams}",
+        per_stream.len()
+    );
+    for (stream, versions) in &per_stream {
+        let expected: Vec<i64> = (1..=versions.len() as i64).collect();
+        assert_eq!(
+            versions, &expected,
+            "{model:?}: stream {stream} is not an ordered prefix"
+        );
+    }
+    model
+}
+
+/// Each stream's head version.
+async fn heads(schema: &str) -> BTreeMap<Uuid, i64> {
+    let mut conn = connect().await;
+    sqlx::query_as::<_, (Uuid, i64)>(&format!("SELECT stream_id, version FROM {schema}.wh_streams"))
+        .fetch_all(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// `table` holds exactly every event of every stream (model of either version).
+async fn assert_exact(table: &str, schema: &str) {
+    let heads = heads(schema).await;
+    let mut conn = connect().await;
+    read_model(&mut conn, table, heads.len()).await;
+    let total: i64 = heads.values().sum();
+    let rows: Vec<serde_json::Value> =
+        sqlx::query_scalar(&format!("SELECT to_jsonb(o) FROM {table} o"))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    let applied: i64 = rows
+        .iter()
+        .map(|r| r.get("events").and_then(|e| e.as_i64()).unwrap_or(1))
+        .sum();
+    assert_eq!(applied, total, "{table}: every event applied exactly once");
+    let failures = scalar(&format!(
+        "SELECT (SELECT count(*) FROM {schema}.wh_dead_letters) + (SELECT count(*) FROM {schema}.wh_perspective_cursors WHERE (status & 4) <> 0)"
+    ))
+    .await;
+    assert_eq!(failures, 0, "no dead letter, no failed cursor");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix() {
+    let (schema, streams) = v1_with_history("bgshape", 20, 20).await;
+    let report = migrate_yaml(&yaml(&schema, 2, V2)).await;
+    assert_eq!(report.version_builds.len(), 1, "{report:?}");
+    assert!(report.rebuilds.is_empty(), "not rebuilt in place");
+    assert!(!report.version_builds[0].rollback);
+    // The new version's setup ran in its shadow schema, not over the live table.
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = '{schema}_orders_v2' AND table_name = 'order_totals' AND column_name = 'doubled'"
+        ))
+        .await,
+        1
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let table = format!("{schema}.order_totals");
+        let stop = stop.clone();
+        let n = streams.len();
+        tokio::spawn(async move {
+            let mut conn = connect().await;
+            let mut seen = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let model = read_model(&mut conn, &table, n).await;
+                if seen.last() != Some(&model) {
+                    seen.push(model);
+                }
+            }
+            seen
+        })
+    };
+    let appenders = producers(&schema, &streams, stop.clone());
+    let config = parse_config(&yaml(&schema, 2, V2));
+    let engines = [
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+    ];
+    // While v2 builds, v1 serves and applies live events: a marker appended now reaches it.
+    let marker = Uuid::now_v7();
+    append_event(&schema, marker, None, serde_json::json!({})).await;
+    wait_until("v1 applies a live event during the build", Duration::from_secs(30), || async {
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.order_totals WHERE stream_id = '{marker}'"
+        ))
+        .await
+            == 1
+    })
+    .await;
+    let building = scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_versions WHERE state = 'building'"
+    ))
+    .await;
+    assert_eq!(building, 1, "the marker was applied by v1 while v2 was being built");
+    wait_live(&schema, 2).await;
+    stop.store(true, Ordering::Relaxed);
+    for a in appenders {
+        a.await.unwrap();
+    }
+    let seen = reader.await.unwrap();
+    assert_eq!(seen, [Model::V1, Model::V2], "reads saw v1, then v2, never a mix");
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    for engine in engines {
+        engine.stop().await;
+    }
+    // The new model is exact, in the deployment schema (with its index), the old one archived.
+    assert_exact(&format!("{schema}.order_totals"), &schema).await;
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = '{schema}' AND indexname = 'order_totals_doubled'"
+        ))
+        .await,
+        1
+    );
+    let mut conn = connect().await;
+    read_model(
+        &mut conn,
+        &format!("{schema}_orders_v1.order_totals"),
+        streams.len() + 1,
+    )
+    .await;
+    // The archived version's cursors say what its table holds: each event once.
+    let mismatched = scalar(&format!(
+        "SELECT count(*) FROM {schema}_orders_v1.order_totals o
+         JOIN {schema}.wh_perspective_cursors c ON c.stream_id = o.stream_id AND c.perspective_name = 'orders__v1'
+         WHERE c.last_version <> o.events"
+    ))
+    .await;
+    assert_eq!(mismatched, 0);
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_perspective_subscriptions WHERE perspective_name <> 'orders'"
+        ))
+        .await,
+        0,
+        "the archived version stopped applying"
+    );
+}
