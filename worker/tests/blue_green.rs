@@ -289,3 +289,217 @@ async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix
         "the archived version stopped applying"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rollback_switches_back_to_the_kept_version_catching_up_only_what_it_missed() {
+    let (schema, streams) = v1_with_history("bgback", 10, 10).await;
+    migrate_yaml(&yaml(&schema, 2, V2)).await;
+    let v2 = parse_config(&yaml(&schema, 2, V2));
+    let engine = RunningEngine::start(&v2).await;
+    wait_live(&schema, 2).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    let kept_table = format!("{schema}_orders_v1.order_totals");
+    let kept_oid = scalar(&format!("SELECT '{kept_table}'::regclass::oid::int8")).await;
+    // Events v1 misses while v2 is live.
+    append_load(&schema, &streams, 5, 2, 10).await;
+    let gap = (streams.len() * 5) as u64;
+
+    let back = yaml(&schema, 1, V1);
+    let report = migrate_yaml(&back).await;
+    assert_eq!(report.version_builds.len(), 1, "{report:?}");
+    let build = &report.version_builds[0];
+    assert_eq!((build.live, build.next, build.rollback), (2, 1, true));
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_perspective_jobs WHERE perspective_name = 'orders__v1' AND keep_cursors"
+        ))
+        .await,
+        1,
+        "the kept version catches up from its cursors"
+    );
+    let engine = RunningEngine::start(&parse_config(&back)).await;
+    wait_live(&schema, 1).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    let applied = engine
+        .metrics
+        .events_processed
+        .with_label_values(&["orders__v1"])
+        .get();
+    engine.stop().await;
+    assert_eq!(applied, gap, "only the events it missed were applied to the kept version");
+    // The kept table itself is back (not a rebuild), exact: a replay from scratch would have
+    // appended every version twice to its arrays.
+    assert_eq!(
+        scalar(&format!("SELECT '{schema}.order_totals'::regclass::oid::int8")).await,
+        kept_oid
+    );
+    assert_exact(&format!("{schema}.order_totals"), &schema).await;
+    // v2 is kept in turn (keepPreviousVersions defaults to 1), with its model.
+    let mut conn = connect().await;
+    assert_eq!(
+        read_model(
+            &mut conn,
+            &format!("{schema}_orders_v2.order_totals"),
+            streams.len()
+        )
+        .await,
+        Model::V2
+    );
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_perspective_versions WHERE perspective_name = 'orders' AND state = 'kept' AND version = 2"
+        ))
+        .await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn versions_beyond_keep_previous_versions_are_dropped_at_the_switch() {
+    let (schema, _) = v1_with_history("bgkeep", 5, 5).await;
+    let none_kept = |version: u32| {
+        yaml(&schema, version, V2).replace(
+            "    rebuild: blueGreen\n",
+            "    rebuild: blueGreen\n    keepPreviousVersions: 0\n",
+        )
+    };
+    migrate_yaml(&none_kept(2)).await;
+    let engine = RunningEngine::start(&parse_config(&none_kept(2))).await;
+    wait_live(&schema, 2).await;
+    engine.stop().await;
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM pg_namespace WHERE nspname = '{schema}_orders_v1'"
+        ))
+        .await,
+        0,
+        "v1's archive schema was dropped"
+    );
+    assert_eq!(
+        scalar(&format!(
+            "SELECT (SELECT count(*) FROM {schema}.wh_perspective_versions WHERE version = 1)
+                  + (SELECT count(*) FROM {schema}.wh_perspective_cursors WHERE perspective_name = 'orders__v1')"
+        ))
+        .await,
+        0,
+        "and its cursors and record"
+    );
+    assert_exact(&format!("{schema}.order_totals"), &schema).await;
+}
+
+/// A worker process of `yaml`, killed when dropped.
+struct Worker(std::process::Child);
+
+impl Worker {
+    fn spawn(schema: &str, yaml: &str) -> Worker {
+        let path = std::env::temp_dir().join(format!("{schema}.yaml"));
+        std::fs::write(&path, yaml).unwrap();
+        Worker(
+            worker_bin()
+                .arg("--config")
+                .arg(&path)
+                .args(["run", "--http-addr", "127.0.0.1:0"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("spawn the worker"),
+        )
+    }
+
+    fn sigkill(mut self) {
+        self.0.kill().unwrap();
+        self.0.wait().unwrap();
+    }
+
+    fn sigterm(mut self) {
+        std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(self.0.wait().unwrap().success());
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// After a kill, a survivor finishes the build and the switch: both versions exact.
+async fn survivor_finishes(schema: &str, v2: &str, streams: usize) {
+    let survivor = Worker::spawn(schema, v2);
+    wait_live(schema, 2).await;
+    wait_drained(schema, Duration::from_secs(60)).await;
+    survivor.sigterm();
+    assert_exact(&format!("{schema}.order_totals"), schema).await;
+    let mut conn = connect().await;
+    assert_eq!(
+        read_model(&mut conn, &format!("{schema}_orders_v1.order_totals"), streams).await,
+        Model::V1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_killed_during_the_build_leaves_exact_results() {
+    let (schema, _) = v1_with_history("bgkillb", 40, 25).await;
+    let v2 = yaml(&schema, 2, V2);
+    migrate_yaml(&v2).await;
+    let victim = Worker::spawn(&schema, &v2);
+    wait_until("the build is under way", Duration::from_secs(60), || async {
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}_orders_v2.order_totals
+             WHERE EXISTS (SELECT 1 FROM {schema}.wh_perspective_versions WHERE state = 'building')"
+        ))
+        .await
+            > 0
+    })
+    .await;
+    victim.sigkill();
+    assert_eq!(
+        live_version(&schema).await,
+        None,
+        "killed before the switch"
+    );
+    survivor_finishes(&schema, &v2, 40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_killed_during_the_switch_leaves_exact_results() {
+    let (schema, _) = v1_with_history("bgkills", 10, 10).await;
+    let v2 = yaml(&schema, 2, V2);
+    migrate_yaml(&v2).await;
+    // A reader in a transaction holds the live table: the switch waits for it, under its lock
+    // timeout — and the worker is killed right then.
+    let mut reader = connect().await;
+    sqlx::query("BEGIN").execute(&mut reader).await.unwrap();
+    sqlx::query(&format!("SELECT count(*) FROM {schema}.order_totals"))
+        .execute(&mut reader)
+        .await
+        .unwrap();
+    let victim = Worker::spawn(&schema, &v2);
+    wait_until("the switch waits for the reader", Duration::from_secs(60), || async {
+        scalar(&format!(
+            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+             WHERE NOT l.granted AND l.mode = 'AccessExclusiveLock'
+               AND c.relname = 'order_totals' AND c.relnamespace = '{schema}'::regnamespace"
+        ))
+        .await
+            > 0
+    })
+    .await;
+    victim.sigkill();
+    sqlx::query("COMMIT").execute(&mut reader).await.unwrap();
+    // Nothing of the switch committed: v1 is still live, with its name and its tables.
+    assert_eq!(live_version(&schema).await, None);
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = '{schema}' AND table_name = 'order_totals' AND column_name = 'events'"
+        ))
+        .await,
+        1
+    );
+    survivor_finishes(&schema, &v2, 10).await;
+}

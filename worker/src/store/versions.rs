@@ -63,6 +63,13 @@ const ADOPT_STRAGGLERS: &str = "SELECT coalesce(sum({schema}.wh_version_adopt_wo
          v.perspective_name || '__v' || v.version, v.perspective_name)), 0)::int8
      FROM {schema}.wh_perspective_versions v
      WHERE v.state = 'live' AND v.switched_at > now() - interval '5 minutes'";
+/// Cursors under the new live version's internal name, written after a switch by an applier
+/// whose `wh_drain` call began before it (it recorded the missing function as a failure): the
+/// version's cursors are the perspective's now.
+const DROP_STALE_CURSORS: &str = "DELETE FROM {schema}.wh_perspective_cursors c
+     USING {schema}.wh_perspective_versions v
+     WHERE v.state = 'live' AND v.switched_at > now() - interval '5 minutes'
+       AND c.perspective_name = v.perspective_name || '__v' || v.version";
 const KEPT_BEYOND: &str = "SELECT version FROM {schema}.wh_perspective_versions
      WHERE perspective_name = $1 AND state = 'kept'
      ORDER BY switched_at DESC, version DESC OFFSET $2";
@@ -329,8 +336,12 @@ pub async fn kept_beyond(
 }
 
 /// Give the perspectives the work rows producers in flight at a recent switch created under
-/// the new live version's internal name; returns how many.
+/// the new live version's internal name (and drop cursors written under it since); returns how
+/// many rows.
 pub async fn adopt_stragglers(conn: &mut PgConnection, schema: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query(&super::sql(schema, DROP_STALE_CURSORS))
+        .execute(&mut *conn)
+        .await?;
     sqlx::query_scalar(&super::sql(schema, ADOPT_STRAGGLERS))
         .fetch_one(&mut *conn)
         .await
