@@ -249,6 +249,7 @@ impl Engine {
         refuse_sequencing_with_a_custom_runner(&options)?;
         refuse_blue_green_with_a_custom_runner(&options)?;
         let (store, listen_pool) = connect(&options).await?;
+        verify_migration(&store, &options.config).await?;
         // A blue/green version being built runs beside the live one, as a perspective of its own.
         options.config = Arc::new(running_config(&store, &options.config).await?);
         let config = options.config.clone();
@@ -439,9 +440,8 @@ fn db(step: &'static str, e: sqlx::Error) -> EngineError {
     }
 }
 
-/// The schema must be at this binary's migration, have this binary's engine functions as
-/// `migrate` installed them, and every perspective compiled from the config's current definition.
-async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError> {
+/// The schema must be at this binary's migration.
+async fn verify_migration(store: &Store, config: &Config) -> Result<(), EngineError> {
     let schema = &config.schema;
     let found = store
         .latest_migration()
@@ -454,6 +454,14 @@ async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError
             expected: latest_version(),
         });
     }
+    Ok(())
+}
+
+/// The schema must be at this binary's migration, have this binary's engine functions as
+/// `migrate` installed them, and every perspective compiled from the config's current definition.
+async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError> {
+    let schema = &config.schema;
+    verify_migration(store, config).await?;
     let problem = store
         .functions_problem()
         .await
