@@ -159,12 +159,14 @@ async fn read_model(conn: &mut sqlx::PgConnection, table: &str, streams: usize) 
 /// Each stream's head version.
 async fn heads(schema: &str) -> BTreeMap<Uuid, i64> {
     let mut conn = connect().await;
-    sqlx::query_as::<_, (Uuid, i64)>(&format!("SELECT stream_id, version FROM {schema}.wh_streams"))
-        .fetch_all(&mut conn)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect()
+    sqlx::query_as::<_, (Uuid, i64)>(&format!(
+        "SELECT stream_id, version FROM {schema}.wh_streams"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect()
 }
 
 /// `table` holds exactly every event of every stream (model of either version).
@@ -232,26 +234,37 @@ async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix
     // While v2 builds, v1 serves and applies live events: a marker appended now reaches it.
     let marker = Uuid::now_v7();
     append_event(&schema, marker, None, serde_json::json!({})).await;
-    wait_until("v1 applies a live event during the build", Duration::from_secs(30), || async {
-        scalar(&format!(
-            "SELECT count(*) FROM {schema}.order_totals WHERE stream_id = '{marker}'"
-        ))
-        .await
-            == 1
-    })
+    wait_until(
+        "v1 applies a live event during the build",
+        Duration::from_secs(30),
+        || async {
+            scalar(&format!(
+                "SELECT count(*) FROM {schema}.order_totals WHERE stream_id = '{marker}'"
+            ))
+            .await
+                == 1
+        },
+    )
     .await;
     let building = scalar(&format!(
         "SELECT count(*) FROM {schema}.wh_perspective_versions WHERE state = 'building'"
     ))
     .await;
-    assert_eq!(building, 1, "the marker was applied by v1 while v2 was being built");
+    assert_eq!(
+        building, 1,
+        "the marker was applied by v1 while v2 was being built"
+    );
     wait_live(&schema, 2).await;
     stop.store(true, Ordering::Relaxed);
     for a in appenders {
         a.await.unwrap();
     }
     let seen = reader.await.unwrap();
-    assert_eq!(seen, [Model::V1, Model::V2], "reads saw v1, then v2, never a mix");
+    assert_eq!(
+        seen,
+        [Model::V1, Model::V2],
+        "reads saw v1, then v2, never a mix"
+    );
     wait_drained(&schema, Duration::from_secs(60)).await;
     for engine in engines {
         engine.stop().await;
@@ -327,11 +340,17 @@ async fn a_rollback_switches_back_to_the_kept_version_catching_up_only_what_it_m
         .with_label_values(&["orders__v1"])
         .get();
     engine.stop().await;
-    assert_eq!(applied, gap, "only the events it missed were applied to the kept version");
+    assert_eq!(
+        applied, gap,
+        "only the events it missed were applied to the kept version"
+    );
     // The kept table itself is back (not a rebuild), exact: a replay from scratch would have
     // appended every version twice to its arrays.
     assert_eq!(
-        scalar(&format!("SELECT '{schema}.order_totals'::regclass::oid::int8")).await,
+        scalar(&format!(
+            "SELECT '{schema}.order_totals'::regclass::oid::int8"
+        ))
+        .await,
         kept_oid
     );
     assert_exact(&format!("{schema}.order_totals"), &schema).await;
@@ -437,7 +456,12 @@ async fn survivor_finishes(schema: &str, v2: &str, streams: usize) {
     assert_exact(&format!("{schema}.order_totals"), schema).await;
     let mut conn = connect().await;
     assert_eq!(
-        read_model(&mut conn, &format!("{schema}_orders_v1.order_totals"), streams).await,
+        read_model(
+            &mut conn,
+            &format!("{schema}_orders_v1.order_totals"),
+            streams
+        )
+        .await,
         Model::V1
     );
 }
@@ -448,14 +472,18 @@ async fn a_worker_killed_during_the_build_leaves_exact_results() {
     let v2 = yaml(&schema, 2, V2);
     migrate_yaml(&v2).await;
     let victim = Worker::spawn(&schema, &v2);
-    wait_until("the build is under way", Duration::from_secs(60), || async {
-        scalar(&format!(
+    wait_until(
+        "the build is under way",
+        Duration::from_secs(60),
+        || async {
+            scalar(&format!(
             "SELECT count(*) FROM {schema}_orders_v2.order_totals
              WHERE EXISTS (SELECT 1 FROM {schema}.wh_perspective_versions WHERE state = 'building')"
         ))
-        .await
-            > 0
-    })
+            .await
+                > 0
+        },
+    )
     .await;
     victim.sigkill();
     assert_eq!(
@@ -480,15 +508,19 @@ async fn a_worker_killed_during_the_switch_leaves_exact_results() {
         .await
         .unwrap();
     let victim = Worker::spawn(&schema, &v2);
-    wait_until("the switch waits for the reader", Duration::from_secs(60), || async {
-        scalar(&format!(
-            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+    wait_until(
+        "the switch waits for the reader",
+        Duration::from_secs(60),
+        || async {
+            scalar(&format!(
+                "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
              WHERE NOT l.granted AND l.mode = 'AccessExclusiveLock'
                AND c.relname = 'order_totals' AND c.relnamespace = '{schema}'::regnamespace"
-        ))
-        .await
-            > 0
-    })
+            ))
+            .await
+                > 0
+        },
+    )
     .await;
     victim.sigkill();
     sqlx::query("COMMIT").execute(&mut reader).await.unwrap();

@@ -8,11 +8,8 @@ use std::collections::HashMap;
 
 use sqlx::postgres::PgConnection;
 
-use super::migrate::{db_err, MigrateError, MigrateReport};
-use crate::config::versions::{
-    home_schema, internal_name, parse_definition, Building,
-};
-use crate::config::{Config, ConfigError, PerspectiveConfig, Problem, Rebuild};
+use crate::config::versions::{home_schema, internal_name, parse_definition, Building};
+use crate::config::{Config, PerspectiveConfig, Problem, Rebuild};
 use crate::store::catchup::{self, JobKind};
 use crate::store::versions::{self, VersionRow, VersionState};
 
@@ -28,15 +25,31 @@ pub struct VersionBuild {
     pub rollback: bool,
 }
 
-/// Start, keep or cancel each blue/green perspective's build; returns the versions being built
-/// (with their live versions' definitions), which decide the perspectives the deployment runs.
-pub(super) async fn plan(
+/// Why the builds could not be planned.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("database error while {step}: {source}")]
+    Database { step: String, source: sqlx::Error },
+    /// Builds the config asks for that cannot start, each naming its field.
+    #[error("{} perspective(s) cannot be built beside their live version", .0.len())]
+    Invalid(Vec<Problem>),
+}
+
+fn db_err(step: impl Into<String>) -> impl FnOnce(sqlx::Error) -> PlanError {
+    let step = step.into();
+    move |source| PlanError::Database { step, source }
+}
+
+/// Start, keep or cancel each blue/green perspective's build (recording what it started in
+/// `builds` and what it cancelled in `warnings`); returns the versions being built (with their
+/// live versions' definitions), which decide the perspectives the deployment runs.
+pub async fn plan(
     tx: &mut PgConnection,
     config: &Config,
-    source: &str,
     recorded: &HashMap<String, (i32, Option<String>)>,
-    report: &mut MigrateReport,
-) -> Result<Vec<Building>, MigrateError> {
+    builds: &mut Vec<VersionBuild>,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<Building>, PlanError> {
     let schema = config.schema.as_str();
     let configured: Vec<String> = config.perspectives.iter().map(|p| p.name.clone()).collect();
     versions::delete_rows_of_removed(tx, schema, &configured)
@@ -63,7 +76,7 @@ pub(super) async fn plan(
                 continue;
             }
             cancel(tx, schema, current).await?;
-            report.warnings.push(format!(
+            warnings.push(format!(
                 "perspective {}: the build of version {} was cancelled (the config asks for version {next})",
                 p.name, current.version
             ));
@@ -85,7 +98,7 @@ pub(super) async fn plan(
             .iter()
             .any(|r| r.version == next && r.state == VersionState::Kept);
         start(tx, config, p, (live, live_definition), rollback).await?;
-        report.version_builds.push(VersionBuild {
+        builds.push(VersionBuild {
             perspective: p.name.clone(),
             live,
             next,
@@ -96,10 +109,7 @@ pub(super) async fn plan(
     if problems.is_empty() {
         Ok(building)
     } else {
-        Err(MigrateError::InvalidPerspectives(ConfigError {
-            source: source.to_string(),
-            problems,
-        }))
+        Err(PlanError::Invalid(problems))
     }
 }
 
@@ -107,11 +117,10 @@ pub(super) async fn plan(
 fn live_of(
     p: &PerspectiveConfig,
     definition: Option<&Option<String>>,
-) -> Result<Building, MigrateError> {
+) -> Result<Building, PlanError> {
     let json = definition.cloned().flatten().unwrap_or_default();
-    let live = parse_definition(&json).map_err(|e| MigrateError::Database {
+    let live = parse_definition(&json).map_err(|e| PlanError::Database {
         step: format!("reading the recorded definition of {}", p.name),
-        message: e.to_string(),
         source: sqlx::Error::Decode(Box::new(e)),
     })?;
     Ok(Building {
@@ -130,18 +139,32 @@ async fn start(
     p: &PerspectiveConfig,
     (live, live_definition): (i32, &str),
     rollback: bool,
-) -> Result<(), MigrateError> {
+) -> Result<(), PlanError> {
     let schema = config.schema.as_str();
     let next = p.version as i32;
     let internal = internal_name(&p.name, p.version);
     let home = home_schema(schema, &p.name, p.version);
-    versions::set_state(tx, schema, &p.name, live, VersionState::Live, live_definition)
-        .await
-        .map_err(db_err("recording the live version"))?;
+    versions::set_state(
+        tx,
+        schema,
+        &p.name,
+        live,
+        VersionState::Live,
+        live_definition,
+    )
+    .await
+    .map_err(db_err("recording the live version"))?;
     let definition = crate::config::versions::definition_json(p);
-    versions::set_state(tx, schema, &p.name, next, VersionState::Building, &definition)
-        .await
-        .map_err(db_err("recording the version to build"))?;
+    versions::set_state(
+        tx,
+        schema,
+        &p.name,
+        next,
+        VersionState::Building,
+        &definition,
+    )
+    .await
+    .map_err(db_err("recording the version to build"))?;
     versions::create_home(tx, &home)
         .await
         .map_err(db_err(format!("creating schema {home}")))?;
@@ -166,7 +189,7 @@ async fn start(
 
 /// Cancel a build: a version that was live before goes back to being kept (its cursors match
 /// its tables); one that never was is dropped with its home schema.
-async fn cancel(tx: &mut PgConnection, schema: &str, row: &VersionRow) -> Result<(), MigrateError> {
+async fn cancel(tx: &mut PgConnection, schema: &str, row: &VersionRow) -> Result<(), PlanError> {
     let version = row.version as u32;
     let internal = internal_name(&row.perspective, version);
     let home = home_schema(schema, &row.perspective, version);
@@ -193,10 +216,10 @@ async fn cancel(tx: &mut PgConnection, schema: &str, row: &VersionRow) -> Result
 }
 
 /// Internal names of the kept versions of configured perspectives: not "removed" perspectives.
-pub(super) async fn kept_internal_names(
+pub async fn kept_internal_names(
     tx: &mut PgConnection,
     schema: &str,
-) -> Result<Vec<String>, MigrateError> {
+) -> Result<Vec<String>, PlanError> {
     Ok(versions::all(tx, schema)
         .await
         .map_err(db_err("reading the perspectives' versions"))?

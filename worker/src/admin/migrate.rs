@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::Connection;
 
+use super::blue_green;
 use crate::compile::{
     create_drain_function, create_perspective_functions, definition_hash, handlers_hash,
     runs_as_perform, sequencing_key_check,
@@ -74,7 +75,7 @@ pub struct MigrateReport {
     pub rebuilds: Vec<VersionChange>,
     /// Blue/green perspectives whose version changed: the new version is built beside the live
     /// one (or a kept one caught up), and the workers switch once it caught up.
-    pub version_builds: Vec<super::blue_green::VersionBuild>,
+    pub version_builds: Vec<blue_green::VersionBuild>,
     /// What the user should know: handlers changed without a new version, event types gained
     /// with events already stored.
     pub warnings: Vec<String>,
@@ -130,7 +131,20 @@ impl MigrateError {
     }
 }
 
-pub(super) fn db_err(step: impl Into<String>) -> impl FnOnce(sqlx::Error) -> MigrateError {
+/// A blue/green plan's error as migrate's.
+fn plan_error(e: blue_green::PlanError, source: &str) -> MigrateError {
+    match e {
+        blue_green::PlanError::Database { step, source } => db_err(step)(source),
+        blue_green::PlanError::Invalid(problems) => {
+            MigrateError::InvalidPerspectives(ConfigError {
+                source: source.to_string(),
+                problems,
+            })
+        }
+    }
+}
+
+fn db_err(step: impl Into<String>) -> impl FnOnce(sqlx::Error) -> MigrateError {
     let step = step.into();
     move |source| MigrateError::Database {
         message: describe_error(&source, None),
@@ -225,13 +239,32 @@ async fn migrate_in(
 
     // What the deployment runs: a blue/green perspective whose next version is built runs as
     // its live version and the next one (under its internal name, in its home schema).
-    let building = super::blue_green::plan(tx, config, source, &recorded, report).await?;
+    let building = blue_green::plan(
+        tx,
+        config,
+        &recorded,
+        &mut report.version_builds,
+        &mut report.warnings,
+    )
+    .await
+    .map_err(|e| plan_error(e, source))?;
     let running = versions::running(config, &building);
     let run_config = versions::running_config(config, &running);
     sync_subscriptions(tx, &run_config, report).await?;
-    let kept = super::blue_green::kept_internal_names(tx, schema).await?;
+    let kept = blue_green::kept_internal_names(tx, schema)
+        .await
+        .map_err(|e| plan_error(e, source))?;
     remove_perspectives(tx, &run_config, &kept, report).await?;
-    start_jobs(tx, config, source, &recorded, fresh_store, &building, report).await?;
+    start_jobs(
+        tx,
+        config,
+        source,
+        &recorded,
+        fresh_store,
+        &building,
+        report,
+    )
+    .await?;
     setup_and_prepare(tx, config, &running, source, report).await
 }
 
@@ -326,9 +359,6 @@ async fn start_jobs(
                 next = version + 1
             ));
         }
-    }
-    for warning in &report.warnings {
-        tracing::warn!(schema, "{warning}");
     }
     if problems.is_empty() {
         Ok(())

@@ -78,8 +78,14 @@ pub fn create_perspective_functions(
     // Every generated function spells its search_path this way (one slot would have to be
     // threaded through every template for this one case).
     let from = format!("SET search_path TO {schema}, public\n");
-    assert!(sql.contains(&from), "generated functions set their search_path");
-    sql.replace(&from, &format!("SET search_path TO {home}, {schema}, public\n"))
+    assert!(
+        sql.contains(&from),
+        "generated functions set their search_path"
+    );
+    sql.replace(
+        &from,
+        &format!("SET search_path TO {home}, {schema}, public\n"),
+    )
 }
 
 /// The template pieces, by the name they are included by.
@@ -184,9 +190,17 @@ mod tests {
         .unwrap();
         let p = &config.perspectives[0];
         let live = create_perspective_functions("s", p, None);
-        assert_eq!(live.matches("SET search_path TO s, public\n").count(), 3, "{live}");
+        assert_eq!(
+            live.matches("SET search_path TO s, public\n").count(),
+            3,
+            "{live}"
+        );
         let home = create_perspective_functions("s", p, Some("s_p_v2"));
-        assert_eq!(home.matches("SET search_path TO s_p_v2, s, public\n").count(), 3);
+        assert_eq!(
+            home.matches("SET search_path TO s_p_v2, s, public\n")
+                .count(),
+            3
+        );
         assert!(!home.contains("SET search_path TO s, public"));
     }
 

@@ -158,11 +158,16 @@ mod tests {
             live: live.clone(),
         }];
         let running = running(&config, &building);
-        let names: Vec<_> = running.iter().map(|r| r.perspective.name.as_str()).collect();
+        let names: Vec<_> = running
+            .iter()
+            .map(|r| r.perspective.name.as_str())
+            .collect();
         assert_eq!(names, ["p", "p__v2"]);
         assert_eq!(running[0].perspective.version, 1);
         assert_eq!(running[1].home.as_deref(), Some("s_p_v2"));
-        assert!(running_config(&config, &running).perspective("p__v2").is_some());
+        assert!(running_config(&config, &running)
+            .perspective("p__v2")
+            .is_some());
         // Not building that version: the config as it is.
         assert_eq!(super::running(&config, &[]).len(), 1);
     }

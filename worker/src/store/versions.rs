@@ -192,7 +192,11 @@ pub async fn keep_cursors(
 
 /// Stop `internal` applying: its pending work, subscriptions, job, record and compiled
 /// functions go; its cursors, dead letters and tables stay.
-pub async fn retire(tx: &mut PgConnection, schema: &str, internal: &str) -> Result<(), sqlx::Error> {
+pub async fn retire(
+    tx: &mut PgConnection,
+    schema: &str,
+    internal: &str,
+) -> Result<(), sqlx::Error> {
     for statement in RETIRE {
         sqlx::query(&super::sql(schema, statement))
             .bind(internal)

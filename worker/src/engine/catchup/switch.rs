@@ -25,9 +25,7 @@ use super::JobRunner;
 use crate::compile::{
     create_drain_function, create_perspective_functions, definition_hash, handlers_hash,
 };
-use crate::config::versions::{
-    definition_json, home_schema, internal_name, parse_definition,
-};
+use crate::config::versions::{definition_json, home_schema, internal_name, parse_definition};
 use crate::config::PerspectiveConfig;
 use crate::store::names::apply_function_name;
 use crate::store::schema as store_schema;
@@ -171,18 +169,33 @@ async fn switch_in(
         return Ok(None);
     }
     let Ok(next_definition) = parse_definition(&definition) else {
-        tracing::error!(perspective, next, "the recorded definition does not parse: not switching");
+        tracing::error!(
+            perspective,
+            next,
+            "the recorded definition does not parse: not switching"
+        );
         return Ok(None);
     };
-    let Some(after) = perspectives_after(tx, schema, perspective, &internal, &next_definition).await? else {
-        tracing::error!(perspective, next, "a perspective's definition is not recorded (migrate with this binary): not switching");
+    let Some(after) =
+        perspectives_after(tx, schema, perspective, &internal, &next_definition).await?
+    else {
+        tracing::error!(
+            perspective,
+            next,
+            "a perspective's definition is not recorded (migrate with this binary): not switching"
+        );
         return Ok(None);
     };
     let live_home = home_schema(schema, perspective, live as u32);
     let next_home = home_schema(schema, perspective, next as u32);
-    let (archived, moved_in) =
-        versions::switch_tables(tx, schema, perspective, (live, next), (&live_home, &next_home))
-            .await?;
+    let (archived, moved_in) = versions::switch_tables(
+        tx,
+        schema,
+        perspective,
+        (live, next),
+        (&live_home, &next_home),
+    )
+    .await?;
     let script = create_perspective_functions(schema, &next_definition, None)
         + ";\n"
         + &create_drain_function(schema, &after);

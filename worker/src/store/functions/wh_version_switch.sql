@@ -1,5 +1,5 @@
 -- wh_version_switch(perspective, live, next, live home, next home): the data half of a
--- blue/green switch, in the caller's transaction (which holds the migration lock and has
+-- blue/green switch, in the caller's transaction (which holds the schema's `migrate` lock and has
 -- checked that the next version caught up; see store/versions.rs). The caller then installs the
 -- next version's functions under the perspective's name and records it.
 --
