@@ -545,6 +545,11 @@ pub enum PerspectivePhase {
     Backfilling,
     /// Its version changed (or `rebuild` ran): each stream is reset and replayed.
     Rebuilding,
+    /// Its version changed with `rebuild: blueGreen`: the new version is built beside the live
+    /// one, which serves meanwhile.
+    Building,
+    /// The new version is built and switches once caught up; the old one serves until then.
+    Switching,
 }
 
 impl From<perspective_worker::store::catchup::progress::Phase> for PerspectivePhase {
@@ -554,6 +559,8 @@ impl From<perspective_worker::store::catchup::progress::Phase> for PerspectivePh
             Phase::Live => PerspectivePhase::Live,
             Phase::Backfilling => PerspectivePhase::Backfilling,
             Phase::Rebuilding => PerspectivePhase::Rebuilding,
+            Phase::Building => PerspectivePhase::Building,
+            Phase::Switching => PerspectivePhase::Switching,
         }
     }
 }
@@ -564,6 +571,8 @@ impl PerspectivePhase {
             PerspectivePhase::Live => "Live",
             PerspectivePhase::Backfilling => "Backfilling",
             PerspectivePhase::Rebuilding => "Rebuilding",
+            PerspectivePhase::Building => "Building",
+            PerspectivePhase::Switching => "Switching",
         }
     }
 }

@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use common::*;
 use perspective_worker::admin::migrate::{migrate, MigrateOptions, MigrateReport};
+use perspective_worker::store::catchup::progress::Phase;
+use perspective_worker::store::status::read_status;
 use uuid::Uuid;
 
 const FAST: &str = "worker:
@@ -266,6 +268,20 @@ async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix
         "reads saw v1, then v2, never a mix"
     );
     wait_drained(&schema, Duration::from_secs(60)).await;
+    let switches: u64 = engines
+        .iter()
+        .map(|e| {
+            e.metrics
+                .version_switches
+                .with_label_values(&["orders", "2"])
+                .get()
+        })
+        .sum();
+    assert_eq!(switches, 1, "one worker switched");
+    let status = read_status(&mut connect().await, &schema, &["orders".into()], 30.0)
+        .await
+        .unwrap();
+    assert_eq!(status.perspectives[0].phase, Phase::Live);
     for engine in engines {
         engine.stop().await;
     }

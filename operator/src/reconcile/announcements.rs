@@ -21,6 +21,10 @@ pub fn catch_up_finished(
                 PerspectivePhase::Live => return None,
                 PerspectivePhase::Backfilling => ("BackfillFinished", "backfill"),
                 PerspectivePhase::Rebuilding => ("RebuildFinished", "rebuild"),
+                // The version built beside the live one switched in (named per version later).
+                PerspectivePhase::Building | PerspectivePhase::Switching => {
+                    ("VersionSwitched", "blue/green build and switch")
+                }
             };
             let size = before
                 .progress

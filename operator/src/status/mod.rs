@@ -194,6 +194,7 @@ mod tests {
                 events_remaining: 1_000 - (percent * 10.0) as i64,
                 percent,
                 eta_seconds: Some(40.0),
+                version: None,
             }),
             ..Default::default()
         }

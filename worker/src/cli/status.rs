@@ -65,10 +65,7 @@ pub fn render(st: &Status) -> String {
         } else {
             format!("{} (not configured)", p.name)
         };
-        let phase = match &p.progress {
-            Some(progress) => format!("{} {}%", p.phase.as_str(), progress.percent.floor()),
-            None => p.phase.as_str().to_string(),
-        };
+        let phase = p.phase.label(p.progress.as_ref());
         table.row(vec![
             name,
             phase,
@@ -182,6 +179,7 @@ mod tests {
             events_remaining: 390,
             percent: 61.0,
             eta_seconds: Some(39.0),
+            version: None,
         };
         let st = Status {
             schema: "s".into(),

@@ -31,7 +31,8 @@ pub struct PerspectiveStatus {
     pub failed_streams: i64,
     /// Dead letters not yet replayed or discarded.
     pub dead_letters: i64,
-    /// Live, or catching up (Backfilling, Rebuilding).
+    /// Live, or catching up (Backfilling, Rebuilding), or a new version built beside it
+    /// (Building, Switching).
     pub phase: Phase,
     /// While catching up: streams done, events remaining, time left.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -173,7 +174,7 @@ pub async fn read_status(
         .bind(configured)
         .fetch_all(&mut *conn)
         .await?;
-    let jobs = super::catchup::progress(&mut *conn, schema).await?;
+    let phases = super::catchup::Phases::read(&mut *conn, schema).await?;
     let conflicts: Vec<(String, i64, Option<String>)> =
         sqlx::query_as(&super::sql(schema, LOCK_CONFLICTS))
             .bind(stale_after_seconds)
@@ -190,13 +191,7 @@ pub async fn read_status(
         .iter()
         .map(|r| {
             let name: String = r.get(0);
-            let (phase, progress) = match jobs.iter().find(|j| j.perspective == name) {
-                Some(job) => {
-                    let (phase, progress) = Progress::of(job);
-                    (phase, Some(progress))
-                }
-                None => (Phase::Live, None),
-            };
+            let (phase, progress) = phases.of(&name);
             let (lock_conflicts_per_minute, lock_conflict_sqlstate) = conflicts
                 .iter()
                 .find(|(p, _, _)| *p == name)

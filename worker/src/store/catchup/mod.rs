@@ -39,6 +39,52 @@ const PROGRESS: &str =
             extract(epoch FROM now() - j.started_at)::float8
      FROM {schema}.wh_perspective_jobs j WHERE j.state <> 'done' ORDER BY j.perspective_name";
 
+/// Versions being built beside a live one (blue/green), by perspective.
+const BUILDING: &str =
+    "SELECT perspective_name, version FROM {schema}.wh_perspective_versions WHERE state = 'building'";
+
+/// Every perspective's phase and progress, read at once: its jobs' figures, and the versions
+/// built beside live ones.
+#[derive(Debug, Clone, Default)]
+pub struct Phases {
+    jobs: Vec<JobRow>,
+    building: Vec<(String, i32)>,
+}
+
+impl Phases {
+    pub async fn read(conn: &mut PgConnection, schema: &str) -> Result<Phases, sqlx::Error> {
+        let jobs = progress(&mut *conn, schema).await?;
+        let building = sqlx::query_as(&super::sql(schema, BUILDING))
+            .fetch_all(&mut *conn)
+            .await?;
+        Ok(Phases { jobs, building })
+    }
+
+    /// `perspective`'s phase: `Building` (with the new version's progress) while a version is
+    /// built beside it, `Switching` once that version's catch-up is done; else its own job's
+    /// phase, or `Live`.
+    pub fn of(&self, perspective: &str) -> (progress::Phase, Option<progress::Progress>) {
+        if let Some((_, version)) = self.building.iter().find(|(p, _)| p == perspective) {
+            let internal = crate::config::versions::internal_name(perspective, *version as u32);
+            return match self.jobs.iter().find(|j| j.perspective == internal) {
+                Some(job) => {
+                    let (_, mut p) = progress::Progress::of(job);
+                    p.version = Some(*version as u32);
+                    (progress::Phase::Building, Some(p))
+                }
+                None => (progress::Phase::Switching, None),
+            };
+        }
+        match self.jobs.iter().find(|j| j.perspective == perspective) {
+            Some(job) => {
+                let (phase, p) = progress::Progress::of(job);
+                (phase, Some(p))
+            }
+            None => (progress::Phase::Live, None),
+        }
+    }
+}
+
 /// What a job does to each stream before queueing its history again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
