@@ -5,6 +5,10 @@
 //! worker killed during the build or the switch leaves exact results.
 
 mod common;
+/// A custom runner, to show it is refused.
+#[path = "../../examples/stream_history_runner.rs"]
+#[allow(dead_code)]
+mod stream_history_runner;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -550,4 +554,124 @@ async fn a_worker_killed_during_the_switch_leaves_exact_results() {
         1
     );
     survivor_finishes(&schema, &v2, 10).await;
+}
+
+/// A bump under appends with `sequencing` lines `lines` (both versions): exact results.
+async fn bump_under_load(prefix: &str, lines: &str) {
+    let schema = unique_schema(prefix);
+    let v1 = yaml(&schema, 1, &format!("{lines}{V1}"));
+    // Without the handler's sleep: one applier (serial) must keep up with the producers for the
+    // version to catch up and switch.
+    let v2 = yaml(
+        &schema,
+        2,
+        &format!("{lines}{}", V2.replace("SELECT pg_sleep(0.002); ", "")),
+    );
+    migrate_yaml(&v1).await;
+    psql(&format!(
+        "CREATE TABLE {schema}.lookup (factor bigint); INSERT INTO {schema}.lookup VALUES (2)"
+    ));
+    let streams: Vec<Uuid> = (0..20).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 10, 2, 20).await;
+    migrate_yaml(&v2).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let appenders = producers(&schema, &streams, stop.clone());
+    let config = parse_config(&v2);
+    let engines = [
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+    ];
+    wait_live(&schema, 2).await;
+    stop.store(true, Ordering::Relaxed);
+    for a in appenders {
+        a.await.unwrap();
+    }
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    for engine in engines {
+        engine.stop().await;
+    }
+    assert_exact(&format!("{schema}.order_totals"), &schema).await;
+    let mut conn = connect().await;
+    read_model(
+        &mut conn,
+        &format!("{schema}_orders_v1.order_totals"),
+        streams.len(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_sequencing_mode_builds_and_switches_exactly() {
+    bump_under_load("bgserial", "    sequencing: serial\n").await;
+    bump_under_load(
+        "bgkey",
+        "    sequencing: key\n    sequencingKey: \":stream_id::text\"\n",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn removing_a_perspective_mid_build_leaves_no_version_behind() {
+    let (schema, _) = v1_with_history("bgrm", 5, 5).await;
+    migrate_yaml(&yaml(&schema, 2, V2)).await;
+    let other = format!(
+        "schema: {schema}\nperspectives:\n  - name: other\n    handlers:\n      B: SELECT 1\n{FAST}"
+    );
+    let report = migrate_yaml(&other).await;
+    let removed: BTreeSet<String> = report
+        .perspectives_removed
+        .iter()
+        .map(|r| r.perspective.clone())
+        .collect();
+    assert_eq!(
+        removed,
+        BTreeSet::from(["orders".to_string(), "orders__v2".to_string()])
+    );
+    for (what, sql) in [
+        ("versions", "SELECT count(*) FROM {schema}.wh_perspective_versions"),
+        (
+            "jobs",
+            "SELECT count(*) FROM {schema}.wh_perspective_jobs WHERE perspective_name <> 'other'",
+        ),
+        (
+            "subscriptions",
+            "SELECT count(*) FROM {schema}.wh_perspective_subscriptions WHERE perspective_name <> 'other'",
+        ),
+        (
+            "compiled",
+            "SELECT count(*) FROM {schema}.wh_perspectives WHERE perspective_name <> 'other'",
+        ),
+    ] {
+        assert_eq!(
+            scalar(&sql.replace("{schema}", &schema)).await,
+            0,
+            "{what} left behind"
+        );
+    }
+    // The engine starts with what is left.
+    RunningEngine::start(&parse_config(&other))
+        .await
+        .stop()
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_custom_runner_is_refused_with_a_blue_green_perspective() {
+    use perspective_worker::engine::{Engine, EngineError, EngineOptions};
+    let schema = unique_schema("bgrunner");
+    let config = parse_config(&yaml(&schema, 1, V1));
+    migrate_config(&config).await;
+    let mut options = EngineOptions::new(config, database_url());
+    options.runner = Some(Arc::new(stream_history_runner::StreamHistoryRunner::new(
+        &schema, "seen_",
+    )));
+    let err = match Engine::start(options, tokio_util::sync::CancellationToken::new()).await {
+        Ok(_) => panic!("a custom runner started with a blue/green perspective"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(&err, EngineError::BlueGreenNeedsSqlHandlers { perspective } if perspective == "orders"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("rebuild: blueGreen"), "{err}");
 }
