@@ -214,6 +214,8 @@ async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix
         1
     );
 
+    // Readers' rights on the live table carry over to the table that takes its name.
+    psql(&format!("GRANT SELECT ON {schema}.order_totals TO PUBLIC"));
     let stop = Arc::new(AtomicBool::new(false));
     let reader = {
         let table = format!("{schema}.order_totals");
@@ -289,6 +291,15 @@ async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix
     for engine in engines {
         engine.stop().await;
     }
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM pg_class c, aclexplode(c.relacl) a
+             WHERE c.oid = '{schema}.order_totals'::regclass AND a.grantee = 0 AND a.privilege_type = 'SELECT'"
+        ))
+        .await,
+        1,
+        "PUBLIC may still read order_totals"
+    );
     // The new model is exact, in the deployment schema (with its index), the old one archived.
     assert_exact(&format!("{schema}.order_totals"), &schema).await;
     assert_eq!(
@@ -674,4 +685,58 @@ async fn a_custom_runner_is_refused_with_a_blue_green_perspective() {
         "{err}"
     );
     assert!(err.to_string().contains("rebuild: blueGreen"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_role_that_is_not_the_owner_builds_but_leaves_the_switch_to_the_owner() {
+    let (schema, _) = v1_with_history("bgrole", 5, 5).await;
+    let role = format!("{schema}_worker");
+    assert!(psql(&format!("CREATE ROLE {role} LOGIN")).status.success());
+    let file = std::env::temp_dir().join(format!("{schema}.yaml"));
+    std::fs::write(&file, yaml(&schema, 1, V1)).unwrap();
+    let out = worker_bin()
+        .arg("--config")
+        .arg(&file)
+        .args(["grants", "worker", &role])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v2 = yaml(&schema, 2, V2);
+    migrate_yaml(&v2).await;
+    let config = parse_config(&v2);
+    let engine = RunningEngine::start_with(perspective_worker::engine::EngineOptions::new(
+        config.clone(),
+        url_as(&role),
+    ))
+    .await;
+    // The build writes its home schema's tables (migrate gave the worker role its rights there)…
+    wait_until("v2 is built", Duration::from_secs(60), || async {
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_perspective_jobs WHERE perspective_name = 'orders__v2' AND state = 'done'"
+        ))
+        .await
+            == 1
+    })
+    .await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    // …but the switch needs the owner: it is refused on turn after turn, v1 stays live.
+    let refused = engine
+        .metrics
+        .version_switches_refused
+        .with_label_values(&["orders", "2"]);
+    let refused = &refused;
+    wait_until("refused switches", Duration::from_secs(30), || async move {
+        refused.get() >= 3
+    })
+    .await;
+    assert_eq!(live_version(&schema).await, None);
+    assert_eq!(
+        scalar(&format!("SELECT count(*) FROM {schema}.wh_dead_letters")).await,
+        0
+    );
+    engine.stop().await;
+    let owner = RunningEngine::start(&config).await;
+    wait_live(&schema, 2).await;
+    owner.stop().await;
+    assert_exact(&format!("{schema}.order_totals"), &schema).await;
 }

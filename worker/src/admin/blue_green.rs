@@ -168,6 +168,11 @@ async fn start(
     versions::create_home(tx, &home)
         .await
         .map_err(db_err(format!("creating schema {home}")))?;
+    versions::share_home(tx, schema, &home)
+        .await
+        .map_err(db_err(format!(
+            "granting the worker roles their rights in {home}"
+        )))?;
     catchup::start(tx, schema, &internal, JobKind::Backfill)
         .await
         .map_err(db_err(format!("starting the build of {internal}")))?;

@@ -70,6 +70,26 @@ const DROP_STALE_CURSORS: &str = "DELETE FROM {schema}.wh_perspective_cursors c
      USING {schema}.wh_perspective_versions v
      WHERE v.state = 'live' AND v.switched_at > now() - interval '5 minutes'
        AND c.perspective_name = v.perspective_name || '__v' || v.version";
+/// Roles other than the owner that may queue work (the worker roles `grants` made): they write
+/// the model tables, so they get the same rights in a version's home schema.
+const WORKER_ROLES: &str = "SELECT DISTINCT quote_ident(pg_get_userbyid(a.grantee))
+     FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
+     WHERE c.oid = '{schema}.wh_perspective_events'::regclass
+       AND a.privilege_type = 'INSERT' AND a.grantee <> c.relowner AND a.grantee <> 0
+     ORDER BY 1";
+/// What each of them gets in a home schema (`{home}`, `{role}`): what `grants worker` gives in
+/// the deployment schema, for the tables there and those `setup` creates.
+const SHARE_HOME: [&str; 5] = [
+    "GRANT USAGE ON SCHEMA {home} TO {role}",
+    "GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON ALL TABLES IN SCHEMA {home} TO {role}",
+    "GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {home} TO {role}",
+    "ALTER DEFAULT PRIVILEGES IN SCHEMA {home} GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON TABLES TO {role}",
+    "ALTER DEFAULT PRIVILEGES IN SCHEMA {home} GRANT USAGE, SELECT, UPDATE ON SEQUENCES TO {role}",
+];
+
+/// Whether this session may act as the schema's owner (a switch moves tables, replaces functions).
+const ACTS_AS_OWNER: &str = "SELECT coalesce(
+       (SELECT pg_has_role(n.nspowner, 'USAGE') FROM pg_namespace n WHERE n.nspname = $1), false)";
 const KEPT_BEYOND: &str = "SELECT version FROM {schema}.wh_perspective_versions
      WHERE perspective_name = $1 AND state = 'kept'
      ORDER BY switched_at DESC, version DESC OFFSET $2";
@@ -174,6 +194,25 @@ pub async fn create_home(tx: &mut PgConnection, home: &str) -> Result<(), sqlx::
     sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {home}"))
         .execute(&mut *tx)
         .await?;
+    Ok(())
+}
+
+/// Give the worker roles of `schema` their rights in `home` (the build writes its tables there).
+pub async fn share_home(
+    tx: &mut PgConnection,
+    schema: &str,
+    home: &str,
+) -> Result<(), sqlx::Error> {
+    let roles: Vec<String> = sqlx::query_scalar(&super::sql(schema, WORKER_ROLES))
+        .fetch_all(&mut *tx)
+        .await?;
+    for role in roles {
+        for statement in SHARE_HOME {
+            // A generated schema name and a quoted role name.
+            let sql = statement.replace("{home}", home).replace("{role}", &role);
+            sqlx::query(&sql).execute(&mut *tx).await?;
+        }
+    }
     Ok(())
 }
 
@@ -347,6 +386,14 @@ pub async fn adopt_stragglers(conn: &mut PgConnection, schema: &str) -> Result<i
         .execute(&mut *conn)
         .await?;
     sqlx::query_scalar(&super::sql(schema, ADOPT_STRAGGLERS))
+        .fetch_one(&mut *conn)
+        .await
+}
+
+/// Whether this session has the rights of `schema`'s owner (which a switch needs).
+pub async fn acts_as_owner(conn: &mut PgConnection, schema: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(ACTS_AS_OWNER)
+        .bind(schema)
         .fetch_one(&mut *conn)
         .await
 }

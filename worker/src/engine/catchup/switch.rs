@@ -34,6 +34,9 @@ use crate::store::versions::{self, Readiness};
 /// The most a version's oldest unapplied event may lag for the switch to it.
 pub const SWITCH_MAX_LAG: Duration = Duration::from_secs(1);
 
+/// Refused switches per log line: about a minute of turns at the watch interval.
+const REFUSALS_PER_LOG: u64 = 240;
+
 /// Whether a version being built may replace the live one.
 pub fn caught_up(r: &Readiness) -> bool {
     r.job_state.as_deref() == Some("done")
@@ -83,6 +86,18 @@ impl JobRunner {
                 left = true;
                 continue;
             }
+            let owner = conn
+                .limit(routine, "the schema owner's rights")
+                .run(versions::acts_as_owner(conn, schema))
+                .await?;
+            if !owner {
+                // Not a failure of this worker: nothing is retried or dead-lettered, the old
+                // version serves, and a worker running as the owner (or this one, once its
+                // role is) switches on a later turn.
+                self.refuse_switch(perspective, next);
+                left = true;
+                continue;
+            }
             let switched = conn
                 .limit(long, "blue/green switch")
                 .run(switch(conn, schema, &perspective, next))
@@ -110,6 +125,26 @@ impl JobRunner {
             left = true;
         }
         Ok(left)
+    }
+}
+
+impl JobRunner {
+    /// Count (and log, at the first refusal and about once a minute after) a switch this
+    /// worker's role may not make.
+    fn refuse_switch(&self, perspective: String, version: i32) {
+        let refused = self
+            .shared
+            .metrics
+            .version_switches_refused
+            .with_label_values(&[perspective.as_str(), &version.to_string()]);
+        refused.inc();
+        if refused.get() % REFUSALS_PER_LOG == 1 {
+            let why = JobError::SwitchNeedsOwner {
+                perspective,
+                version,
+            };
+            tracing::warn!(refusals = refused.get(), "{why}");
+        }
     }
 }
 

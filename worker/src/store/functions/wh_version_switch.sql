@@ -14,6 +14,7 @@
 -- triggers and owned sequences go with their table; views keep pointing at the tables they read,
 -- by oid). A reader of `<schema>.<table>` waits for the commit and then reads the next version's
 -- table: never a missing, empty or half-built one.
+-- The privileges granted on a live table are granted on the table that takes its name.
 -- Returns the relations archived and moved in.
 
 CREATE OR REPLACE FUNCTION {{schema}}.wh_version_switch(
@@ -81,6 +82,18 @@ BEGIN
   EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', p_live_home);
   PERFORM {{schema}}.wh_version_move('{{schema}}', p_live_home, v_old);
   PERFORM {{schema}}.wh_version_move(p_next_home, '{{schema}}', v_new);
+
+  -- Whoever could read or write a live table can do the same with the table that takes its name.
+  FOR v_rel IN
+    SELECT c.relname, a.privilege_type, a.grantee
+    FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
+    WHERE c.relnamespace = to_regnamespace(p_live_home) AND c.relname = ANY (v_new)
+      AND a.grantee <> c.relowner
+  LOOP
+    EXECUTE format('GRANT %s ON {{schema}}.%I TO %s', v_rel.privilege_type, v_rel.relname,
+                   CASE WHEN v_rel.grantee = 0 THEN 'PUBLIC'
+                        ELSE quote_ident(pg_get_userbyid(v_rel.grantee)) END);
+  END LOOP;
 
   UPDATE {{schema}}.wh_perspective_versions
   SET state = 'kept', relations = v_old, switched_at = now()
