@@ -527,6 +527,16 @@ pub struct PerspectiveLag {
     /// While catching up: how far it is and the time left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<PerspectiveProgress>,
+    /// The version serving readers (absent until migrated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<i64>,
+    /// While Building or Switching (`rebuild: blueGreen`): the version built beside the serving
+    /// one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_version: Option<i64>,
+    /// Whether `nextVersion` is a kept version caught up from where it stopped (a rollback).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rollback: bool,
     /// Lock conflicts between its appliers (deadlocks, serialization failures, lock waits over
     /// 100 ms) over the last minute, summed over the live workers' heartbeats. Each is retried,
     /// never failed; from 10 a minute the contention counts as persistent: `Degraded`

@@ -213,6 +213,20 @@ async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix
         .await,
         1
     );
+    // Status names the version serving and the one built beside it.
+    let status = read_status(&mut connect().await, &schema, &["orders".into()], 30.0)
+        .await
+        .unwrap();
+    let orders = &status.perspectives[0];
+    assert_eq!(
+        (
+            orders.phase,
+            orders.version,
+            orders.next_version,
+            orders.rollback
+        ),
+        (Phase::Building, Some(1), Some(2), false)
+    );
 
     // Readers' rights on the live table carry over to the table that takes its name.
     psql(&format!("GRANT SELECT ON {schema}.order_totals TO PUBLIC"));
@@ -287,7 +301,11 @@ async fn a_shape_change_builds_beside_the_live_model_and_readers_never_see_a_mix
     let status = read_status(&mut connect().await, &schema, &["orders".into()], 30.0)
         .await
         .unwrap();
-    assert_eq!(status.perspectives[0].phase, Phase::Live);
+    let orders = &status.perspectives[0];
+    assert_eq!(
+        (orders.phase, orders.version, orders.next_version),
+        (Phase::Live, Some(2), None)
+    );
     for engine in engines {
         engine.stop().await;
     }
@@ -361,6 +379,15 @@ async fn a_rollback_switches_back_to_the_kept_version_catching_up_only_what_it_m
         .await,
         1,
         "the kept version catches up from its cursors"
+    );
+    let status = read_status(&mut connect().await, &schema, &["orders".into()], 30.0)
+        .await
+        .unwrap();
+    let orders = &status.perspectives[0];
+    assert_eq!(
+        (orders.version, orders.next_version, orders.rollback),
+        (Some(2), Some(1), true),
+        "a rollback to v1 while v2 serves"
     );
     let engine = RunningEngine::start(&parse_config(&back)).await;
     wait_live(&schema, 1).await;
@@ -740,3 +767,4 @@ async fn a_worker_role_that_is_not_the_owner_builds_but_leaves_the_switch_to_the
     owner.stop().await;
     assert_exact(&format!("{schema}.order_totals"), &schema).await;
 }
+

@@ -78,11 +78,7 @@ pub fn render(st: &Status) -> String {
         ]);
     }
     // Below the table, one line per catch-up in progress, then per persistent contention.
-    let catching_up = st.perspectives.iter().filter_map(|p| {
-        p.progress
-            .as_ref()
-            .map(|progress| progress.message(&p.name, p.phase))
-    });
+    let catching_up = st.perspectives.iter().filter_map(|p| p.phase_message());
     let contended = st
         .perspectives
         .iter()
@@ -119,6 +115,9 @@ mod tests {
             dead_letters: 0,
             phase: Phase::Live,
             progress: None,
+            version: Some(1),
+            next_version: None,
+            rollback: false,
             lock_conflicts_per_minute: 0,
             lock_conflict_sqlstate: None,
             newest_dead_letters: vec![],

@@ -39,16 +39,17 @@ const PROGRESS: &str =
             extract(epoch FROM now() - j.started_at)::float8
      FROM {schema}.wh_perspective_jobs j WHERE j.state <> 'done' ORDER BY j.perspective_name";
 
-/// Versions being built beside a live one (blue/green), by perspective.
-const BUILDING: &str =
-    "SELECT perspective_name, version FROM {schema}.wh_perspective_versions WHERE state = 'building'";
+/// Versions being built beside a live one (blue/green), by perspective, and whether each was
+/// live before (a rollback catches it up from its kept cursors).
+const BUILDING: &str = "SELECT perspective_name, version, switched_at IS NOT NULL
+     FROM {schema}.wh_perspective_versions WHERE state = 'building'";
 
 /// Every perspective's phase and progress, read at once: its jobs' figures, and the versions
 /// built beside live ones.
 #[derive(Debug, Clone, Default)]
 pub struct Phases {
     jobs: Vec<JobRow>,
-    building: Vec<(String, i32)>,
+    building: Vec<(String, i32, bool)>,
 }
 
 impl Phases {
@@ -60,11 +61,19 @@ impl Phases {
         Ok(Phases { jobs, building })
     }
 
+    /// The version built beside `perspective`'s live one, and whether it is a rollback.
+    pub fn next_version(&self, perspective: &str) -> Option<(i32, bool)> {
+        self.building
+            .iter()
+            .find(|(p, _, _)| p == perspective)
+            .map(|(_, version, rollback)| (*version, *rollback))
+    }
+
     /// `perspective`'s phase: `Building` (with the new version's progress) while a version is
     /// built beside it, `Switching` once that version's catch-up is done; else its own job's
     /// phase, or `Live`.
     pub fn of(&self, perspective: &str) -> (progress::Phase, Option<progress::Progress>) {
-        if let Some((_, version)) = self.building.iter().find(|(p, _)| p == perspective) {
+        if let Some((_, version, _)) = self.building.iter().find(|(p, _, _)| p == perspective) {
             let internal = crate::config::versions::internal_name(perspective, *version as u32);
             return match self.jobs.iter().find(|j| j.perspective == internal) {
                 Some(job) => {
