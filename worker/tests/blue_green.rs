@@ -768,3 +768,63 @@ async fn a_worker_role_that_is_not_the_owner_builds_but_leaves_the_switch_to_the
     assert_exact(&format!("{schema}.order_totals"), &schema).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_builds_version_2_beside_version_1_and_switches() {
+    let example = include_str!("../../examples/bluegreen.yaml");
+    let schema = unique_schema("bgexample");
+    let v2 = example.replace("schema: bluegreen_shop", &format!("schema: {schema}"));
+    // Version 1, from the example's comment.
+    let v1 = v2
+        .split("    setup: |")
+        .next()
+        .unwrap()
+        .replace("version: 2", "version: 1")
+        + "    setup: CREATE TABLE IF NOT EXISTS order_status (order_id uuid PRIMARY KEY, status text NOT NULL)
+    handlers:
+      OrderPlaced: INSERT INTO order_status VALUES (:stream_id, 'placed')
+      OrderShipped: UPDATE order_status SET status = 'shipped' WHERE order_id = :stream_id
+      OrderCancelled: UPDATE order_status SET status = 'cancelled' WHERE order_id = :stream_id
+";
+    assert!(
+        example.contains("OrderCancelled: UPDATE order_status SET status = 'cancelled' WHERE order_id = :stream_id"),
+        "the example's comment shows version 1"
+    );
+    migrate_yaml(&v1).await;
+    let order = Uuid::now_v7();
+    for event in ["OrderPlaced", "OrderShipped"] {
+        psql(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ('{order}', '{event}')"
+        ));
+    }
+    let engine = RunningEngine::start(&parse_config(&v1)).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    let report = migrate_yaml(&v2).await;
+    assert_eq!(report.version_builds.len(), 1, "{report:?}");
+    let engine = RunningEngine::start(&parse_config(&v2)).await;
+    wait_until("version 2 is live", Duration::from_secs(60), || async {
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.wh_perspective_versions WHERE version = 2 AND state = 'live'"
+        ))
+        .await
+            == 1
+    })
+    .await;
+    engine.stop().await;
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}.order_status WHERE order_id = '{order}'"
+        ))
+        .await,
+        2,
+        "one row per status change"
+    );
+    assert_eq!(
+        scalar(&format!(
+            "SELECT count(*) FROM {schema}_order_status_v1.order_status WHERE status = 'shipped'"
+        ))
+        .await,
+        1,
+        "version 1 kept"
+    );
+}
