@@ -527,6 +527,16 @@ pub struct PerspectiveLag {
     /// While catching up: how far it is and the time left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<PerspectiveProgress>,
+    /// The version serving readers (absent until migrated).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<i64>,
+    /// While Building or Switching (`rebuild: blueGreen`): the version built beside the serving
+    /// one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_version: Option<i64>,
+    /// Whether `nextVersion` is a kept version caught up from where it stopped (a rollback).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rollback: bool,
     /// Lock conflicts between its appliers (deadlocks, serialization failures, lock waits over
     /// 100 ms) over the last minute, summed over the live workers' heartbeats. Each is retried,
     /// never failed; from 10 a minute the contention counts as persistent: `Degraded`
@@ -545,6 +555,11 @@ pub enum PerspectivePhase {
     Backfilling,
     /// Its version changed (or `rebuild` ran): each stream is reset and replayed.
     Rebuilding,
+    /// Its version changed with `rebuild: blueGreen`: the new version is built beside the live
+    /// one, which serves meanwhile.
+    Building,
+    /// The new version is built and switches once caught up; the old one serves until then.
+    Switching,
 }
 
 impl From<perspective_worker::store::catchup::progress::Phase> for PerspectivePhase {
@@ -554,6 +569,8 @@ impl From<perspective_worker::store::catchup::progress::Phase> for PerspectivePh
             Phase::Live => PerspectivePhase::Live,
             Phase::Backfilling => PerspectivePhase::Backfilling,
             Phase::Rebuilding => PerspectivePhase::Rebuilding,
+            Phase::Building => PerspectivePhase::Building,
+            Phase::Switching => PerspectivePhase::Switching,
         }
     }
 }
@@ -564,6 +581,8 @@ impl PerspectivePhase {
             PerspectivePhase::Live => "Live",
             PerspectivePhase::Backfilling => "Backfilling",
             PerspectivePhase::Rebuilding => "Rebuilding",
+            PerspectivePhase::Building => "Building",
+            PerspectivePhase::Switching => "Switching",
         }
     }
 }

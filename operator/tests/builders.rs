@@ -414,6 +414,7 @@ fn an_added_perspective_catches_up_while_the_deployment_stays_ready() {
             events_remaining: 3_900,
             percent: 61.0,
             eta_seconds: Some(39.6),
+            version: None,
         }),
         ..Default::default()
     };
@@ -824,6 +825,7 @@ fn the_status_column_explains_a_false_ready() {
             events_remaining: 39,
             percent: 61.0,
             eta_seconds: None,
+            version: None,
         }),
         ..Default::default()
     }]);

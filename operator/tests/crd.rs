@@ -60,8 +60,9 @@ fn crd_schema_is_structural() {
     let status_perspective = &schema["properties"]["status"]["properties"]["perspectives"]["items"];
     assert_eq!(
         status_perspective["properties"]["phase"]["enum"],
-        serde_json::json!(["Live", "Backfilling", "Rebuilding"])
+        serde_json::json!(["Live", "Backfilling", "Rebuilding", "Building", "Switching"])
     );
+    assert!(status_perspective["properties"]["nextVersion"].is_object());
     assert!(status_perspective["properties"]["progress"]["properties"]["etaSeconds"].is_object());
     let conditions = &schema["properties"]["status"]["properties"]["conditions"];
     assert_eq!(conditions["x-kubernetes-list-type"], "map");

@@ -946,17 +946,27 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
         report.applied,
         [
             "0018_engine_functions_installed_by_migrate.sql",
-            "0019_retention_guard_checks_each_row.sql"
+            "0019_retention_guard_checks_each_row.sql",
+            "0020_blue_green_versions.sql"
         ]
     );
     assert!(report.functions_installed);
     // Replaced in place (same oids, so grants on them stay); the compiled ones, and engine
-    // functions added since 0017 (complete_applied_events, wh_run_events), are new.
+    // functions added since 0017 (complete_applied_events, wh_run_events, wh_version_*), are new.
     let after: Vec<(String, i64)> = oids(schema.clone())
         .await
         .into_iter()
         .filter(|(name, _)| FUNCTIONS.iter().any(|f| f.name == name))
-        .filter(|(name, _)| !["complete_applied_events", "wh_run_events"].contains(&name.as_str()))
+        .filter(|(name, _)| {
+            ![
+                "complete_applied_events",
+                "wh_run_events",
+                "wh_version_move",
+                "wh_version_adopt_work",
+                "wh_version_switch",
+            ]
+            .contains(&name.as_str())
+        })
         .collect();
     assert_eq!(after, before);
     let (fresh, _) = migrated_schema("upg17fresh").await;

@@ -1,6 +1,6 @@
 //! Events for what users wait for, decided without IO from the previous and the new status: a
-//! backfill or rebuild that finished, and a perspective the last migration removed (its tables
-//! kept). Each once per change.
+//! backfill or rebuild that finished, a blue/green version built, switched to or rolled back to,
+//! and a perspective the last migration removed (its tables kept). Each once per change.
 
 use crate::crd::{PerspectiveDeploymentSpec, PerspectiveDeploymentStatus, PerspectivePhase};
 use crate::events::{Event, EventType};
@@ -21,6 +21,8 @@ pub fn catch_up_finished(
                 PerspectivePhase::Live => return None,
                 PerspectivePhase::Backfilling => ("BackfillFinished", "backfill"),
                 PerspectivePhase::Rebuilding => ("RebuildFinished", "rebuild"),
+                // Announced per version by `version_changes`.
+                PerspectivePhase::Building | PerspectivePhase::Switching => return None,
             };
             let size = before
                 .progress
@@ -38,6 +40,59 @@ pub fn catch_up_finished(
             })
         })
         .collect()
+}
+
+/// Normal Events for the blue/green versions (`rebuild: blueGreen`) that moved on between the
+/// previous status read and this one: `VersionBuilt` when a new version's build is done (it
+/// switches once caught up), then `VersionSwitched` when it serves, or `VersionRolledBack` when
+/// a kept version serves again. A read that missed the `Switching` phase announces both. A
+/// build cancelled (the spec asks for another version) announces nothing. Nothing when either
+/// read did not reach the database.
+pub fn version_changes(
+    previous: &PerspectiveDeploymentStatus,
+    new: &PerspectiveDeploymentStatus,
+) -> Vec<Event> {
+    let mut events = Vec::new();
+    for p in &new.perspectives {
+        let Some(before) = previous.perspectives.iter().find(|b| b.name == p.name) else {
+            continue;
+        };
+        let Some(next) = before.next_version else {
+            continue;
+        };
+        let serves = p.next_version.is_none() && p.version == Some(next);
+        let built = before.phase == PerspectivePhase::Building
+            && (serves || (p.phase == PerspectivePhase::Switching && p.next_version == Some(next)));
+        // A rollback's version was built before: it only catches up.
+        if built && !before.rollback {
+            events.push(version_event(
+                "VersionBuilt",
+                format!(
+                    "{}: v{next} built; it switches once caught up, v{} serves until then",
+                    p.name,
+                    before.version.unwrap_or_default()
+                ),
+            ));
+        }
+        if serves {
+            let (reason, verb) = if before.rollback {
+                ("VersionRolledBack", "rolled back to")
+            } else {
+                ("VersionSwitched", "switched to")
+            };
+            events.push(version_event(reason, format!("{}: {verb} v{next}", p.name)));
+        }
+    }
+    events
+}
+
+fn version_event(reason: &'static str, note: String) -> Event {
+    Event {
+        type_: EventType::Normal,
+        reason,
+        note,
+        related: None,
+    }
 }
 
 /// The perspectives of `spec` as `schema.name` (what `status.migratedPerspectives` holds).
@@ -124,6 +179,75 @@ mod tests {
         assert!(catch_up_finished(&after, &after).is_empty());
         assert!(catch_up_finished(&status(&[]), &after).is_empty());
         assert!(catch_up_finished(&during, &status(&[])).is_empty());
+    }
+
+    /// `orders` serving `version`, with `next` built beside it in `phase`.
+    fn versions(
+        phase: PerspectivePhase,
+        version: i64,
+        next: Option<i64>,
+        rollback: bool,
+    ) -> PerspectiveDeploymentStatus {
+        let mut s = status(&[("orders", phase)]);
+        s.perspectives[0].version = Some(version);
+        s.perspectives[0].next_version = next;
+        s.perspectives[0].rollback = rollback;
+        s
+    }
+
+    fn said(events: &[Event]) -> Vec<(&str, &str)> {
+        events.iter().map(|e| (e.reason, e.note.as_str())).collect()
+    }
+
+    #[test]
+    fn a_version_is_announced_built_then_switched_to_each_once() {
+        use PerspectivePhase::*;
+        let building = versions(Building, 2, Some(3), false);
+        let switching = versions(Switching, 2, Some(3), false);
+        let live = versions(Live, 3, None, false);
+        assert!(version_changes(&building, &building).is_empty());
+        assert_eq!(
+            said(&version_changes(&building, &switching)),
+            [(
+                "VersionBuilt",
+                "orders: v3 built; it switches once caught up, v2 serves until then"
+            )]
+        );
+        assert!(version_changes(&switching, &switching).is_empty());
+        assert_eq!(
+            said(&version_changes(&switching, &live)),
+            [("VersionSwitched", "orders: switched to v3")]
+        );
+        assert!(version_changes(&live, &live).is_empty());
+        // A read that missed Switching: both, in order.
+        let both = version_changes(&building, &live);
+        assert_eq!(
+            said(&both).iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+            ["VersionBuilt", "VersionSwitched"]
+        );
+        // Nor is it a finished catch-up.
+        assert!(catch_up_finished(&switching, &live).is_empty());
+    }
+
+    #[test]
+    fn a_rollback_is_announced_once_and_a_cancelled_build_not_at_all() {
+        use PerspectivePhase::*;
+        let catching_up = versions(Building, 3, Some(2), true);
+        let back = versions(Live, 2, None, false);
+        assert_eq!(
+            said(&version_changes(&catching_up, &back)),
+            [("VersionRolledBack", "orders: rolled back to v2")]
+        );
+        assert!(version_changes(
+            &versions(Switching, 3, Some(2), true),
+            &versions(Switching, 3, Some(2), true)
+        )
+        .is_empty());
+        // The spec went back to v2 during v3's build: v2 still serves, nothing switched.
+        let cancelled = versions(Live, 2, None, false);
+        assert!(version_changes(&versions(Building, 2, Some(3), false), &cancelled).is_empty());
+        // A read that did not reach the database.
+        assert!(version_changes(&catching_up, &status(&[])).is_empty());
     }
 
     #[test]

@@ -100,6 +100,10 @@ pub async fn update_status(
         info!(namespace = pd.namespace().unwrap_or_default(), name = %pd.name_any(), note = %event.note, "catch-up finished");
         ctx.publish(pd, event).await;
     }
+    for event in announcements::version_changes(previous, &new_status) {
+        info!(namespace = pd.namespace().unwrap_or_default(), name = %pd.name_any(), reason = event.reason, note = %event.note, "blue/green version");
+        ctx.publish(pd, event).await;
+    }
     report_new_dead_letters(ctx, pd, previous, &new_status).await;
     Ok(status::refresh_within(&new_status, outcome.requeue))
 }

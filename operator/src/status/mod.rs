@@ -143,6 +143,9 @@ fn database_figures(status: &mut PerspectiveDeploymentStatus, db: &DbStatus, dea
             dead_letters: p.dead_letters,
             phase: p.phase.into(),
             progress: p.progress.as_ref().map(PerspectiveProgress::from),
+            version: p.version.map(i64::from),
+            next_version: p.next_version.map(i64::from),
+            rollback: p.rollback,
             lock_conflicts_per_minute: p.lock_conflicts_per_minute,
             newest_dead_letters: p.newest_dead_letters.iter().map(dead_letter).collect(),
         })
@@ -194,6 +197,7 @@ mod tests {
                 events_remaining: 1_000 - (percent * 10.0) as i64,
                 percent,
                 eta_seconds: Some(40.0),
+                version: None,
             }),
             ..Default::default()
         }

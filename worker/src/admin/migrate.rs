@@ -15,11 +15,13 @@ use std::collections::{BTreeMap, HashMap};
 use sqlx::postgres::{PgConnection, PgTypeInfo};
 use sqlx::Connection;
 
+use super::blue_green;
 use crate::compile::{
-    create_apply_function, create_batch_function, create_drain_function, create_key_function,
-    definition_hash, handlers_hash, runs_as_perform, sequencing_key_check,
+    create_drain_function, create_perspective_functions, definition_hash, handlers_hash,
+    runs_as_perform, sequencing_key_check,
 };
 use crate::config::sql_params::ParsedStatement;
+use crate::config::versions::{self, Running};
 use crate::config::{Config, ConfigError, Problem};
 use crate::db::describe_error;
 use crate::store::catchup::{self, JobKind};
@@ -71,6 +73,9 @@ pub struct MigrateReport {
     pub backfills: Vec<String>,
     /// Perspectives whose version changed: the workers rebuild them.
     pub rebuilds: Vec<VersionChange>,
+    /// Blue/green perspectives whose version changed: the new version is built beside the live
+    /// one (or a kept one caught up), and the workers switch once it caught up.
+    pub version_builds: Vec<blue_green::VersionBuild>,
     /// What the user should know: handlers changed without a new version, event types gained
     /// with events already stored.
     pub warnings: Vec<String>,
@@ -123,6 +128,19 @@ impl MigrateError {
     /// Whether the caller's input (the config) is at fault, as opposed to the database.
     pub fn is_invalid_input(&self) -> bool {
         matches!(self, MigrateError::InvalidPerspectives(_))
+    }
+}
+
+/// A blue/green plan's error as migrate's.
+fn plan_error(e: blue_green::PlanError, source: &str) -> MigrateError {
+    match e {
+        blue_green::PlanError::Database { step, source } => db_err(step)(source),
+        blue_green::PlanError::Invalid(problems) => {
+            MigrateError::InvalidPerspectives(ConfigError {
+                source: source.to_string(),
+                problems,
+            })
+        }
     }
 }
 
@@ -219,10 +237,35 @@ async fn migrate_in(
         .await
         .map_err(db_err("reading the compiled perspectives"))?;
 
-    sync_subscriptions(tx, config, report).await?;
-    remove_perspectives(tx, config, report).await?;
-    start_jobs(tx, config, source, &recorded, fresh_store, report).await?;
-    setup_and_prepare(tx, config, source, report).await
+    // What the deployment runs: a blue/green perspective whose next version is built runs as
+    // its live version and the next one (under its internal name, in its home schema).
+    let building = blue_green::plan(
+        tx,
+        config,
+        &recorded,
+        &mut report.version_builds,
+        &mut report.warnings,
+    )
+    .await
+    .map_err(|e| plan_error(e, source))?;
+    let running = versions::running(config, &building);
+    let run_config = versions::running_config(config, &running);
+    sync_subscriptions(tx, &run_config, report).await?;
+    let kept = blue_green::kept_internal_names(tx, schema)
+        .await
+        .map_err(|e| plan_error(e, source))?;
+    remove_perspectives(tx, &run_config, &kept, report).await?;
+    start_jobs(
+        tx,
+        config,
+        source,
+        &recorded,
+        fresh_store,
+        &building,
+        report,
+    )
+    .await?;
+    setup_and_prepare(tx, config, &running, source, report).await
 }
 
 /// Start a backfill for each perspective new to a schema with history and a rebuild for each
@@ -234,11 +277,16 @@ async fn start_jobs(
     source: &str,
     recorded: &HashMap<String, (i32, Option<String>)>,
     fresh_store: bool,
+    building: &[versions::Building],
     report: &mut MigrateReport,
 ) -> Result<(), MigrateError> {
     let schema = config.schema.as_str();
     let mut problems = Vec::new();
     for (index, p) in config.perspectives.iter().enumerate() {
+        // Built beside the live version (blue/green), not rebuilt in place.
+        if building.iter().any(|b| b.perspective == p.name) {
+            continue;
+        }
         let version = p.version as i32;
         let kind = match recorded.get(&p.name) {
             None if fresh_store => None,
@@ -312,9 +360,6 @@ async fn start_jobs(
             ));
         }
     }
-    for warning in &report.warnings {
-        tracing::warn!(schema, "{warning}");
-    }
     if problems.is_empty() {
         Ok(())
     } else {
@@ -331,10 +376,16 @@ async fn start_jobs(
 async fn remove_perspectives(
     tx: &mut PgConnection,
     config: &Config,
+    kept: &[String],
     report: &mut MigrateReport,
 ) -> Result<(), MigrateError> {
     let schema = config.schema.as_str();
-    let configured: Vec<String> = config.perspectives.iter().map(|p| p.name.clone()).collect();
+    let configured: Vec<String> = config
+        .perspectives
+        .iter()
+        .map(|p| p.name.clone())
+        .chain(kept.iter().cloned())
+        .collect();
     let gone = removal::removed_perspectives(tx, schema, &configured)
         .await
         .map_err(db_err("looking for removed perspectives"))?;
@@ -442,15 +493,23 @@ async fn sync_subscriptions(
 async fn setup_and_prepare(
     conn: &mut PgConnection,
     config: &Config,
+    running: &[Running],
     source: &str,
     report: &mut MigrateReport,
 ) -> Result<(), MigrateError> {
-    store::set_local_search_path(conn, &config.schema)
-        .await
-        .map_err(db_err("setting search_path"))?;
     let mut problems = Vec::new();
-    for (index, p) in config.perspectives.iter().enumerate() {
-        let at = |field: &str| format!("perspectives[{index}] ({}).{field}", p.name);
+    for r in running {
+        let p = &r.perspective;
+        let index = config
+            .perspectives
+            .iter()
+            .position(|c| c.name == r.configured)
+            .unwrap_or_default();
+        let at = |field: &str| format!("perspectives[{index}] ({}).{field}", r.configured);
+        // A version built beside the live one creates and reads its own tables first.
+        store::set_local_search_path_in(conn, r.home.as_deref(), &config.schema)
+            .await
+            .map_err(db_err("setting search_path"))?;
         if let Some(setup) = p.setup.as_deref().filter(|s| !s.trim().is_empty()) {
             match in_savepoint(conn, Step::Script(setup)).await? {
                 Ok(_) => report.setups_run.push(p.name.clone()),
@@ -501,7 +560,7 @@ async fn setup_and_prepare(
     }
     if problems.is_empty() {
         // Every statement prepares: compile each perspective into its apply function.
-        problems = compile(conn, config, report).await?;
+        problems = compile(conn, config, running, report).await?;
     }
     if !problems.is_empty() {
         return Err(MigrateError::InvalidPerspectives(ConfigError {
@@ -543,19 +602,22 @@ fn statements(
 async fn compile(
     conn: &mut PgConnection,
     config: &Config,
+    running: &[Running],
     report: &mut MigrateReport,
 ) -> Result<Vec<Problem>, MigrateError> {
     let schema = &config.schema;
     let mut problems = Vec::new();
-    for (index, p) in config.perspectives.iter().enumerate() {
-        let sql = create_apply_function(schema, p)
-            + ";\n"
-            + &create_batch_function(schema, p)
-            + ";\n"
-            + &create_key_function(schema, p);
+    for r in running {
+        let p = &r.perspective;
+        let sql = create_perspective_functions(schema, p, r.home.as_deref());
         if let Err(e) = in_savepoint(conn, Step::Script(&sql)).await? {
+            let index = config
+                .perspectives
+                .iter()
+                .position(|c| c.name == r.configured)
+                .unwrap_or_default();
             problems.push(Problem {
-                path: format!("perspectives[{index}] ({}).handlers", p.name),
+                path: format!("perspectives[{index}] ({}).handlers", r.configured),
                 message: format!(
                     "cannot compile the apply function: {}",
                     describe_error(&e, None)
@@ -572,6 +634,7 @@ async fn compile(
                 function: &apply_function_name(&p.name),
                 version: p.version as i32,
                 handlers_hash: &handlers_hash(p),
+                definition: &versions::definition_json(p),
             },
         )
         .await
@@ -579,7 +642,8 @@ async fn compile(
         report.apply_functions += 1;
     }
     if problems.is_empty() {
-        store::execute_script(conn, &create_drain_function(schema, &config.perspectives))
+        let perspectives: Vec<_> = running.iter().map(|r| r.perspective.clone()).collect();
+        store::execute_script(conn, &create_drain_function(schema, &perspectives))
             .await
             .map_err(db_err("compiling the drain function"))?;
     }

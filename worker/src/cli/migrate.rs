@@ -96,6 +96,21 @@ fn print_report(r: &MigrateReport, seconds: f64) -> anyhow::Result<()> {
             c.perspective, c.from, c.to
         )?;
     }
+    for b in &r.version_builds {
+        if b.rollback {
+            outln!(
+                "  rolling back {} to its kept version {} (version {} stays live until then): running workers \
+                 catch it up from where it stopped, then switch its tables in",
+                b.perspective, b.next, b.live
+            )?;
+        } else {
+            outln!(
+                "  building {} version {} beside the live version {} (blue/green): running workers backfill it, \
+                 then switch its tables in (`perspective-worker status` shows the progress)",
+                b.perspective, b.next, b.live
+            )?;
+        }
+    }
     for w in &r.warnings {
         outln!("  warning: {w}")?;
     }

@@ -73,8 +73,10 @@ enum Command {
     /// Create or upgrade the schema, register subscriptions, run each perspective's `setup`,
     /// prepare every handler and compile it into the perspective's apply function; start a
     /// backfill for a perspective new to a schema with history and a rebuild for one whose
-    /// `version` changed (running workers do them), and warn about changes that need a rebuild.
-    /// Idempotent; concurrent runs serialise on an advisory lock.
+    /// `version` changed (running workers do them; with `rebuild: blueGreen` the new version is
+    /// built in a schema of its own beside the serving one, or a kept version caught up for a
+    /// rollback, and the workers switch once it has caught up), and warn about changes that
+    /// need a rebuild. Idempotent; concurrent runs serialise on an advisory lock.
     Migrate(migrate::MigrateArgs),
     /// Append events read as JSON lines: {"stream_id": uuid, "event_type": text,
     /// "event_data"?: json, "metadata"?: object, "scope"?: object, "event_id"?: uuid,

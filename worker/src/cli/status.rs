@@ -65,10 +65,7 @@ pub fn render(st: &Status) -> String {
         } else {
             format!("{} (not configured)", p.name)
         };
-        let phase = match &p.progress {
-            Some(progress) => format!("{} {}%", p.phase.as_str(), progress.percent.floor()),
-            None => p.phase.as_str().to_string(),
-        };
+        let phase = p.phase.label(p.progress.as_ref());
         table.row(vec![
             name,
             phase,
@@ -81,11 +78,7 @@ pub fn render(st: &Status) -> String {
         ]);
     }
     // Below the table, one line per catch-up in progress, then per persistent contention.
-    let catching_up = st.perspectives.iter().filter_map(|p| {
-        p.progress
-            .as_ref()
-            .map(|progress| progress.message(&p.name, p.phase))
-    });
+    let catching_up = st.perspectives.iter().filter_map(|p| p.phase_message());
     let contended = st
         .perspectives
         .iter()
@@ -122,6 +115,9 @@ mod tests {
             dead_letters: 0,
             phase: Phase::Live,
             progress: None,
+            version: Some(1),
+            next_version: None,
+            rollback: false,
             lock_conflicts_per_minute: 0,
             lock_conflict_sqlstate: None,
             newest_dead_letters: vec![],
@@ -182,6 +178,7 @@ mod tests {
             events_remaining: 390,
             percent: 61.0,
             eta_seconds: Some(39.0),
+            version: None,
         };
         let st = Status {
             schema: "s".into(),

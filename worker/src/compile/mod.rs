@@ -58,6 +58,36 @@ pub use sequencing::{create_key_function, sequencing_key_check};
 
 use crate::store::names::{apply_function_name, batch_function_name};
 
+/// `perspective`'s apply, batch and key functions, as `migrate` installs them. With `home` (a
+/// blue/green version that is not live), their `search_path` puts `home` before the deployment
+/// schema: handlers keep unqualified table names and write the version's own tables, while
+/// tables only the deployment schema has (lookups) stay readable.
+pub fn create_perspective_functions(
+    schema: &str,
+    perspective: &crate::config::PerspectiveConfig,
+    home: Option<&str>,
+) -> String {
+    let sql = create_apply_function(schema, perspective)
+        + ";\n"
+        + &create_batch_function(schema, perspective)
+        + ";\n"
+        + &create_key_function(schema, perspective);
+    let Some(home) = home else {
+        return sql;
+    };
+    // Every generated function spells its search_path this way (one slot would have to be
+    // threaded through every template for this one case).
+    let from = format!("SET search_path TO {schema}, public\n");
+    assert!(
+        sql.contains(&from),
+        "generated functions set their search_path"
+    );
+    sql.replace(
+        &from,
+        &format!("SET search_path TO {home}, {schema}, public\n"),
+    )
+}
+
 /// The template pieces, by the name they are included by.
 const TEMPLATES: [(&str, &str); 13] = [
     ("apply_function.sql", include_str!("apply_function.sql")),
@@ -149,6 +179,29 @@ mod tests {
         let name = apply_function_name(&long);
         assert!(name.len() <= 63, "{name}");
         assert_ne!(name, apply_function_name(&format!("{}b", "a".repeat(62))));
+    }
+
+    #[test]
+    fn a_version_beside_the_live_one_resolves_its_home_first() {
+        let config = crate::config::Config::from_yaml_str(
+            "schema: s\nperspectives:\n  - name: p\n    sequencing: key\n    sequencingKey: :data->>'c'\n    handlers:\n      A: SELECT 1\n",
+            "t.yaml",
+        )
+        .unwrap();
+        let p = &config.perspectives[0];
+        let live = create_perspective_functions("s", p, None);
+        assert_eq!(
+            live.matches("SET search_path TO s, public\n").count(),
+            3,
+            "{live}"
+        );
+        let home = create_perspective_functions("s", p, Some("s_p_v2"));
+        assert_eq!(
+            home.matches("SET search_path TO s_p_v2, s, public\n")
+                .count(),
+            3
+        );
+        assert!(!home.contains("SET search_path TO s, public"));
     }
 
     #[test]

@@ -29,12 +29,16 @@ mod names;
 mod perspective;
 pub mod sql_params;
 mod validate;
+pub mod versions;
 mod worker_options;
 pub mod yaml_limits;
 
 pub use claim_options::ClaimWorkerOptions;
 pub use names::{MAX_EVENT_TYPE_LEN, MAX_PERSPECTIVE_NAME_LEN, MAX_SCHEMA_LEN, SCHEMA_PATTERN};
-pub use perspective::{Ordering, PerspectiveConfig, Sequencing};
+pub use perspective::{
+    Ordering, PerspectiveConfig, Rebuild, Sequencing, DEFAULT_KEEP_PREVIOUS_VERSIONS,
+    MAX_KEEP_PREVIOUS_VERSIONS,
+};
 pub use validate::{ConfigError, Problem};
 pub use worker_options::{
     CompletionStrategy, DatabaseOptions, DrainBatcherOptions, RetryOptions, WorkerOptions,

@@ -22,7 +22,7 @@ pub struct PerspectiveConfig {
     /// Perspective name, unique in the deployment (lower-case letters, digits and underscores).
     #[schemars(pattern(PERSPECTIVE_NAME_PATTERN))]
     pub name: String,
-    /// Version of the model built by these handlers (default 1). Raising it makes migrate rebuild the perspective online from the event store, stream by stream (needs `reset`).
+    /// Version of the model built by these handlers (default 1). Raising it makes migrate rebuild the perspective online from the event store: stream by stream in place (needs `reset`), or beside the old version with rebuild: blueGreen.
     #[serde(default = "default_perspective_version")]
     #[schemars(range(min = 1))]
     pub version: u32,
@@ -42,6 +42,13 @@ pub struct PerspectiveConfig {
     /// SQL that removes one stream's share of the model (may use :stream_id); enables rewind and rebuild.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reset: Option<String>,
+    /// How a version bump rebuilds the model: inPlace (default: each stream reset and replayed in the live tables) or blueGreen (the new version is built in a shadow schema while the old one serves, then one transaction switches the tables).
+    #[serde(default)]
+    pub rebuild: Rebuild,
+    /// With rebuild: blueGreen, how many previous versions are kept (tables and progress) so that setting version back to one switches back without a rebuild (0-5, default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 5))]
+    pub keep_previous_versions: Option<u32>,
     /// Event type to SQL run once per event in the apply transaction, with :stream_id, :data and other parameters.
     // Kept in file order: handlers are listed, registered and reported as the user wrote them.
     #[serde(deserialize_with = "deserialize_handlers")]
@@ -81,6 +88,23 @@ pub enum Sequencing {
     Serial,
 }
 
+/// How a version bump rebuilds a perspective (DESIGN §12.6).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Rebuild {
+    /// Each stream is reset and replayed in the live tables, one commit per chunk of streams.
+    #[default]
+    InPlace,
+    /// The new version is built in a shadow schema while the old one serves; once caught up,
+    /// one transaction moves the new tables in and the old ones out.
+    BlueGreen,
+}
+
+/// Default of `keepPreviousVersions`.
+pub const DEFAULT_KEEP_PREVIOUS_VERSIONS: u32 = 1;
+/// Most previous versions a blue/green perspective keeps.
+pub const MAX_KEEP_PREVIOUS_VERSIONS: u32 = 5;
+
 impl Sequencing {
     /// The name used in the config.
     pub fn as_str(self) -> &'static str {
@@ -93,6 +117,12 @@ impl Sequencing {
 }
 
 impl PerspectiveConfig {
+    /// How many previous versions a blue/green perspective keeps.
+    pub fn keep_previous_versions(&self) -> u32 {
+        self.keep_previous_versions
+            .unwrap_or(DEFAULT_KEEP_PREVIOUS_VERSIONS)
+    }
+
     /// The `sequencingKey` expression, lexed.
     ///
     /// # Panics

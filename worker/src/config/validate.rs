@@ -14,7 +14,9 @@ use super::claim_options::{
 use super::names::{
     check_event_type, check_identifier, check_schema_name, MAX_PERSPECTIVE_NAME_LEN,
 };
-use super::perspective::{Ordering, PerspectiveConfig, Sequencing};
+use super::perspective::{
+    Ordering, PerspectiveConfig, Rebuild, Sequencing, MAX_KEEP_PREVIOUS_VERSIONS,
+};
 use super::sql_params::{self, Param};
 use super::worker_options::*;
 use super::Config;
@@ -260,6 +262,7 @@ fn check_perspective(perspective: &PerspectiveConfig, label: &str, problems: &mu
         ));
     }
     check_sequencing(perspective, label, problems);
+    check_rebuild(perspective, label, problems);
     if perspective.handlers.is_empty() {
         problems.push(Problem::new(
             format!("{label}.handlers"),
@@ -649,6 +652,40 @@ fn check_sequencing(perspective: &PerspectiveConfig, label: &str, problems: &mut
     }
 }
 
+/// `keepPreviousVersions` is bounded and belongs to `rebuild: blueGreen`; a blue/green
+/// perspective's name may not look like the internal name of one of its versions, and what
+/// blue/green does not support yet is refused.
+fn check_rebuild(perspective: &PerspectiveConfig, label: &str, problems: &mut Vec<Problem>) {
+    if let Some(keep) = perspective.keep_previous_versions {
+        if perspective.rebuild != Rebuild::BlueGreen {
+            problems.push(Problem::new(
+                format!("{label}.keepPreviousVersions"),
+                "keepPreviousVersions is used only with rebuild: blueGreen (this perspective rebuilds in place)",
+            ));
+        } else if keep > MAX_KEEP_PREVIOUS_VERSIONS {
+            problems.push(Problem::new(
+                format!("{label}.keepPreviousVersions"),
+                format!("{keep} is out of range: at most {MAX_KEEP_PREVIOUS_VERSIONS} previous versions are kept"),
+            ));
+        }
+    }
+    if crate::config::versions::looks_internal(&perspective.name) {
+        problems.push(Problem::new(
+            format!("{label}.name"),
+            format!(
+                "`{}` ends like the internal name of a perspective's version (`<name>__v<N>`); choose another name",
+                perspective.name
+            ),
+        ));
+    }
+    if perspective.rebuild == Rebuild::BlueGreen && perspective.ordering == Ordering::EventId {
+        problems.push(Problem::new(
+            format!("{label}.rebuild"),
+            "rebuild: blueGreen does not support ordering: eventId yet (a rollback catches up from the kept cursors, which assumes commit order); use rebuild: inPlace",
+        ));
+    }
+}
+
 /// Leading keywords that make a statement, which a `sequencingKey` expression cannot start with.
 const EXPRESSION_IS_A_STATEMENT: [&str; 10] = [
     "select", "insert", "update", "delete", "with", "values", "merge", "create", "drop", "perform",
@@ -741,6 +778,37 @@ mod tests {
                 format!("{MINIMAL}workers: {{}}\n"),
                 "workers",
                 "unknown field `workers`",
+            ),
+            (
+                MINIMAL.replace("    handlers:", "    keepPreviousVersions: 2\n    handlers:"),
+                "perspectives[0] (order_summary).keepPreviousVersions",
+                "used only with rebuild: blueGreen",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    rebuild: blueGreen\n    keepPreviousVersions: 6\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).keepPreviousVersions",
+                "at most 5 previous versions",
+            ),
+            (
+                MINIMAL.replace("    handlers:", "    rebuild: sideways\n    handlers:"),
+                "perspectives[0].rebuild",
+                "unknown variant `sideways`",
+            ),
+            (
+                MINIMAL.replace("name: order_summary", "name: order_summary__v2"),
+                "perspectives[0] (order_summary__v2).name",
+                "internal name of a perspective's version",
+            ),
+            (
+                MINIMAL.replace(
+                    "    handlers:",
+                    "    rebuild: blueGreen\n    ordering: eventId\n    reset: DELETE FROM t\n    handlers:",
+                ),
+                "perspectives[0] (order_summary).rebuild",
+                "does not support ordering: eventId",
             ),
             (
                 MINIMAL.replace("    handlers:", "    handlrs: {}\n    handlers:"),

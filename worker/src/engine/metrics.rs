@@ -103,6 +103,12 @@ pub struct WorkerMetrics {
     /// `perspective_queue_vacuums_total{table}`: vacuums of a queue table run by this worker
     /// (between autovacuum's visits, see `engine::vacuum`).
     pub queue_vacuums: IntCounterVec,
+    /// `perspective_version_switches_total{perspective,version}`: blue/green switches this
+    /// worker made, by the version switched to.
+    pub version_switches: IntCounterVec,
+    /// `perspective_version_switches_refused_total{perspective,version}`: turns on which this
+    /// worker found a version ready to switch but its role lacks the schema owner's rights.
+    pub version_switches_refused: IntCounterVec,
 }
 
 impl WorkerMetrics {
@@ -135,6 +141,8 @@ impl WorkerMetrics {
             catchup_remaining_events: catchup_remaining_events(&r),
             catchup_progress: catchup_progress(&r),
             queue_vacuums: queue_vacuums(&r),
+            version_switches: version_switches(&r),
+            version_switches_refused: version_switches_refused(&r),
             registry,
         }
     }
@@ -424,6 +432,25 @@ fn queue_vacuums(r: &Registrar) -> IntCounterVec {
         "Vacuums of a queue table (wh_perspective_events, wh_active_streams) this worker ran \
          because it held as many dead rows as live ones.",
         &["table"],
+    )
+}
+
+fn version_switches(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_version_switches_total",
+        "Blue/green switches this worker made: the perspective's tables replaced by those of the \
+         version built beside them (or kept, for a rollback).",
+        &[PERSPECTIVE, "version"],
+    )
+}
+
+fn version_switches_refused(r: &Registrar) -> IntCounterVec {
+    r.counter_vec(
+        "perspective_version_switches_refused_total",
+        "Turns on which this worker found a version built and caught up but could not switch to \
+         it: its database role lacks the schema owner's rights (the old version keeps serving \
+         until a worker running as the owner switches).",
+        &[PERSPECTIVE, "version"],
     )
 }
 

@@ -69,7 +69,7 @@ pub use hooks::{HookEvent, Hooks};
 pub use runner::SqlRunner;
 
 use crate::compile::definition_hash;
-use crate::config::Config;
+use crate::config::{versions, Config};
 use crate::engine::drain::completion::dedup::ProcessedEventCache;
 use crate::engine::http::Readiness;
 use crate::engine::metrics::WorkerMetrics;
@@ -138,6 +138,10 @@ pub enum EngineError {
         perspective: String,
         sequencing: &'static str,
     },
+    #[error(
+        "perspective {perspective} has rebuild: blueGreen, which only the compiled SQL handlers support: a custom runner does not write a version's own tables; remove the runner or use rebuild: inPlace"
+    )]
+    BlueGreenNeedsSqlHandlers { perspective: String },
 }
 
 /// What every task of one engine uses: who it is, where its schema is, where it reports, and
@@ -177,6 +181,56 @@ fn refuse_sequencing_with_a_custom_runner(options: &EngineOptions) -> Result<(),
     }
 }
 
+/// A custom runner does not run the compiled functions whose search_path points a version being
+/// built at its own tables.
+fn refuse_blue_green_with_a_custom_runner(options: &EngineOptions) -> Result<(), EngineError> {
+    let custom = options
+        .runner
+        .as_ref()
+        .is_some_and(|r| !r.server_side_drain());
+    match options
+        .config
+        .perspectives
+        .iter()
+        .find(|p| p.rebuild == crate::config::Rebuild::BlueGreen)
+    {
+        Some(p) if custom => Err(EngineError::BlueGreenNeedsSqlHandlers {
+            perspective: p.name.clone(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The perspectives the deployment runs: the config's, plus, for each version being built
+/// beside a live one, the live version as `migrate` recorded it and the new one under its
+/// internal name (see [`crate::config::versions`]).
+async fn running_config(store: &Store, config: &Config) -> Result<Config, EngineError> {
+    let schema = store.schema();
+    let mut conn = store
+        .conn(store.deadlines().routine, "versions being built")
+        .await
+        .map_err(|e| db("reading the versions being built", e))?;
+    let rows = conn
+        .deadline()
+        .run(crate::store::versions::building(&mut conn, schema))
+        .await
+        .map_err(|e| db("reading the versions being built", e))?;
+    let building: Vec<versions::Building> = rows
+        .into_iter()
+        .filter_map(|(perspective, version, live)| {
+            Some(versions::Building {
+                perspective,
+                version: version as u32,
+                live: versions::parse_definition(&live).ok()?,
+            })
+        })
+        .collect();
+    Ok(versions::running_config(
+        config,
+        &versions::running(config, &building),
+    ))
+}
+
 /// A running engine.
 pub struct Engine {
     options: EngineOptions,
@@ -189,12 +243,16 @@ pub struct Engine {
 impl Engine {
     /// Verify the schema, register the instance and start every task.
     pub async fn start(
-        options: EngineOptions,
+        mut options: EngineOptions,
         shutdown: CancellationToken,
     ) -> Result<Engine, EngineError> {
-        let config = options.config.clone();
         refuse_sequencing_with_a_custom_runner(&options)?;
+        refuse_blue_green_with_a_custom_runner(&options)?;
         let (store, listen_pool) = connect(&options).await?;
+        verify_migration(&store, &options.config).await?;
+        // A blue/green version being built runs beside the live one, as a perspective of its own.
+        options.config = Arc::new(running_config(&store, &options.config).await?);
+        let config = options.config.clone();
         verify_schema(&store, &config).await?;
         for p in &config.perspectives {
             options.metrics.init_perspective(&p.name);
@@ -382,9 +440,8 @@ fn db(step: &'static str, e: sqlx::Error) -> EngineError {
     }
 }
 
-/// The schema must be at this binary's migration, have this binary's engine functions as
-/// `migrate` installed them, and every perspective compiled from the config's current definition.
-async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError> {
+/// The schema must be at this binary's migration.
+async fn verify_migration(store: &Store, config: &Config) -> Result<(), EngineError> {
     let schema = &config.schema;
     let found = store
         .latest_migration()
@@ -397,6 +454,14 @@ async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError
             expected: latest_version(),
         });
     }
+    Ok(())
+}
+
+/// The schema must be at this binary's migration, have this binary's engine functions as
+/// `migrate` installed them, and every perspective compiled from the config's current definition.
+async fn verify_schema(store: &Store, config: &Config) -> Result<(), EngineError> {
+    let schema = &config.schema;
+    verify_migration(store, config).await?;
     let problem = store
         .functions_problem()
         .await

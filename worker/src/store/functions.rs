@@ -63,6 +63,10 @@ pub const FUNCTIONS: &[Function] = functions![
     "wh_job_advance",
     "wh_job_take_streams",
     "wh_job_requeue_streams",
+    // Blue/green versions.
+    "wh_version_move",
+    "wh_version_adopt_work",
+    "wh_version_switch",
 ];
 
 impl Function {

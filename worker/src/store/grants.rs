@@ -33,6 +33,7 @@ const READER_TABLES: &[&str] = &[
     "wh_perspective_cursors",
     "wh_perspective_jobs",
     "wh_perspective_job_streams",
+    "wh_perspective_versions",
     "wh_dead_letters",
     "wh_service_instances",
     "wh_active_streams",

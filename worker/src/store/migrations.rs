@@ -107,6 +107,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0019_retention_guard_checks_each_row.sql",
         template: include_str!("../../../migrations/0019_retention_guard_checks_each_row.sql"),
     },
+    Migration {
+        version: 20,
+        name: "0020_blue_green_versions.sql",
+        template: include_str!("../../../migrations/0020_blue_green_versions.sql"),
+    },
 ];
 
 /// The last migration that defined functions; later ones must not (see the module docs).

@@ -25,6 +25,7 @@
 //! - [`lifecycle`]: lifecycle completion records and orphan reconciliation
 //! - [`catchup`]: backfill and rebuild jobs: their life, their streams, their progress
 //! - [`removal`]: removing what a perspective that left the config leaves behind
+//! - [`versions`]: blue/green versions: building beside the live one, the switch, retiring
 //! - [`statistics`]: the tables' sizes against their planner statistics, and ANALYZE
 //! - [`status`]: read-only lag / failure / dead-letter figures
 //! - [`vacuum`]: the queue tables' dead rows, and vacuuming them
@@ -55,6 +56,7 @@ pub mod schema;
 pub mod statistics;
 pub mod status;
 pub mod vacuum;
+pub mod versions;
 
 use std::sync::Arc;
 

@@ -39,13 +39,15 @@ const ADD_SUBSCRIPTIONS: &str = "INSERT INTO {schema}.wh_perspective_subscriptio
      RETURNING perspective_name, event_type";
 const SET_LOCAL_SEARCH_PATH: &str = "SET LOCAL search_path TO {schema}, public";
 const RECORD_COMPILED: &str = "INSERT INTO {schema}.wh_perspectives
-         (perspective_name, definition_hash, apply_function, version, handlers_hash)
-     VALUES ($1, $2, $3, $4, $5)
+         (perspective_name, definition_hash, apply_function, version, handlers_hash, definition)
+     VALUES ($1, $2, $3, $4, $5, $6)
      ON CONFLICT (perspective_name) DO UPDATE
        SET definition_hash = excluded.definition_hash, apply_function = excluded.apply_function,
-           version = excluded.version, handlers_hash = excluded.handlers_hash, updated_at = now()
+           version = excluded.version, handlers_hash = excluded.handlers_hash,
+           definition = excluded.definition, updated_at = now()
      WHERE wh_perspectives.definition_hash <> excluded.definition_hash
-        OR wh_perspectives.handlers_hash IS DISTINCT FROM excluded.handlers_hash";
+        OR wh_perspectives.handlers_hash IS DISTINCT FROM excluded.handlers_hash
+        OR wh_perspectives.definition IS DISTINCT FROM excluded.definition";
 const RECORDED_PERSPECTIVES: &str =
     "SELECT perspective_name, version, handlers_hash FROM {schema}.wh_perspectives";
 const COUNT_EVENTS_OF_TYPES: &str =
@@ -152,6 +154,24 @@ pub async fn sync_subscriptions(
 
 /// Resolve unqualified names in the schema first for the rest of the transaction (perspective
 /// `setup` and handlers name their tables that way).
+/// `SET LOCAL search_path` to `home` (a blue/green version's own schema), if any, then
+/// `schema`, then public.
+pub async fn set_local_search_path_in(
+    tx: &mut PgConnection,
+    home: Option<&str>,
+    schema: &str,
+) -> Result<(), sqlx::Error> {
+    let path = match home {
+        Some(home) => format!("{home}, {schema}"),
+        None => schema.to_string(),
+    };
+    // Validated and generated identifiers: no quoting needed.
+    sqlx::raw_sql(&format!("SET LOCAL search_path TO {path}, public"))
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
 pub async fn set_local_search_path(tx: &mut PgConnection, schema: &str) -> Result<(), sqlx::Error> {
     sqlx::query(&super::sql(schema, SET_LOCAL_SEARCH_PATH))
         .execute(&mut *tx)
@@ -161,7 +181,9 @@ pub async fn set_local_search_path(tx: &mut PgConnection, schema: &str) -> Resul
 
 /// Run a script of one or more statements (a perspective's `setup`, a compiled function).
 pub async fn execute_script(conn: &mut PgConnection, script: &str) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(script).execute(&mut *conn).await?;
+    // A bare string without arguments goes as a simple query: several statements are fine.
+    // (Not `raw_sql`: its future cannot be proven `Send` in the engine's blue/green switch.)
+    sqlx::Executor::execute(&mut *conn, script).await?;
     Ok(())
 }
 
@@ -184,6 +206,8 @@ pub struct CompiledPerspective<'a> {
     pub function: &'a str,
     pub version: i32,
     pub handlers_hash: &'a str,
+    /// The perspective's config as JSON (handlers in file order), for blue/green versions.
+    pub definition: &'a str,
 }
 
 /// Record that a perspective is compiled into its function from its definition.
@@ -198,6 +222,7 @@ pub async fn record_compiled_perspective(
         .bind(p.function)
         .bind(p.version)
         .bind(p.handlers_hash)
+        .bind(p.definition)
         .execute(&mut *tx)
         .await?;
     Ok(())

@@ -31,11 +31,21 @@ pub struct PerspectiveStatus {
     pub failed_streams: i64,
     /// Dead letters not yet replayed or discarded.
     pub dead_letters: i64,
-    /// Live, or catching up (Backfilling, Rebuilding).
+    /// Live, or catching up (Backfilling, Rebuilding), or a new version built beside it
+    /// (Building, Switching).
     pub phase: Phase,
     /// While catching up: streams done, events remaining, time left.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,
+    /// The version serving (the one its functions were compiled from), once migrated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub version: Option<i32>,
+    /// While `Building` or `Switching`: the version built beside the serving one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_version: Option<i32>,
+    /// Whether `next_version` is a kept version caught up from its cursors (a rollback).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub rollback: bool,
     /// Applies stopped by a lock conflict with another applier (and retried) over the last
     /// minute, summed over the live instances' last heartbeats.
     pub lock_conflicts_per_minute: i64,
@@ -69,6 +79,23 @@ pub struct DeadLetterSummary {
 }
 
 impl PerspectiveStatus {
+    /// One line while it is not `Live`: its catch-up's progress ("order_totals backfilling:
+    /// 61% (…), about 40 s left"), or what a switch waits for.
+    pub fn phase_message(&self) -> Option<String> {
+        match (&self.progress, self.phase, self.next_version) {
+            (Some(progress), phase, _) => Some(progress.message(&self.name, phase)),
+            (None, Phase::Live, _) => None,
+            (None, Phase::Switching, Some(next)) => Some(format!(
+                "{} switching: v{next} is built and switches once caught up (its oldest unapplied \
+                 event under 1 s old, no pending dead letter) by a worker running as the schema \
+                 owner; v{} serves until then",
+                self.name,
+                self.version.unwrap_or_default()
+            )),
+            (None, phase, _) => Some(format!("{} {}", self.name, phase.as_str().to_lowercase())),
+        }
+    }
+
     /// Whether its lock conflicts persist: at least [`PERSISTENT_LOCK_CONFLICTS_PER_MINUTE`].
     pub fn lock_contention(&self) -> bool {
         self.lock_conflicts_per_minute >= PERSISTENT_LOCK_CONFLICTS_PER_MINUTE
@@ -155,6 +182,8 @@ const NEWEST: &str = "SELECT p.name, d.dead_letter_id, d.event_type, d.stream_id
        WHERE perspective_name = p.name AND recovery_status = {dead_letter_pending}
        ORDER BY dead_letter_id DESC LIMIT $3) AS d
      ORDER BY p.name, d.dead_letter_id DESC";
+/// The version each perspective serves.
+const SERVING: &str = "SELECT perspective_name, version FROM {schema}.wh_perspectives";
 const PENDING_PER_PERSPECTIVE: &str = "SELECT perspective_name, count(*),
             extract(epoch FROM now() - min(created_at))::float8
      FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY perspective_name";
@@ -173,7 +202,10 @@ pub async fn read_status(
         .bind(configured)
         .fetch_all(&mut *conn)
         .await?;
-    let jobs = super::catchup::progress(&mut *conn, schema).await?;
+    let phases = super::catchup::Phases::read(&mut *conn, schema).await?;
+    let serving: Vec<(String, i32)> = sqlx::query_as(&super::sql(schema, SERVING))
+        .fetch_all(&mut *conn)
+        .await?;
     let conflicts: Vec<(String, i64, Option<String>)> =
         sqlx::query_as(&super::sql(schema, LOCK_CONFLICTS))
             .bind(stale_after_seconds)
@@ -190,13 +222,8 @@ pub async fn read_status(
         .iter()
         .map(|r| {
             let name: String = r.get(0);
-            let (phase, progress) = match jobs.iter().find(|j| j.perspective == name) {
-                Some(job) => {
-                    let (phase, progress) = Progress::of(job);
-                    (phase, Some(progress))
-                }
-                None => (Phase::Live, None),
-            };
+            let (phase, progress) = phases.of(&name);
+            let next = phases.next_version(&name);
             let (lock_conflicts_per_minute, lock_conflict_sqlstate) = conflicts
                 .iter()
                 .find(|(p, _, _)| *p == name)
@@ -209,6 +236,9 @@ pub async fn read_status(
                 dead_letters: r.get(5),
                 phase,
                 progress,
+                version: serving.iter().find(|(p, _)| *p == name).map(|(_, v)| *v),
+                next_version: next.map(|(v, _)| v),
+                rollback: next.is_some_and(|(_, rollback)| rollback),
                 lock_conflicts_per_minute,
                 lock_conflict_sqlstate,
                 newest_dead_letters: newest
@@ -264,5 +294,31 @@ impl super::Store {
         c.deadline()
             .run(sqlx::query_as(&self.sql(PENDING_PER_PERSPECTIVE)).fetch_all(&mut *c))
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_switch_says_which_version_waits_and_which_serves() {
+        let mut p = PerspectiveStatus {
+            name: "orders".into(),
+            phase: Phase::Switching,
+            version: Some(2),
+            next_version: Some(3),
+            ..Default::default()
+        };
+        let line = p.phase_message().unwrap();
+        assert!(
+            line.starts_with("orders switching: v3 is built and switches once caught up"),
+            "{line}"
+        );
+        assert!(line.ends_with("v2 serves until then"), "{line}");
+        p.phase = Phase::Live;
+        assert_eq!(p.phase_message(), None);
+        p.phase = Phase::Rebuilding;
+        assert_eq!(p.phase_message().as_deref(), Some("orders rebuilding"));
     }
 }

@@ -88,10 +88,7 @@ pub fn catch_up_messages(perspectives: &[PerspectiveStatus]) -> Vec<String> {
     perspectives
         .iter()
         .filter(|p| p.phase != Phase::Live)
-        .map(|p| match &p.progress {
-            Some(progress) => progress.message(&p.name, p.phase),
-            None => format!("{} {}", p.name, p.phase.as_str().to_lowercase()),
-        })
+        .filter_map(|p| p.phase_message())
         .collect()
 }
 

@@ -270,6 +270,35 @@ mod tests {
     }
 
     #[test]
+    fn a_version_built_beside_the_live_one_leaves_it_ready() {
+        use perspective_worker::store::catchup::progress::Phase;
+        use perspective_worker::store::status::PerspectiveStatus;
+        // The old version serves throughout a blue/green build and its switch.
+        for phase in [Phase::Building, Phase::Switching, Phase::Live] {
+            let mut o = fixture::migrated(3);
+            o.database = Some(Ok(fixture::database(
+                3,
+                vec![PerspectiveStatus {
+                    name: "orders".into(),
+                    configured: true,
+                    phase,
+                    version: Some(2),
+                    next_version: (phase != Phase::Live).then_some(3),
+                    ..Default::default()
+                }],
+            )));
+            for was_ready in [true, false] {
+                let r = ready(&o, was_ready);
+                assert_eq!(
+                    (r.status, r.reason.as_str()),
+                    (true, "Available"),
+                    "{phase:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn one_pod_may_be_replaced_at_a_time_but_never_the_last() {
         assert_eq!([0, 1, 2, 3, 5].map(min_available), [0, 1, 1, 2, 4]);
     }

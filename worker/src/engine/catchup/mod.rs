@@ -12,6 +12,7 @@
 //!   with the `jobs` payload, which the listener turns into a wake-up here.
 
 pub mod plan;
+pub mod switch;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,7 +23,6 @@ use tokio::sync::Notify;
 use super::Shared;
 use crate::config::{PerspectiveConfig, Sequencing};
 use crate::store::catchup as store;
-use crate::store::catchup::progress::{Phase, Progress};
 use plan::{JobError, JobKind, JobState, Requeue};
 
 /// Between turns while a job waits for older transactions or its history is being applied.
@@ -200,9 +200,11 @@ impl JobRunner {
             }
         }
         self.publish(&mut conn).await?;
+        // A version built beside a live one switches once caught up; until then, watch it.
+        let building = self.switch_versions(&mut conn).await?;
         Ok(if worked {
             Turn::Worked
-        } else if active.is_empty() {
+        } else if active.is_empty() && !building {
             Turn::Idle
         } else {
             Turn::Watching
@@ -269,18 +271,15 @@ impl JobRunner {
     /// Each configured perspective's phase and progress, in `/metrics`.
     async fn publish(&self, conn: &mut crate::store::Conn) -> Result<(), sqlx::Error> {
         let shared = &self.shared;
-        let rows = conn
+        let phases = conn
             .limit(shared.store.deadlines().routine, "catch-up progress")
-            .run(store::progress(conn, shared.store.schema()))
+            .run(store::Phases::read(conn, shared.store.schema()))
             .await?;
         for p in &shared.config.perspectives {
-            match rows.iter().find(|j| j.perspective == p.name) {
-                Some(job) => {
-                    let (phase, progress) = Progress::of(job);
-                    shared.metrics.set_catchup(&p.name, phase, Some(&progress));
-                }
-                None => shared.metrics.set_catchup(&p.name, Phase::Live, None),
-            }
+            let (phase, progress) = phases.of(&p.name);
+            shared
+                .metrics
+                .set_catchup(&p.name, phase, progress.as_ref());
         }
         Ok(())
     }

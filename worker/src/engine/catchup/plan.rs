@@ -50,6 +50,10 @@ pub enum JobError {
         stream: Uuid,
         message: String,
     },
+    #[error(
+        "perspective {perspective}: version {version} is built, but the switch needs the rights of the schema's owner (it moves tables and replaces functions) and this worker's database role does not have them; run the workers as the owner role (the old version keeps serving meanwhile)"
+    )]
+    SwitchNeedsOwner { perspective: String, version: i32 },
     #[error(transparent)]
     Database(#[from] sqlx::Error),
 }

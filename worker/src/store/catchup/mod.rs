@@ -39,6 +39,61 @@ const PROGRESS: &str =
             extract(epoch FROM now() - j.started_at)::float8
      FROM {schema}.wh_perspective_jobs j WHERE j.state <> 'done' ORDER BY j.perspective_name";
 
+/// Versions being built beside a live one (blue/green), by perspective, and whether each was
+/// live before (a rollback catches it up from its kept cursors).
+const BUILDING: &str = "SELECT perspective_name, version, switched_at IS NOT NULL
+     FROM {schema}.wh_perspective_versions WHERE state = 'building'";
+
+/// Every perspective's phase and progress, read at once: its jobs' figures, and the versions
+/// built beside live ones.
+#[derive(Debug, Clone, Default)]
+pub struct Phases {
+    jobs: Vec<JobRow>,
+    building: Vec<(String, i32, bool)>,
+}
+
+impl Phases {
+    pub async fn read(conn: &mut PgConnection, schema: &str) -> Result<Phases, sqlx::Error> {
+        let jobs = progress(&mut *conn, schema).await?;
+        let building = sqlx::query_as(&super::sql(schema, BUILDING))
+            .fetch_all(&mut *conn)
+            .await?;
+        Ok(Phases { jobs, building })
+    }
+
+    /// The version built beside `perspective`'s live one, and whether it is a rollback.
+    pub fn next_version(&self, perspective: &str) -> Option<(i32, bool)> {
+        self.building
+            .iter()
+            .find(|(p, _, _)| p == perspective)
+            .map(|(_, version, rollback)| (*version, *rollback))
+    }
+
+    /// `perspective`'s phase: `Building` (with the new version's progress) while a version is
+    /// built beside it, `Switching` once that version's catch-up is done; else its own job's
+    /// phase, or `Live`.
+    pub fn of(&self, perspective: &str) -> (progress::Phase, Option<progress::Progress>) {
+        if let Some((_, version, _)) = self.building.iter().find(|(p, _, _)| p == perspective) {
+            let internal = crate::config::versions::internal_name(perspective, *version as u32);
+            return match self.jobs.iter().find(|j| j.perspective == internal) {
+                Some(job) => {
+                    let (_, mut p) = progress::Progress::of(job);
+                    p.version = Some(*version as u32);
+                    (progress::Phase::Building, Some(p))
+                }
+                None => (progress::Phase::Switching, None),
+            };
+        }
+        match self.jobs.iter().find(|j| j.perspective == perspective) {
+            Some(job) => {
+                let (phase, p) = progress::Progress::of(job);
+                (phase, Some(p))
+            }
+            None => (progress::Phase::Live, None),
+        }
+    }
+}
+
 /// What a job does to each stream before queueing its history again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]

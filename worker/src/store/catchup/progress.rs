@@ -16,6 +16,12 @@ pub enum Phase {
     Backfilling,
     /// Its version changed (or `rebuild` ran): each stream is reset and replayed.
     Rebuilding,
+    /// Its version changed with `rebuild: blueGreen`: the new version is being built beside the
+    /// live one, which serves meanwhile.
+    Building,
+    /// The new version is built: it switches once it has caught up (see the README, "Blue/green
+    /// versions"); the old one serves until then.
+    Switching,
 }
 
 impl Phase {
@@ -24,10 +30,30 @@ impl Phase {
             Phase::Live => "Live",
             Phase::Backfilling => "Backfilling",
             Phase::Rebuilding => "Rebuilding",
+            Phase::Building => "Building",
+            Phase::Switching => "Switching",
         }
     }
 
-    pub const ALL: [Phase; 3] = [Phase::Live, Phase::Backfilling, Phase::Rebuilding];
+    /// The phase as `status` shows it: `Live`, `Backfilling 61%`, `Building v3 61%`, `Switching`.
+    pub fn label(self, progress: Option<&Progress>) -> String {
+        let Some(progress) = progress else {
+            return self.as_str().to_string();
+        };
+        let percent = progress.percent.floor();
+        match (self, progress.version) {
+            (Phase::Building, Some(version)) => format!("Building v{version} {percent}%"),
+            _ => format!("{} {percent}%", self.as_str()),
+        }
+    }
+
+    pub const ALL: [Phase; 5] = [
+        Phase::Live,
+        Phase::Backfilling,
+        Phase::Rebuilding,
+        Phase::Building,
+        Phase::Switching,
+    ];
 }
 
 /// A catch-up in progress.
@@ -47,6 +73,9 @@ pub struct Progress {
     pub percent: f64,
     /// At the rate so far; None until something was applied.
     pub eta_seconds: Option<f64>,
+    /// While `Building`: the version built beside the live one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<u32>,
 }
 
 impl Progress {
@@ -98,6 +127,7 @@ impl Progress {
                 events_remaining,
                 percent,
                 eta_seconds,
+                version: None,
             },
         )
     }
@@ -105,7 +135,10 @@ impl Progress {
     /// One line for people: "order_totals backfilling: 61% (610 000/1 000 000 events,
     /// 10 000/10 000 streams), about 40 s left".
     pub fn message(&self, perspective: &str, phase: Phase) -> String {
-        let verb = phase.as_str().to_lowercase();
+        let verb = match (phase, self.version) {
+            (Phase::Building, Some(version)) => format!("building v{version}"),
+            _ => phase.as_str().to_lowercase(),
+        };
         if self.step == "waiting" {
             return format!(
                 "{perspective} {verb}: waiting for transactions older than the job to end"
@@ -225,6 +258,18 @@ mod tests {
         j.streams_left = 0;
         j.events_unqueued = 0;
         assert_eq!(Progress::of(&j).1.percent, 100.0);
+    }
+
+    #[test]
+    fn a_version_built_beside_the_live_one_is_labelled_with_it() {
+        let (_, mut p) = Progress::of(&job(JobState::Queueing));
+        p.version = Some(3);
+        assert_eq!(Phase::Building.label(Some(&p)), "Building v3 61%");
+        assert_eq!(Phase::Switching.label(None), "Switching");
+        assert_eq!(Phase::Backfilling.label(Some(&p)), "Backfilling 61%");
+        assert!(p
+            .message("orders", Phase::Building)
+            .starts_with("orders building v3: 61% ("));
     }
 
     #[test]

@@ -6,7 +6,8 @@
 -- applied here, through the perspective's compiled apply function, in the same commit (a rebuilt
 -- stream is never seen reset but not yet replayed), without work rows: what an apply leaves (a
 -- failing event and what follows it) is queued for the workers' usual retries. Returns the rows
--- queued and the events applied.
+-- queued and the events applied. A job that keeps cursors (a kept blue/green version catching
+-- up for a rollback) keeps them and applies only the events after them.
 
 CREATE OR REPLACE FUNCTION {{schema}}.wh_job_requeue_streams(
     p_perspective text, p_stream_ids uuid[], p_apply boolean DEFAULT false,
@@ -23,7 +24,10 @@ DECLARE
   v_call     text;
   v_events   uuid[];
   v_versions bigint[];
+  v_keep     boolean;
 BEGIN
+  SELECT coalesce(bool_or(j.keep_cursors), false) INTO v_keep FROM {{schema}}.wh_perspective_jobs j
+  WHERE j.perspective_name = p_perspective;
   IF p_apply THEN
     SELECT p.apply_function INTO v_function FROM {{schema}}.wh_perspectives p
     WHERE p.perspective_name = p_perspective;
@@ -31,8 +35,10 @@ BEGIN
     v_call := format('SELECT o_applied FROM {{schema}}.%I($1, array_fill(0::bigint, ARRAY[cardinality($2)]), $2, $3, true, $4, false, $5, $6, false, true, false)',
                      v_function);
   END IF;
-  DELETE FROM {{schema}}.wh_perspective_cursors
-  WHERE stream_id = ANY (p_stream_ids) AND perspective_name = p_perspective;
+  IF NOT v_keep THEN
+    DELETE FROM {{schema}}.wh_perspective_cursors
+    WHERE stream_id = ANY (p_stream_ids) AND perspective_name = p_perspective;
+  END IF;
   DELETE FROM {{schema}}.wh_perspective_events
   WHERE stream_id = ANY (p_stream_ids) AND perspective_name = p_perspective;
   FOREACH v_stream IN ARRAY p_stream_ids LOOP
@@ -45,7 +51,10 @@ BEGIN
     FROM {{schema}}.wh_event_store e
     JOIN {{schema}}.wh_perspective_subscriptions s
       ON s.event_type = e.event_type AND s.perspective_name = p_perspective
-    WHERE e.stream_id = v_stream;
+    WHERE e.stream_id = v_stream
+      AND (NOT v_keep OR e.stream_version > coalesce(
+            (SELECT c.last_version FROM {{schema}}.wh_perspective_cursors c
+             WHERE c.stream_id = v_stream AND c.perspective_name = p_perspective), 0));
     IF v_events IS NULL THEN
       CONTINUE;
     END IF;

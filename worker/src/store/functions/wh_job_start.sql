@@ -22,7 +22,7 @@ BEGIN
   ON CONFLICT (perspective_name) DO UPDATE
     SET kind = excluded.kind, state = 'waiting', wait_for = NULL, streams_total = NULL,
         events_total = NULL, queued_through = NULL, created_at = now(), started_at = NULL,
-        finished_at = NULL;
+        finished_at = NULL, keep_cursors = false;
   PERFORM pg_notify('{{schema}}_work', 'jobs');
 END
 $$;
