@@ -11,6 +11,7 @@
 mod support;
 
 mod real_node {
+    mod blue_green;
     mod quickstart;
 
     use std::collections::{BTreeMap, HashMap, HashSet};

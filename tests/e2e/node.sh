@@ -32,6 +32,7 @@ net_prefix="${subnet%.*}"          # 10.213.0
 node_ip="$net_prefix.1"            # the bridge gateway
 timeout_s="${E2E_START_TIMEOUT:-120}"
 pause_image="localhost/pause:v1"
+psql_image="localhost/e2e-psql:v1" # a reader for tests: psql and the libraries it links
 service_ip=10.0.0.1                # the `kubernetes` Service (control-plane.sh's service CIDR)
 
 # Kernel settings the kubelet (setupKernelTunables) and the bridge plugin change.
@@ -230,6 +231,7 @@ cmd_start() {
 	wait_for "containerd on $sock" "$dir/pids/containerd.pid" ctr -a "$sock" version
 
 	cmd_import_pause "$bin"
+	cmd_import_psql
 
 	local kubelet_port healthz_port
 	kubelet_port="$(free_port)"
@@ -301,6 +303,39 @@ cmd_import_pause() {
 		buildah commit -q --rm "$ctr" "$pause_image" >/dev/null
 		buildah push -q "$pause_image" "docker-archive:$archive.tmp:$pause_image"
 		buildah rmi "$pause_image" >/dev/null || true
+		mv -f "$archive.tmp" "$archive"
+	fi
+	cmd_import "$archive"
+}
+
+# A reader image for tests (a pod that queries the database in a loop, as a user's service
+# would): the PostgreSQL client's psql binary and every library it links, cached by the binary's
+# hash. Its name is $psql_image; it runs as 65532.
+cmd_import_psql() {
+	local psql cache hash archive ctr mnt lib
+	psql="$("$here/../pg/pg.sh" bindir)/psql"
+	[[ -x "$psql" ]] || die "no psql at $psql"
+	cache="${PERSPECTIVE_CACHE:-$HOME/.cache/perspective-operator}/images"
+	hash="$(sha256sum "$psql" | cut -c1-16)"
+	archive="$cache/psql-$hash.tar"
+	if [[ ! -f "$archive" ]]; then
+		command -v buildah >/dev/null || apt_install "$dir/logs/apt-buildah.log" buildah
+		mkdir -p "$cache"
+		ctr=$(buildah from scratch)
+		mnt=$(buildah mount "$ctr")
+		install -D -m 0755 "$psql" "$mnt/usr/local/bin/psql"
+		for lib in $(ldd "$psql" | grep -o '/[^ ]*'); do
+			install -D -m 0755 "$(readlink -f "$lib")" "$mnt$lib"
+		done
+		mkdir -p "$mnt/etc" "$mnt/tmp"
+		chmod 1777 "$mnt/tmp"
+		printf 'nonroot:x:65532:65532:nonroot:/tmp:/sbin/nologin\n' >"$mnt/etc/passwd"
+		buildah umount "$ctr" >/dev/null
+		buildah config --entrypoint '["/usr/local/bin/psql"]' --user 65532:65532 \
+			--env HOME=/tmp --workingdir /tmp "$ctr"
+		buildah commit -q --rm "$ctr" "$psql_image" >/dev/null
+		buildah push -q "$psql_image" "docker-archive:$archive.tmp:$psql_image"
+		buildah rmi "$psql_image" >/dev/null || true
 		mv -f "$archive.tmp" "$archive"
 	fi
 	cmd_import "$archive"
