@@ -259,6 +259,29 @@ async fn a_blue_green_bump_in_the_cr_keeps_ready_and_a_reader_pod_never_sees_a_m
         phases.iter().any(|p| p == "Building" || p == "Switching"),
         "the CR's status showed the build: {phases:?}"
     );
+    // The operator announced the build and the switch, once each.
+    let events = poll("Events VersionBuilt and VersionSwitched", LONG, || async {
+        let events = kubectl_ok(
+            &[
+                "-n",
+                &w.ns,
+                "get",
+                "events",
+                "-o",
+                "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}",
+            ],
+            None,
+        );
+        let both = events.contains("VersionBuilt") && events.contains("seen: switched to v2");
+        Ok(both.then_some(events))
+    })
+    .await
+    .unwrap();
+    for reason in ["VersionBuilt", "VersionSwitched"] {
+        let n = events.lines().filter(|l| l.starts_with(reason)).count();
+        assert_eq!(n, 1, "one Event {reason}: {events}");
+    }
+
     // The new shape serves under the old name.
     let mut conn = PgConnection::connect(&database_url()).await.unwrap();
     let last: i64 = sqlx::query_scalar(&format!(
