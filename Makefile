@@ -3,7 +3,8 @@
 #   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
 #                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/),
 #                then the real-node scenarios (a kubelet with containerd, runc and the CNI bridge)
-#   make bench   append-path, apply-path, backfill and cross-stream read-model benchmarks (see BENCHMARKS.md)
+#   make bench   append-path, apply-path, backfill, cross-stream read-model, latency and blue/green
+#                benchmarks (see BENCHMARKS.md)
 #   make bench-scale  how the cost grows with history, breadth, fan-out, a hot stream and churn
 #                (~15 min; appends its table to docs/benchmarks-history.md)
 #   make images  the worker and operator container images, built with buildah
@@ -62,6 +63,7 @@ bench: postgres
 	tests/bench/crossstream.sh
 	tests/bench/latency.sh
 	tests/bench/idle.sh
+	tests/bench/bluegreen.sh
 
 bench-scale: postgres
 	$(CARGO) build --release -p perspective-worker
