@@ -38,7 +38,7 @@ declare -A SECONDS_OF=(
   [failures]=34 [options]=28 [failover]=26 [sequencing_lifecycle]=25 [partition]=25
   [worker-units]=24 [contention]=23 [migrate]=22 [connections]=19 [sequencing_failures]=19
   [claim]=16 [producer]=13 [sequencing]=13 [rebuild]=12 [statistics]=7 [truth]=6 [embedded]=5
-  [batch_handlers]=4 [roles]=3 [cli]=2 [worker-doc]=1
+  [blue_green]=20 [batch_handlers]=4 [roles]=3 [cli]=2 [worker-doc]=1
 )
 
 # The jobs: the operator's unit and doc tests and each of its test files (the real-node binary

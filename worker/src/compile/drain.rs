@@ -6,7 +6,7 @@ use super::sequencing::{lock_slots, KEY_LOCK_SLOTS};
 use super::{apply_function_name, batch_function_name, quote_literal, render};
 use crate::config::{Ordering, PerspectiveConfig, Sequencing};
 use crate::store::failure::retry_delay_sql;
-use crate::store::names::{cursor_status, SEQUENCING_BUSY};
+use crate::store::names::{cursor_status, SEQUENCING_BUSY, SWITCHED_AWAY};
 
 /// How long a `wh_drain` call waits for a lock before it gives the pair up as contended
 /// (55P03, retried soon, not a failure): far below PostgreSQL's `deadlock_timeout` (1 s by
@@ -57,6 +57,7 @@ pub fn create_drain_function(schema: &str, perspectives: &[PerspectiveConfig]) -
             sequenced,
             keyed_names,
             sequencing_busy => SEQUENCING_BUSY,
+            switched_away => SWITCHED_AWAY,
             key_slots => KEY_LOCK_SLOTS,
             cursor_completed => cursor_status::COMPLETED,
             cursor_failed => cursor_status::FAILED,
@@ -105,6 +106,19 @@ mod tests {
         // Each pair in its own subtransaction; its failure is recorded on its head row with
         // the backoff after one more failure.
         assert!(sql.contains("EXCEPTION WHEN OTHERS OR query_canceled THEN"));
+        // A pair whose own apply function a blue/green switch dropped is retried, not failed.
+        for p in &config.perspectives {
+            let when = format!(
+                "WHEN '{}' THEN 'shop.{}'",
+                p.name,
+                apply_function_name(&p.name)
+            );
+            assert!(sql.contains(&when), "{when}: {sql}");
+        }
+        assert!(sql.contains("IF SQLSTATE = '42883' AND to_regproc(CASE r.perspective_name"));
+        assert!(sql.contains(&format!(
+            "'{{}}'::uuid[], '{SWITCHED_AWAY}';\n        CONTINUE;"
+        )));
         assert!(sql.contains("attempts = w.attempts + 1,\n               scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + 1) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"), "{sql}");
         // Retired rows are those at or below the cursor read with them, after the apply.
         assert!(sql.contains("AND NOT (w.event_work_id = ANY (o.o_done_work_ids))"));

@@ -617,6 +617,21 @@ BEGIN
                           '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true,
                           '{}'::uuid[], SQLSTATE::text;
     WHEN OTHERS OR query_canceled THEN
+      IF SQLSTATE = '42883' AND to_regproc(CASE r.perspective_name
+  {% for p in perspectives %}
+           WHEN {{ p.name|literal }} THEN {{ (schema ~ "." ~ p.function)|literal }}
+  {% endfor %}
+         END) IS NULL THEN
+        -- The perspective's own apply function is gone: a blue/green switch dropped it while this
+        -- (older) wh_drain ran. Not the event's fault: nothing is recorded, the pair is due again
+        -- soon, and the wh_drain compiled by the switch applies it under the version that
+        -- serves. (A handler calling a missing function of its own still fails below.)
+        v_conflict := true;
+        RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
+                            '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true,
+                            '{}'::uuid[], {{ switched_away|literal }};
+        CONTINUE;
+      END IF;
       -- Everything this pair did in this call is undone. Record the failure on its head row
       -- (the lowest pending version above the cursor: the row that keeps the pair from
       -- advancing), the way a failing handler is recorded.

@@ -27,6 +27,12 @@ pub const JOBS_PAYLOAD: &str = "jobs";
 /// was not applied because another applier held one of its keys (its turn comes; no conflict).
 pub const SEQUENCING_BUSY: &str = "WH423";
 
+/// `wh_drain`'s `o_contended_sqlstate` for a pair whose perspective's apply function was dropped
+/// while the call ran (a blue/green switch replaced the version it belonged to): nothing was
+/// recorded; the worker retries it soon, and the call compiled after the switch applies it under
+/// the version that serves. Neither a failure nor a conflict.
+pub const SWITCHED_AWAY: &str = "WH424";
+
 pub mod cursor_status {
     /// The last apply succeeded.
     pub const COMPLETED: i16 = 2;

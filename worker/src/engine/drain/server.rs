@@ -13,7 +13,7 @@ use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
 use crate::config::{CompletionStrategy, Config, Sequencing};
 use crate::engine::lifecycle;
 use crate::store::drain::{DrainArgs, PairOutcome};
-use crate::store::names::SEQUENCING_BUSY;
+use crate::store::names::{SEQUENCING_BUSY, SWITCHED_AWAY};
 
 /// One `wh_drain` round for `streams`, reported.
 pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
@@ -239,6 +239,8 @@ fn report_pair(
             .sequencing_waits
             .with_label_values(&[perspective])
             .inc(),
+        // Its version was switched away under this call: the next call applies it.
+        Some(SWITCHED_AWAY) => tracing::debug!("the version was switched while applying; retried"),
         Some(sqlstate) => report_contended(&ctx.shared, perspective, Some(o.stream_id), sqlstate),
         None => {}
     }
