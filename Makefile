@@ -42,8 +42,12 @@ postgres:
 # streams (they mostly wait), and one with a real kubelet node (containerd, runc; the images
 # built by tests/e2e/images.sh). (The two control planes side by side made the real node's
 # teardown flaky: node.sh's leftover check saw veths the kernel had not yet removed.)
+# The test binaries are built first, per package as tests/run-suites.sh runs them (`cargo test
+# --workspace` resolves features across both packages, so its worker binaries differ from
+# `-p perspective-worker`'s and the suites rebuilt each of them mid-run).
 test: postgres lint
-	$(CARGO) test --workspace --no-run
+	$(CARGO) test -p perspective-worker --no-run
+	$(CARGO) test -p perspective-operator --no-run
 	$(PG) with tests/e2e/with-control-plane.sh env CARGO=$(CARGO) tests/run-suites.sh
 	$(PG) with tests/e2e/with-control-plane.sh --real-node $(CARGO) test -p perspective-operator --test real_node
 

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::Shared;
-use crate::config::{PerspectiveConfig, Sequencing};
+use crate::config::{PerspectiveConfig, Rebuild, Sequencing};
 use crate::store::catchup as store;
 use plan::{JobError, JobKind, JobState, Requeue};
 
@@ -201,7 +201,19 @@ impl JobRunner {
         }
         self.publish(&mut conn).await?;
         // A version built beside a live one switches once caught up; until then, watch it.
-        let building = self.switch_versions(&mut conn).await?;
+        // (Only a config with a blue/green perspective can have one: the others spend no
+        // statement on it, which an idle worker would send every turn.)
+        let building = if self
+            .shared
+            .config
+            .perspectives
+            .iter()
+            .any(|p| p.rebuild == Rebuild::BlueGreen)
+        {
+            self.switch_versions(&mut conn).await?
+        } else {
+            false
+        };
         Ok(if worked {
             Turn::Worked
         } else if active.is_empty() && !building {
