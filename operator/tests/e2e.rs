@@ -2896,6 +2896,22 @@ async fn scalar(conn: &mut PgConnection, sql: &str) -> i64 {
         .unwrap()
 }
 
+/// Events of `reason` about deployment `name`, once there are at least `n` (the operator
+/// publishes an Event after the status write that a test may have waited on).
+async fn events_at_least(
+    w: &World,
+    name: &str,
+    reason: &str,
+    n: usize,
+) -> Vec<k8s_openapi::api::events::v1::Event> {
+    poll(&format!("{n} {reason} Event(s)"), LONG, || async {
+        let list = events_of(w, name, reason).await?;
+        Ok((list.len() >= n).then_some(list))
+    })
+    .await
+    .unwrap()
+}
+
 /// Events of `reason` about deployment `name`.
 async fn events_of(
     w: &World,
@@ -3131,7 +3147,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     .await
     .unwrap();
     assert_eq!(
-        events_of(&w, "shop", "ActionRefused").await.unwrap().len(),
+        events_at_least(&w, "shop", "ActionRefused", 1).await.len(),
         1
     );
 
@@ -3172,7 +3188,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     })
     .await
     .unwrap();
-    let failed_events = events_of(&w, "shop", "ActionFailed").await.unwrap();
+    let failed_events = events_at_least(&w, "shop", "ActionFailed", 1).await;
     assert_eq!(failed_events.len(), 1, "{failed_events:?}");
     assert_eq!(failed_events[0].type_.as_deref(), Some("Warning"));
     let pending = format!(
@@ -3243,9 +3259,8 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     w.wait_condition("shop", "Degraded", "False", Some("AsExpected"))
         .await;
     assert_eq!(
-        events_of(&w, "shop", "ActionSucceeded")
+        events_at_least(&w, "shop", "ActionSucceeded", 1)
             .await
-            .unwrap()
             .len(),
         1
     );
@@ -3259,7 +3274,7 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
     // A failed stream is EventsFailing too, before its event is dead-lettered: wait for that.
     wait_dead_letters(&w, "shop", 1).await;
     // Only this increase is a new Event: none while the count stayed or fell (the replays).
-    let warned = events_of(&w, "shop", "DeadLetters").await.unwrap();
+    let warned = events_at_least(&w, "shop", "DeadLetters", warnings_before + 1).await;
     assert_eq!(warned.len(), warnings_before + 1, "{warned:#?}");
     assert!(
         warned
