@@ -3032,9 +3032,20 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
             && degraded.contains("division by zero"),
         "{degraded}"
     );
+    // One Event per increase, each new dead letter counted once over them (an Event is
+    // published after the status write that showed its count: wait for all 4).
+    let new_in = |e: &k8s_openapi::api::events::v1::Event| -> i64 {
+        let note = e.note.as_deref().unwrap_or_default();
+        let rest = note.strip_prefix("order_summary: ").unwrap_or_default();
+        rest.split(' ')
+            .next()
+            .unwrap_or_default()
+            .parse()
+            .unwrap_or(0)
+    };
     let warned = poll("a DeadLetters Event", LONG, || async {
         let list = events_of(&w, "shop", "DeadLetters").await?;
-        Ok((!list.is_empty()).then_some(list))
+        Ok((list.iter().map(new_in).sum::<i64>() >= 4).then_some(list))
     })
     .await
     .unwrap();
@@ -3047,17 +3058,6 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
             .starts_with("order_summary: "),
         "{warned:?}"
     );
-    // One Event per increase (the status shows 4, so each is published): each new dead letter
-    // counted once over them.
-    let new_in = |e: &k8s_openapi::api::events::v1::Event| -> i64 {
-        let note = e.note.as_deref().unwrap_or_default();
-        let rest = note.strip_prefix("order_summary: ").unwrap_or_default();
-        rest.split(' ')
-            .next()
-            .unwrap_or_default()
-            .parse()
-            .unwrap_or(0)
-    };
     assert_eq!(warned.iter().map(new_in).sum::<i64>(), 4, "{warned:#?}");
     let warnings_before = warned.len();
 
