@@ -202,24 +202,30 @@ async fn sigkill_mid_backfill_loses_and_repeats_nothing() {
     };
     let mut victim = KillOnDrop(spawn());
     // Kill it mid-backfill: some streams queued but not all, or p2's history partly applied.
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // (Two minutes at most: the worker's start and p1's queued work come first, and CI runs
+    // other suites beside this one.)
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut conn = connect().await;
+    let mut seen = (None, 0, 0);
     loop {
-        assert!(Instant::now() < deadline, "never reached the kill point");
+        assert!(
+            Instant::now() < deadline,
+            "never reached the kill point; last seen (streams listed, not queued, applied): \
+             {seen:?}"
+        );
         assert!(
             victim.0.try_wait().unwrap().is_none(),
             "the worker exited early"
         );
-        let (listed, left, applied): (Option<i64>, i64, i64) = {
-            let mut conn = connect().await;
-            sqlx::query_as(&format!(
-                "SELECT (SELECT streams_total FROM {schema}.wh_perspective_jobs),
-                        (SELECT count(*) FROM {schema}.wh_perspective_job_streams),
-                        (SELECT coalesce(sum(cardinality(versions)), 0)::int8 FROM {schema}.seen_p2)"
-            ))
-            .fetch_one(&mut conn)
-            .await
-            .unwrap()
-        };
+        let (listed, left, applied): (Option<i64>, i64, i64) = sqlx::query_as(&format!(
+            "SELECT (SELECT streams_total FROM {schema}.wh_perspective_jobs),
+                    (SELECT count(*) FROM {schema}.wh_perspective_job_streams),
+                    (SELECT coalesce(sum(cardinality(versions)), 0)::int8 FROM {schema}.seen_p2)"
+        ))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        seen = (listed, left, applied);
         // Queueing (chunks commit stream by stream) or applying (a drain call commits many
         // streams' history at once, so a partial count is rare to catch).
         if listed == Some(100) && ((left > 0 && left < 100) || (applied > 0 && applied < 5_000)) {

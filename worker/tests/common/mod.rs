@@ -5,6 +5,7 @@
 
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use perspective_worker::admin::migrate::{migrate, MigrateOptions};
@@ -15,13 +16,53 @@ use sqlx::Connection;
 pub mod cluster;
 pub mod proxy;
 
+/// The database of this test binary when it asked for one of its own (`use_own_database`).
+static OWN_DATABASE: OnceLock<String> = OnceLock::new();
+
 pub fn database_url() -> String {
+    if let Some(url) = OWN_DATABASE.get() {
+        return url.clone();
+    }
+    shared_database_url()
+}
+
+fn shared_database_url() -> String {
     std::env::var("TEST_DATABASE_URL").unwrap_or_else(|_| {
         panic!(
             "TEST_DATABASE_URL is not set: these tests need a real PostgreSQL. Run `make test`, \
              or `tests/pg/pg.sh with cargo test` to start a throwaway cluster"
         )
     })
+}
+
+/// Moves every helper of this test binary into a database of its own, created now, for a test
+/// that reads database-wide statistics (`pg_stat_database.deadlocks`): `make test` runs other
+/// suites beside it against the shared database, and their deadlocks would count. The binary
+/// must hold that one test, and call this before anything else.
+pub async fn use_own_database(prefix: &str) {
+    let shared = shared_database_url();
+    let name = format!("{prefix}_{}", std::process::id());
+    let mut conn = PgConnection::connect(&shared)
+        .await
+        .expect("connect to the test database");
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("create database {name}: {e}"));
+    let (base, query) = shared
+        .split_once('?')
+        .map_or((shared.as_str(), None), |(b, q)| (b, Some(q)));
+    let (server, _) = base
+        .rsplit_once('/')
+        .filter(|(server, _)| server.contains("://") && !server.ends_with('/'))
+        .expect("TEST_DATABASE_URL names a database: postgres://user@host:port/db");
+    let url = match query {
+        Some(q) => format!("{server}/{name}?{q}"),
+        None => format!("{server}/{name}"),
+    };
+    OWN_DATABASE
+        .set(url)
+        .expect("use_own_database is called once per test binary");
 }
 
 /// A schema name no other test (or test process) uses.
