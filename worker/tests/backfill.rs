@@ -550,3 +550,107 @@ claimWorker:
     .unwrap();
     assert_eq!(dead, ("p2".to_string(), 4, 2));
 }
+
+/// A backfill runs at full pace (a chunk loop per drain consumer) without live work; beside live
+/// events that wait (a live perspective whose handler takes 150 ms, so its append → applied
+/// latency is over the 100 ms target at any pace) it slows down to one chunk loop at a quarter
+/// duty, and speeds up again once the live work stops. Every event is applied once throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backfill_slows_down_while_live_events_wait_and_speeds_up_after() {
+    let schema = unique_schema("bfpace");
+    let live = format!(
+        "schema: {schema}
+perspectives:
+  - name: live
+    setup: CREATE TABLE IF NOT EXISTS live_seen (event_id uuid PRIMARY KEY)
+    handlers:
+      L: SELECT pg_sleep(0.15); INSERT INTO live_seen VALUES (:event_id)
+"
+    );
+    let both = format!(
+        "{live}  - name: p2
+    setup: CREATE TABLE IF NOT EXISTS seen_p2 (stream_id uuid PRIMARY KEY, versions bigint[] NOT NULL)
+    handlers:
+      A: SELECT pg_sleep(0.002); INSERT INTO seen_p2 AS s VALUES (:stream_id, ARRAY[:stream_version]) ON CONFLICT (stream_id) DO UPDATE SET versions = s.versions || :stream_version
+{FAST}"
+    );
+    migrate_config(&parse_config(&live)).await;
+    let streams: Vec<Uuid> = (0..200).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 50, 4, 50).await;
+    let config = parse_config(&both);
+    migrate_config(&config).await;
+    let engine = RunningEngine::start(&config).await;
+    let pace = |value: &str| format!("perspective_catchup_pace{{perspective=\"p2\"}} {value}\n");
+    let seen = |value: String| {
+        let metrics = engine.metrics.clone();
+        move || {
+            let metrics = metrics.clone();
+            let value = value.clone();
+            async move { metrics.render().contains(&value) }
+        }
+    };
+    wait_until(
+        "the backfill at full pace (4 chunk loops)",
+        Duration::from_secs(60),
+        seen(pace("4")),
+    )
+    .await;
+
+    // Live events, each applied 150 ms after its append at best.
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let stop = stop.clone();
+        let pool = pool(1).await;
+        let sql =
+            format!("INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'L')");
+        tokio::spawn(async move {
+            let mut appended = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                sqlx::query(&sql)
+                    .bind(Uuid::now_v7())
+                    .execute(&pool)
+                    .await
+                    .expect("append a live event");
+                appended += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            appended
+        })
+    };
+    wait_until(
+        "the backfill at a quarter of one chunk loop",
+        Duration::from_secs(30),
+        seen(pace("0.25")),
+    )
+    .await;
+    assert!(
+        jobs_left(&schema).await > 0,
+        "the backfill must still run for the rest to mean anything"
+    );
+    stop.store(true, Ordering::Relaxed);
+    let appended = producer.await.unwrap();
+    wait_until(
+        "the backfill back at full pace",
+        Duration::from_secs(30),
+        seen(pace("4")),
+    )
+    .await;
+
+    wait_jobs_done(&schema).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    let wrong = scalar(&format!(
+        "SELECT count(*) FROM {schema}.seen_p2
+         WHERE versions <> ARRAY(SELECT generate_series(1, 50)::bigint)"
+    ))
+    .await;
+    assert_eq!(wrong, 0, "streams of p2 not applied exactly once in order");
+    assert_eq!(
+        scalar(&format!("SELECT count(*) FROM {schema}.seen_p2")).await,
+        200
+    );
+    assert_eq!(
+        scalar(&format!("SELECT count(*) FROM {schema}.live_seen")).await,
+        appended
+    );
+}

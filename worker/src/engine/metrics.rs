@@ -100,6 +100,10 @@ pub struct WorkerMetrics {
     /// `perspective_catchup_progress_ratio{perspective}`: share of a backfill's or rebuild's
     /// events applied, 0–1 (1 when live).
     pub catchup_progress: GaugeVec,
+    /// `perspective_catchup_pace{perspective}`: how hard this worker runs a perspective's
+    /// catch-up, in chunk loops at full duty (its chunk loops × their duty; see
+    /// `engine::catchup::pace`).
+    pub catchup_pace: GaugeVec,
     /// `perspective_queue_vacuums_total{table}`: vacuums of a queue table run by this worker
     /// (between autovacuum's visits, see `engine::vacuum`).
     pub queue_vacuums: IntCounterVec,
@@ -140,6 +144,7 @@ impl WorkerMetrics {
             phase: phase(&r),
             catchup_remaining_events: catchup_remaining_events(&r),
             catchup_progress: catchup_progress(&r),
+            catchup_pace: catchup_pace(&r),
             queue_vacuums: queue_vacuums(&r),
             version_switches: version_switches(&r),
             version_switches_refused: version_switches_refused(&r),
@@ -160,6 +165,10 @@ impl WorkerMetrics {
         self.catchup_progress
             .with_label_values(&[perspective])
             .set(progress.map_or(1.0, |p| p.percent / 100.0));
+        if progress.is_none() {
+            // No catch-up (any more): nothing runs.
+            self.catchup_pace.with_label_values(&[perspective]).set(0.0);
+        }
     }
 
     /// The registry holding every worker collector (to add more, or to gather directly).
@@ -426,6 +435,16 @@ fn catchup_progress(r: &Registrar) -> GaugeVec {
     )
 }
 
+fn catchup_pace(r: &Registrar) -> GaugeVec {
+    r.gauge_vec(
+        "perspective_catchup_pace",
+        "How hard this worker runs a perspective's backfill, rebuild or blue/green build, in \
+         chunk loops at full duty (chunk loops x duty): one per drain consumer without live \
+         work, less while the live perspectives' apply latency is high.",
+        &[PERSPECTIVE],
+    )
+}
+
 fn queue_vacuums(r: &Registrar) -> IntCounterVec {
     r.counter_vec(
         "perspective_queue_vacuums_total",
@@ -482,6 +501,7 @@ mod tests {
         "perspective_phase",
         "perspective_catchup_remaining_events",
         "perspective_catchup_progress_ratio",
+        "perspective_catchup_pace",
         "perspective_queue_vacuums_total",
     ];
 
@@ -519,6 +539,7 @@ mod tests {
             ..Progress::default()
         };
         m.set_catchup("orders", Phase::Backfilling, Some(&progress));
+        m.catchup_pace.with_label_values(&["orders"]).set(0.25);
 
         let text = m.render();
         for name in NAMES {

@@ -46,6 +46,7 @@ pub mod hooks;
 pub mod http;
 pub mod lifecycle;
 pub mod listener;
+pub(crate) mod live_latency;
 pub mod metrics;
 pub mod runner;
 pub mod statistics;
@@ -154,6 +155,8 @@ pub(crate) struct Shared {
     pub metrics: Arc<WorkerMetrics>,
     /// Lock conflicts of the last minute, by perspective, for the heartbeat.
     pub contention: contention_rate::ContentionRate,
+    /// The worst apply latency of the last second, by perspective, for a catch-up's pace.
+    pub live_latency: live_latency::LiveLatency,
     /// The engine's (not the epoch's): readiness, abandonment.
     pub health: Arc<health::Health>,
     /// This epoch's: a child of the engine's shutdown token.
@@ -383,6 +386,8 @@ fn spawn_tasks(
         wake: jobs_wake,
         apply_in_chunks: options.runner.is_none(),
         last_work: last_work.clone(),
+        pace: catchup::pace::Pace::new(options.config.worker.max_concurrent_drain_consumers),
+        published: std::sync::Mutex::new(None),
     };
     tasks.push(tokio::spawn(job_runner.run()));
     tasks.push(tokio::spawn(heartbeat.run()));

@@ -5,17 +5,20 @@
 //! - this module: the job runner. Every instance helps with the schema's perspective jobs. Each
 //!   turn it advances every job it has the perspective for, takes chunks of streams while a job
 //!   is queueing (up to `maxConcurrentDrainConsumers` chunks at a time, each on its own
-//!   connection, fewer and slower while there is live work: see [`pace`]; with the compiled SQL
+//!   connection; beside live work as many as the live perspectives' latency allows: see
+//!   [`pace`]; with the compiled SQL
 //!   perspectives each chunk also applies its streams' history; a custom runner, or a
 //!   perspective with sequencing key or serial, gets it queued), and publishes each job's
-//!   progress in `/metrics`. It sleeps while there is no job; `wh_job_start` rings the doorbell
+//!   progress in `/metrics` (every few seconds: counting a job's pending work reads the work
+//!   table). It sleeps while there is no job; `wh_job_start` rings the doorbell
 //!   with the `jobs` payload, which the listener turns into a wake-up here.
 
+pub mod pace;
 pub mod plan;
 pub mod switch;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -29,6 +32,9 @@ use plan::{JobError, JobKind, JobState, Requeue};
 const WATCH_INTERVAL: Duration = Duration::from_millis(250);
 /// Between turns while there is no job: a safety net for a missed doorbell.
 const IDLE_INTERVAL: Duration = Duration::from_secs(30);
+/// At most this often the jobs' progress is read for `/metrics` while a job runs (each read
+/// counts the job's pending work rows: a second or more under load).
+const PUBLISH_INTERVAL: Duration = Duration::from_secs(5);
 /// Chunks each chunk loop takes in one turn before looking at the other jobs (and at shutdown)
 /// again.
 const CHUNKS_PER_TURN: usize = 16;
@@ -97,18 +103,6 @@ impl LastWork {
     }
 }
 
-/// How hard to run a job's chunks: `(chunk loops, pause after each chunk as a multiple of its
-/// duration)`. Full speed (a loop per drain consumer) while the instance has no live work (the
-/// claim loop found none for [`LIVE_GRACE`]); while it has, one loop at half duty, so producers and live perspectives keep most of the machine
-/// (a backfill is a catch-up; the live events are what users wait for).
-fn pace(drain_consumers: u32, live_work: bool) -> (u32, f64) {
-    if live_work {
-        (1, 1.0)
-    } else {
-        (drain_consumers.max(1), 0.0)
-    }
-}
-
 /// The job runner task.
 pub(crate) struct JobRunner {
     pub shared: Arc<Shared>,
@@ -119,6 +113,10 @@ pub(crate) struct JobRunner {
     pub apply_in_chunks: bool,
     /// Live work seen by the claim loop, in (for pacing).
     pub last_work: Arc<LastWork>,
+    /// How hard chunks run beside live work.
+    pub pace: pace::Pace,
+    /// When the jobs' progress was last published.
+    pub published: Mutex<Option<Instant>>,
 }
 
 impl JobRunner {
@@ -169,7 +167,7 @@ impl JobRunner {
             .await?;
         if !active.is_empty() {
             // Before the chunks too: a turn can last long.
-            self.publish(&mut conn).await?;
+            self.publish(&mut conn, false).await?;
         }
         let mut worked = false;
         for (name, kind) in &active {
@@ -185,8 +183,9 @@ impl JobRunner {
             match state {
                 JobState::Queueing => {
                     let loops = shared.config.worker.max_concurrent_drain_consumers.max(1);
+                    let catching_up: Vec<&str> = active.iter().map(|(p, _)| p.as_str()).collect();
                     let results = futures::future::join_all(
-                        (0..loops).map(|i| self.chunk_loop(i, perspective, *kind)),
+                        (0..loops).map(|i| self.chunk_loop(i, perspective, *kind, &catching_up)),
                     )
                     .await;
                     for chunks in results {
@@ -199,7 +198,8 @@ impl JobRunner {
                 JobState::Waiting | JobState::Applying | JobState::Busy | JobState::None => {}
             }
         }
-        self.publish(&mut conn).await?;
+        // Once no job is left, at once: the perspectives show Live.
+        self.publish(&mut conn, active.is_empty()).await?;
         // A version built beside a live one switches once caught up; until then, watch it.
         // (Only a config with a blue/green perspective can have one: the others spend no
         // statement on it, which an idle worker would send every turn.)
@@ -224,12 +224,14 @@ impl JobRunner {
     }
 
     /// Take up to [`CHUNKS_PER_TURN`] chunks of `perspective`'s job on one connection, paced by
-    /// [`pace`]; returns how many it took. `index` numbers the loops of a turn.
+    /// [`pace`] against the latency of the perspectives not `catching_up`; returns how many it
+    /// took. `index` numbers the loops of a turn.
     async fn chunk_loop(
         &self,
         index: u32,
         perspective: &PerspectiveConfig,
         kind: JobKind,
+        catching_up: &[&str],
     ) -> Result<usize, JobError> {
         let shared = &self.shared;
         let worker = &shared.config.worker;
@@ -249,10 +251,19 @@ impl JobRunner {
         let mut conn = shared.store.conn(long, "catch-up chunk").await?;
         let mut taken = 0;
         while taken < CHUNKS_PER_TURN && !shared.shutdown.is_cancelled() {
-            let (loops, pause) = pace(
-                worker.max_concurrent_drain_consumers,
-                self.last_work.recent(),
-            );
+            let live = self.last_work.recent().then(|| {
+                shared
+                    .live_latency
+                    .worst_except(|p| catching_up.contains(&p))
+            });
+            let (loops, pause) = self.pace.next(live);
+            if index == 0 {
+                shared
+                    .metrics
+                    .catchup_pace
+                    .with_label_values(&[perspective.name.as_str()])
+                    .set(f64::from(loops) / (1.0 + pause));
+            }
             if index >= loops {
                 break;
             }
@@ -280,8 +291,16 @@ impl JobRunner {
         Ok(taken)
     }
 
-    /// Each configured perspective's phase and progress, in `/metrics`.
-    async fn publish(&self, conn: &mut crate::store::Conn) -> Result<(), sqlx::Error> {
+    /// Each configured perspective's phase and progress, in `/metrics`: when [`PUBLISH_INTERVAL`]
+    /// has passed since the last time, or `now`.
+    async fn publish(&self, conn: &mut crate::store::Conn, now: bool) -> Result<(), sqlx::Error> {
+        {
+            let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+            if !now && published.is_some_and(|at| at.elapsed() < PUBLISH_INTERVAL) {
+                return Ok(());
+            }
+            *published = Some(Instant::now());
+        }
         let shared = &self.shared;
         let phases = conn
             .limit(shared.store.deadlines().routine, "catch-up progress")
@@ -319,13 +338,6 @@ mod tests {
             at: AtomicU64::new(1),
         };
         assert!(!old.recent(), "longer ago than the grace period");
-    }
-
-    #[test]
-    fn chunks_run_at_full_speed_only_while_there_is_no_live_work() {
-        assert_eq!(pace(4, false), (4, 0.0));
-        assert_eq!(pace(0, false), (1, 0.0));
-        assert_eq!(pace(4, true), (1, 1.0));
     }
 
     #[test]

@@ -19,9 +19,13 @@ pub(super) fn report_applied(
         .events_processed
         .with_label_values(&[perspective])
         .inc_by(applied as u64);
+    let mut worst = 0.0f64;
     for l in latencies {
-        ctx.metrics.apply_latency.observe(l.max(0.0));
+        let l = l.max(0.0);
+        ctx.metrics.apply_latency.observe(l);
+        worst = worst.max(l);
     }
+    ctx.live_latency.record(perspective, worst);
     ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
         perspective: perspective.to_string(),
         stream_id,
