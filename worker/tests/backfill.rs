@@ -553,8 +553,9 @@ claimWorker:
 
 /// A backfill runs at full pace (a chunk loop per drain consumer) without live work; beside live
 /// events that wait (a live perspective whose handler takes 150 ms, so its append → applied
-/// latency is over the 100 ms target at any pace) it slows down to one chunk loop at a quarter
-/// duty, and speeds up again once the live work stops. Every event is applied once throughout.
+/// latency is over the 100 ms target at any pace) it drops to one chunk loop at half duty and
+/// stays there; once the live work stops it runs at full pace again. Every event is applied once
+/// throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_backfill_slows_down_while_live_events_wait_and_speeds_up_after() {
     let schema = unique_schema("bfpace");
@@ -612,17 +613,29 @@ perspectives:
                     .await
                     .expect("append a live event");
                 appended += 1;
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                // 5 a second: 0.75 s of handler time a second, which the live perspective keeps
+                // up with, each event still over the target.
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
             appended
         })
     };
+    // Held at half duty while the live events wait (it would climb under 50 ms): seen for 3 s.
     wait_until(
-        "the backfill at a quarter of one chunk loop",
+        "the backfill at half of one chunk loop",
         Duration::from_secs(30),
-        seen(pace("0.25")),
+        seen(pace("0.5")),
     )
     .await;
+    let held = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < held {
+        assert!(
+            engine.metrics.render().contains(&pace("0.5")),
+            "the pace rose while the live events waited:\n{}",
+            engine.metrics.render()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(
         jobs_left(&schema).await > 0,
         "the backfill must still run for the rest to mean anything"
@@ -630,7 +643,7 @@ perspectives:
     stop.store(true, Ordering::Relaxed);
     let appended = producer.await.unwrap();
     wait_until(
-        "the backfill back at full pace",
+        "the backfill back at full pace once the live work stopped",
         Duration::from_secs(30),
         seen(pace("4")),
     )

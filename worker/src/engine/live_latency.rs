@@ -17,12 +17,14 @@ pub(crate) struct LiveLatency {
     per_perspective: Mutex<HashMap<String, Window>>,
 }
 
-/// One perspective's worst latency (seconds) in its latest half and the half before it.
+/// One perspective's worst latency (seconds) in its latest half and the half before it, and
+/// whether it applied anything in them.
 #[derive(Debug, Clone, Copy, Default)]
 struct Window {
     half: u64,
     current: f64,
     previous: f64,
+    applied: bool,
 }
 
 impl Window {
@@ -34,6 +36,7 @@ impl Window {
                 half,
                 current: 0.0,
                 previous: self.current,
+                applied: self.applied,
             },
             _ => Window {
                 half,
@@ -78,26 +81,28 @@ impl LiveLatency {
         };
         *window = window.at(half);
         window.current = window.current.max(seconds);
+        window.applied = true;
     }
 
-    /// The worst latency of the last second among the perspectives `skip` rejects (zero when
-    /// none applied anything).
-    pub(crate) fn worst_except(&self, skip: impl Fn(&str) -> bool) -> Duration {
+    /// The worst latency of the last second among the perspectives `skip` rejects; None when
+    /// none of them applied anything.
+    pub(crate) fn worst_except(&self, skip: impl Fn(&str) -> bool) -> Option<Duration> {
         self.worst_except_at(skip, Instant::now())
     }
 
-    fn worst_except_at(&self, skip: impl Fn(&str) -> bool, at: Instant) -> Duration {
+    fn worst_except_at(&self, skip: impl Fn(&str) -> bool, at: Instant) -> Option<Duration> {
         let half = self.half(at);
         let map = self
             .per_perspective
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        let worst = map
-            .iter()
+        map.iter()
             .filter(|(p, _)| !skip(p))
-            .map(|(_, w)| w.at(half).worst())
-            .fold(0.0, f64::max);
-        Duration::from_secs_f64(worst.max(0.0))
+            .map(|(_, w)| w.at(half))
+            .filter(|w| w.applied)
+            .map(|w| w.worst())
+            .reduce(f64::max)
+            .map(|worst| Duration::from_secs_f64(worst.max(0.0)))
     }
 }
 
@@ -115,17 +120,17 @@ mod tests {
         let none = |_: &str| false;
         assert_eq!(
             l.worst_except_at(none, t + Duration::from_millis(700)),
-            Duration::from_millis(300),
+            Some(Duration::from_millis(300)),
             "the half before counts"
         );
         assert_eq!(
             l.worst_except_at(none, t + Duration::from_millis(1100)),
-            Duration::from_millis(10),
+            Some(Duration::from_millis(10)),
             "two halves later only the newer one counts"
         );
         assert_eq!(
             l.worst_except_at(none, t + Duration::from_millis(2600)),
-            Duration::ZERO,
+            None,
             "nothing applied in the last second"
         );
     }
@@ -138,8 +143,12 @@ mod tests {
         l.record_at("orders__v2", 9.0, t);
         assert_eq!(
             l.worst_except_at(|p| p == "orders__v2", t),
-            Duration::from_millis(40)
+            Some(Duration::from_millis(40))
         );
-        assert_eq!(l.worst_except_at(|_| false, t), Duration::from_secs(9));
+        assert_eq!(
+            l.worst_except_at(|_| false, t),
+            Some(Duration::from_secs(9))
+        );
+        assert_eq!(l.worst_except_at(|_| true, t), None, "none left");
     }
 }

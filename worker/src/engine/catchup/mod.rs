@@ -251,11 +251,17 @@ impl JobRunner {
         let mut conn = shared.store.conn(long, "catch-up chunk").await?;
         let mut taken = 0;
         while taken < CHUNKS_PER_TURN && !shared.shutdown.is_cancelled() {
-            let live = self.last_work.recent().then(|| {
-                shared
+            let live = if !self.last_work.recent() {
+                pace::Live::Idle
+            } else {
+                match shared
                     .live_latency
                     .worst_except(|p| catching_up.contains(&p))
-            });
+                {
+                    Some(latency) => pace::Live::Latency(latency),
+                    None => pace::Live::Unmeasured,
+                }
+            };
             let (loops, pause) = self.pace.next(live);
             if index == 0 {
                 shared
