@@ -5,14 +5,18 @@
 //! goes up a step while the worst live apply latency of the last second stays under half of
 //! [`LIVE_LATENCY_TARGET`], and is halved when it goes over the target (additive increase,
 //! multiplicative decrease, as TCP's congestion window), so a catch-up takes what the machine
-//! has to spare and gives it back within a second when the live events start to wait. While
-//! live work exists but nothing was applied in the last second there is no measure: it holds.
+//! has to spare and gives it back within a second when the live events start to wait. It never
+//! goes below one chunk loop at half duty (a catch-up must end; a lower floor made a custom
+//! runner's queued backfill crawl), so it cannot always keep the live latency under the target.
+//! While live work exists but nothing was applied in the last second there is no measure: it
+//! holds.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The live apply latency (append → applied, the worst of the last second) a catch-up beside
-/// live work keeps under: the README's "Catch-up beside live work".
+/// The live apply latency (append → applied, the worst of the last second) over which a
+/// catch-up beside live work slows down: the README's "Beside live work a catch-up takes what
+/// the live perspectives leave".
 pub const LIVE_LATENCY_TARGET: Duration = Duration::from_millis(100);
 /// At most one step up per this long: a step's effect shows in the latency within it.
 const STEP_UP_INTERVAL: Duration = Duration::from_millis(250);
