@@ -667,3 +667,69 @@ perspectives:
         appended
     );
 }
+
+/// `perspective`'s job advanced once, as a worker's turn does.
+async fn advance(conn: &mut sqlx::PgConnection, schema: &str, perspective: &str) -> String {
+    sqlx::query_scalar(&format!("SELECT {schema}.wh_job_advance($1)"))
+        .bind(perspective)
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// A new perspective's job waits for the transactions that appended to the event store before
+/// it started (their events may lack its work rows, and its stream listing cannot see them yet),
+/// and for no other: a long transaction that wrote another table of the schema, another schema
+/// or another database used to hold every backfill of the cluster until it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_waits_for_transactions_that_appended_before_it_and_for_no_other() {
+    let schema = unique_schema("bfwait");
+    let (p1_only, both) = configs(&schema);
+    migrate_config(&parse_config(&p1_only)).await;
+    let stream = Uuid::now_v7();
+    let mut conn = connect().await;
+    // Open before the job: one appended, one wrote elsewhere in the same database.
+    let mut appender = connect().await;
+    sqlx::query("BEGIN").execute(&mut appender).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+    ))
+    .bind(stream)
+    .execute(&mut appender)
+    .await
+    .unwrap();
+    let mut unrelated = connect().await;
+    for sql in [
+        "BEGIN".to_string(),
+        format!("CREATE TABLE {schema}.unrelated (x int)"),
+        format!("INSERT INTO {schema}.unrelated VALUES (1)"),
+    ] {
+        sqlx::query(&sql).execute(&mut unrelated).await.unwrap();
+    }
+    migrate_config(&parse_config(&both)).await;
+
+    assert_eq!(advance(&mut conn, &schema, "p2").await, "waiting");
+    assert_eq!(
+        advance(&mut conn, &schema, "p2").await,
+        "waiting",
+        "the appender is still open"
+    );
+    sqlx::query("COMMIT").execute(&mut appender).await.unwrap();
+    assert_eq!(
+        advance(&mut conn, &schema, "p2").await,
+        "queueing",
+        "the appender has ended; the transaction that wrote another table is not waited for"
+    );
+    let listed: i64 = scalar(&format!(
+        "SELECT events FROM {schema}.wh_perspective_job_streams WHERE stream_id = '{stream}'"
+    ))
+    .await;
+    assert_eq!(listed, 1, "the appender's event is in the job's listing");
+
+    let engine = RunningEngine::start(&parse_config(&both)).await;
+    wait_jobs_done(&schema).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    sqlx::query("ROLLBACK").execute(&mut unrelated).await.unwrap();
+    assert_exactly_once(&schema, 1).await;
+}

@@ -1,9 +1,10 @@
 -- wh_job_advance(perspective): move the perspective's job as far along its life (see
 -- wh_job_start) as it can go now; returns its state then ('none' when there is no job, 'busy'
 -- when another session is advancing it). Leaving `waiting` snapshots the transactions open once
--- the job is visible and waits for them to end, then lists the streams with the perspective's
--- events (and how many each, for progress); `queueing` ends when no stream is listed (streams
--- taken by a chunk still in flight are still listed, so it waits for them too).
+-- the job is visible and waits for those that appended to this event store to end, then lists
+-- the streams with the perspective's events (and how many each, for progress); `queueing` ends
+-- when no stream is listed (streams taken by a chunk still in flight are still listed, so it
+-- waits for them too).
 
 CREATE OR REPLACE FUNCTION {{schema}}.wh_job_advance(p_perspective text)
 RETURNS text
@@ -30,7 +31,19 @@ BEGIN
       WHERE perspective_name = p_perspective
       RETURNING wait_for INTO j.wait_for;
     END IF;
+    -- Only those that appended to this event store: they hold its ROW EXCLUSIVE lock until
+    -- they end (their transaction id lock and that relation lock share a virtual transaction,
+    -- prepared ones included). A transaction that has not appended yet sees the subscriptions
+    -- when it does (read committed), so its events get their work rows; transactions of other
+    -- schemas and databases are not waited for (a long one used to hold every backfill).
     IF EXISTS (SELECT 1 FROM pg_snapshot_xip(j.wait_for) x
+               JOIN pg_locks t ON t.locktype = 'transactionid' AND t.granted
+                              AND t.transactionid = x::text::xid
+               JOIN pg_locks r ON r.virtualtransaction = t.virtualtransaction
+                              AND r.locktype = 'relation'
+                              AND r.relation = '{{schema}}.wh_event_store'::regclass
+                              AND r.database = (SELECT oid FROM pg_database
+                                                WHERE datname = current_database())
                WHERE pg_xact_status(x) = 'in progress') THEN
       RETURN 'waiting';
     END IF;
