@@ -730,6 +730,9 @@ async fn a_backfill_waits_for_transactions_that_appended_before_it_and_for_no_ot
     wait_jobs_done(&schema).await;
     wait_drained(&schema, Duration::from_secs(60)).await;
     engine.stop().await;
-    sqlx::query("ROLLBACK").execute(&mut unrelated).await.unwrap();
+    sqlx::query("ROLLBACK")
+        .execute(&mut unrelated)
+        .await
+        .unwrap();
     assert_exactly_once(&schema, 1).await;
 }
