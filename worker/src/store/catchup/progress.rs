@@ -60,7 +60,8 @@ impl Phase {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Progress {
-    /// `waiting` (for transactions that appended before the job started), `queueing` (streams) or `applying` (the history).
+    /// `waiting` (for transactions that appended before the job started), `queueing` (streams)
+    /// or `applying` (the history).
     pub step: String,
     /// Streams whose history is applied (or, queued for the workers), of those listed.
     pub streams_done: i64,

@@ -32,10 +32,10 @@ BEGIN
       RETURNING wait_for INTO j.wait_for;
     END IF;
     -- Only those that appended to this event store: they hold its ROW EXCLUSIVE lock until
-    -- they end (their transaction id lock and that relation lock share a virtual transaction,
-    -- prepared ones included). A transaction that has not appended yet sees the subscriptions
-    -- when it does (read committed), so its events get their work rows; transactions of other
-    -- schemas and databases are not waited for (a long one used to hold every backfill).
+    -- they end (their transaction id lock and that relation lock share a virtual transaction).
+    -- A transaction that has not appended yet sees the subscriptions when it does (read
+    -- committed), so its events get their work rows; transactions of other schemas and
+    -- databases are not waited for (a long one used to hold every backfill).
     IF EXISTS (SELECT 1 FROM pg_snapshot_xip(j.wait_for) x
                JOIN pg_locks t ON t.locktype = 'transactionid' AND t.granted
                               AND t.transactionid = x::text::xid
