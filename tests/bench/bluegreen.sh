@@ -228,6 +228,13 @@ busy_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
 # Version 1's table, archived by the switch, holds what it applied before and during the build.
 read -r before_p50 before_p99 before_n <<<"$(latency "${s}_c1_v1.c1_lat" "$l0" "$t0")"
 read -r during_p50 during_p99 during_n <<<"$(latency "${s}_c1_v1.c1_lat" "$t0" "$t1")"
+if [ -n "${SERIES:-}" ]; then # per second of the build: L events appended, p50 / p99 of version 1
+  q -F' ' -c "SELECT floor(extract(epoch FROM appended_at) - $t0)::int AS s, count(*),
+                     round(percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_ms)::numeric),
+                     round(percentile_cont(0.99) WITHIN GROUP (ORDER BY latency_ms)::numeric)
+              FROM ${s}_c1_v1.c1_lat WHERE appended_at BETWEEN to_timestamp($t0) AND to_timestamp($t1)
+              GROUP BY 1 ORDER BY 1" >&2
+fi
 reached=$(awk -v n="$during_n" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }')
 
 pct() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f%%", a * 100 / b }'; }

@@ -29,7 +29,8 @@
 --     oldest held streams are then the ones being drained, all with work, and that look was a
 --     third of every claim. One full claim in ten still looks, so an endless backlog does not
 --     stop it.
---   - The backfill gate is asked, row by row, only while a backfill waits or queues.
+--   - The backfill gate is asked only while a backfill waits or queues, once per held stream and
+--     backfilling perspective.
 
 CREATE OR REPLACE FUNCTION {{schema}}.claim_work(
     p_instance_id uuid, p_max_streams integer, p_stale_seconds double precision,
@@ -44,6 +45,7 @@ DECLARE
   v_count  integer;
   v_stale  uuid[];
   v_claimed integer;
+  v_backfilling text[];
 BEGIN
   IF NOT EXISTS (SELECT 1 FROM {{schema}}.wh_active_streams) THEN
     RETURN;
@@ -144,20 +146,31 @@ BEGIN
   -- The oldest held streams with due work, p_offered more than p_max_streams: the caller's
   -- queued and in-flight streams are among them, and it offers only the others. Only while a
   -- backfill waits or queues can it hold work back (see wh_backfill_gated); otherwise the gate
-  -- is not asked, row by row.
-  IF EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_jobs j
-             WHERE j.kind = 'backfill' AND j.state IN ('waiting', 'queueing')) THEN
+  -- is not asked.
+  v_backfilling := ARRAY(SELECT j.perspective_name FROM {{schema}}.wh_perspective_jobs j
+                         WHERE j.kind = 'backfill' AND j.state IN ('waiting', 'queueing'));
+  IF cardinality(v_backfilling) > 0 THEN
+    -- The gate is asked once per held stream and backfilling perspective, not per pending row:
+    -- a stream whose live events wait behind the gate can hold many rows, and the held streams
+    -- are all looked at on every claim.
     RETURN QUERY
     SELECT a.stream_id
     FROM {{schema}}.wh_active_streams a
     WHERE a.assigned_instance_id = p_instance_id
       -- OFFSET 0 keeps this a per-stream index probe; flattened into a join, stale statistics
       -- can turn it into repeated scans of the whole work table.
-      AND EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
-                  WHERE w.stream_id = a.stream_id AND w.processed_at IS NULL
-                    AND (w.scheduled_for IS NULL OR w.scheduled_for <= now())
-                    AND NOT {{schema}}.wh_backfill_gated(w.perspective_name, w.stream_id)
-                  OFFSET 0)
+      AND (EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
+                   WHERE w.stream_id = a.stream_id AND w.processed_at IS NULL
+                     AND (w.scheduled_for IS NULL OR w.scheduled_for <= now())
+                     AND w.perspective_name <> ALL (v_backfilling)
+                   OFFSET 0)
+           OR EXISTS (SELECT 1 FROM unnest(v_backfilling) AS b(name)
+                      WHERE NOT {{schema}}.wh_backfill_gated(b.name, a.stream_id)
+                        AND EXISTS (SELECT 1 FROM {{schema}}.wh_perspective_events w
+                                    WHERE w.stream_id = a.stream_id AND w.perspective_name = b.name
+                                      AND w.processed_at IS NULL
+                                      AND (w.scheduled_for IS NULL OR w.scheduled_for <= now())
+                                    OFFSET 0)))
     ORDER BY a.created_at
     LIMIT p_max_streams + greatest(p_offered, 0);
   ELSE
