@@ -415,6 +415,7 @@ fn an_added_perspective_catches_up_while_the_deployment_stays_ready() {
             percent: 61.0,
             eta_seconds: Some(39.6),
             version: None,
+            waiting_for: None,
         }),
         ..Default::default()
     };
@@ -826,6 +827,7 @@ fn the_status_column_explains_a_false_ready() {
             percent: 61.0,
             eta_seconds: None,
             version: None,
+            waiting_for: None,
         }),
         ..Default::default()
     }]);

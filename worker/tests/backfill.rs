@@ -714,6 +714,26 @@ async fn a_backfill_waits_for_transactions_that_appended_before_it_and_for_no_ot
         "waiting",
         "the appender is still open"
     );
+    // `status` names what the job waits for: the appender's backend, not the other one.
+    let pid = "SELECT pg_backend_pid()";
+    let appender_pid: i32 = sqlx::query_scalar(pid)
+        .fetch_one(&mut appender)
+        .await
+        .unwrap();
+    let unrelated_pid: i32 = sqlx::query_scalar(pid)
+        .fetch_one(&mut unrelated)
+        .await
+        .unwrap();
+    let phases = perspective_worker::store::catchup::Phases::read(&mut conn, &schema)
+        .await
+        .unwrap();
+    let (phase, progress) = phases.of("p2");
+    let message = progress.unwrap().message("p2", phase);
+    assert!(
+        message.contains(&format!("pid {appender_pid} ("))
+            && !message.contains(&format!("pid {unrelated_pid}")),
+        "appender {appender_pid}, unrelated {unrelated_pid}: {message}"
+    );
     sqlx::query("COMMIT").execute(&mut appender).await.unwrap();
     assert_eq!(
         advance(&mut conn, &schema, "p2").await,

@@ -198,6 +198,7 @@ mod tests {
                 percent,
                 eta_seconds: Some(40.0),
                 version: None,
+                waiting_for: None,
             }),
             ..Default::default()
         }

@@ -179,6 +179,7 @@ mod tests {
             percent: 61.0,
             eta_seconds: Some(39.0),
             version: None,
+            waiting_for: None,
         };
         let st = Status {
             schema: "s".into(),

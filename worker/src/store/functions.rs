@@ -60,6 +60,7 @@ pub const FUNCTIONS: &[Function] = functions![
     "move_to_dead_letters",
     // Backfill and rebuild jobs.
     "wh_job_start",
+    "wh_job_blockers",
     "wh_job_advance",
     "wh_job_take_streams",
     "wh_job_requeue_streams",

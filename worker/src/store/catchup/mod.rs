@@ -36,7 +36,15 @@ const PROGRESS: &str =
              WHERE s.perspective_name = j.perspective_name),
             (SELECT count(*) FROM {schema}.wh_perspective_events w
              WHERE w.perspective_name = j.perspective_name AND w.processed_at IS NULL),
-            extract(epoch FROM now() - j.started_at)::float8
+            extract(epoch FROM now() - j.started_at)::float8,
+            (SELECT string_agg(format('pid %s%s', b.pid,
+                                      coalesce(' (' || concat_ws(', ',
+                                          nullif(b.application_name, ''),
+                                          'user ' || b.usename,
+                                          'open ' || round(extract(epoch FROM now() - b.xact_start))::text || ' s')
+                                        || ')', '')),
+                               '; ' ORDER BY b.pid)
+             FROM {schema}.wh_job_blockers(j.wait_for) b WHERE j.state = 'waiting')
      FROM {schema}.wh_perspective_jobs j WHERE j.state <> 'done' ORDER BY j.perspective_name";
 
 /// Versions being built beside a live one (blue/green), by perspective, and whether each was
@@ -170,6 +178,9 @@ pub struct JobRow {
     pub pending_events: i64,
     /// Seconds since queueing started.
     pub running_seconds: Option<f64>,
+    /// While waiting: the transactions waited for ("pid 4242 (psql, user app, open 310 s)"),
+    /// None when none is left.
+    pub waiting_for: Option<String>,
 }
 
 /// Start (or restart) `perspective`'s job of `kind` (replacing any job it has).
@@ -251,6 +262,7 @@ pub async fn progress(conn: &mut PgConnection, schema: &str) -> Result<Vec<JobRo
                 events_unqueued: r.get(6),
                 pending_events: r.get(7),
                 running_seconds: r.get(8),
+                waiting_for: r.get(9),
             })
         })
         .collect())

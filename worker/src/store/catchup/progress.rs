@@ -77,6 +77,10 @@ pub struct Progress {
     /// While `Building`: the version built beside the live one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<u32>,
+    /// While `waiting`: the transactions waited for, by backend ("pid 4242 (psql, user app,
+    /// open 310 s)"); a long one holds the job until it ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<String>,
 }
 
 impl Progress {
@@ -129,6 +133,10 @@ impl Progress {
                 percent,
                 eta_seconds,
                 version: None,
+                waiting_for: match job.state {
+                    JobState::Waiting => job.waiting_for.clone(),
+                    _ => None,
+                },
             },
         )
     }
@@ -141,9 +149,12 @@ impl Progress {
             _ => phase.as_str().to_lowercase(),
         };
         if self.step == "waiting" {
-            return format!(
-                "{perspective} {verb}: waiting for transactions older than the job to end"
-            );
+            let mut line =
+                format!("{perspective} {verb}: waiting for transactions older than the job to end");
+            if let Some(blockers) = &self.waiting_for {
+                line.push_str(&format!(": {blockers}"));
+            }
+            return line;
         }
         let mut line = format!(
             "{perspective} {verb}: {}% ({}/{} events, {}/{} streams)",
@@ -202,6 +213,7 @@ mod tests {
             events_unqueued: 390_000,
             pending_events: 0,
             running_seconds: Some(61.0),
+            waiting_for: None,
         }
     }
 
@@ -249,6 +261,21 @@ mod tests {
             p.message("carts", phase),
             "carts rebuilding: waiting for transactions older than the job to end"
         );
+    }
+
+    #[test]
+    fn a_waiting_job_names_the_transactions_it_waits_for() {
+        let mut j = job(JobState::Waiting);
+        j.waiting_for = Some("pid 4242 (psql, user app, open 310 s)".into());
+        let (phase, p) = Progress::of(&j);
+        assert_eq!(
+            p.message("order_totals", phase),
+            "order_totals backfilling: waiting for transactions older than the job to end: \
+             pid 4242 (psql, user app, open 310 s)"
+        );
+        // Once listed, nothing is waited for.
+        let (_, p) = Progress::of(&job(JobState::Queueing));
+        assert_eq!(p.waiting_for, None);
     }
 
     #[test]

@@ -31,20 +31,11 @@ BEGIN
       WHERE perspective_name = p_perspective
       RETURNING wait_for INTO j.wait_for;
     END IF;
-    -- Only those that appended to this event store: they hold its ROW EXCLUSIVE lock until
-    -- they end (their transaction id lock and that relation lock share a virtual transaction).
-    -- A transaction that has not appended yet sees the subscriptions when it does (read
-    -- committed), so its events get their work rows; transactions of other schemas and
-    -- databases are not waited for (a long one used to hold every backfill).
-    IF EXISTS (SELECT 1 FROM pg_snapshot_xip(j.wait_for) x
-               JOIN pg_locks t ON t.locktype = 'transactionid' AND t.granted
-                              AND t.transactionid = x::text::xid
-               JOIN pg_locks r ON r.virtualtransaction = t.virtualtransaction
-                              AND r.locktype = 'relation'
-                              AND r.relation = '{{schema}}.wh_event_store'::regclass
-                              AND r.database = (SELECT oid FROM pg_database
-                                                WHERE datname = current_database())
-               WHERE pg_xact_status(x) = 'in progress') THEN
+    -- Only those that appended to this event store (wh_job_blockers). A transaction that has
+    -- not appended yet sees the subscriptions when it does (read committed), so its events get
+    -- their work rows; transactions of other schemas and databases are not waited for (a long
+    -- one used to hold every backfill).
+    IF EXISTS (SELECT 1 FROM {{schema}}.wh_job_blockers(j.wait_for)) THEN
       RETURN 'waiting';
     END IF;
     INSERT INTO {{schema}}.wh_perspective_job_streams (perspective_name, stream_id, events)
