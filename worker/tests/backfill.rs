@@ -864,3 +864,65 @@ async fn catch_up_progress_is_read_without_jit() {
         "the progress read took {forced:?} at best with JIT forced on, {without:?} with it off: JIT-compiled?"
     );
 }
+
+/// A chunk applies its streams' history through the perspective's batch function, in one call
+/// for all its streams, and writes their cursors; an apply call per stream cost as much for a
+/// stream of a few events as for one of a hundred (a blue/green build beside live load lists
+/// every stream with live traffic).
+#[tokio::test]
+async fn a_chunk_applies_its_streams_in_one_batch_call() {
+    let schema = unique_schema("bfbatch");
+    let (p1_only, both) = configs(&schema);
+    migrate_config(&parse_config(&p1_only)).await;
+    let streams: Vec<Uuid> = (0..20).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 5, 2, 20).await;
+    migrate_config(&parse_config(&both)).await;
+    let mut conn = connect().await;
+    assert_eq!(advance(&mut conn, &schema, "p2").await, "queueing");
+
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    sqlx::query("SET LOCAL track_functions = 'pl'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let taken: Vec<Uuid> =
+        sqlx::query_scalar(&format!("SELECT {schema}.wh_job_take_streams('p2', 16)"))
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+    assert_eq!(taken.len(), 16);
+    let (queued, applied): (i64, i64) = sqlx::query_as(&format!(
+        "SELECT * FROM {schema}.wh_job_requeue_streams('p2', $1, true)"
+    ))
+    .bind(&taken)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!((queued, applied), (0, 80));
+    let calls: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT funcname::text, calls FROM pg_stat_xact_user_functions
+         WHERE schemaname = $1 AND funcname IN ('wh_apply_p2', 'wh_batch_p2') ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(calls, vec![("wh_batch_p2".to_string(), 1)]);
+    tx.commit().await.unwrap();
+    let cursors = scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_cursors
+         WHERE perspective_name = 'p2' AND last_version = 5 AND status = 2"
+    ))
+    .await;
+    assert_eq!(
+        cursors, 16,
+        "the chunk's cursors at the end of their streams, Completed"
+    );
+
+    // The rest, and p1's queued work, by a worker: exactly once, in order.
+    let engine = RunningEngine::start(&parse_config(&both)).await;
+    wait_jobs_done(&schema).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    assert_exactly_once(&schema, 20).await;
+}

@@ -4,7 +4,8 @@
 -- commit). Then either every stored event of a subscribed type is queued again (wh_queue_stream,
 -- ringing the doorbell) for the workers to apply, or, with p_apply, each stream's history is
 -- applied here, through the perspective's compiled apply function, in the same commit (a rebuilt
--- stream is never seen reset but not yet replayed), without work rows: what an apply leaves (a
+-- stream is never seen reset but not yet replayed), without work rows: all streams in one call of
+-- its batch function, or, when that fails, stream by stream, where what an apply leaves (a
 -- failing event and what follows it) is queued for the workers' usual retries. Returns the rows
 -- queued and the events applied. A job that keeps cursors (a kept blue/green version catching
 -- up for a rollback) keeps them and applies only the events after them.
@@ -25,6 +26,12 @@ DECLARE
   v_events   uuid[];
   v_versions bigint[];
   v_keep     boolean;
+  v_batch    text;
+  b_streams  uuid[];
+  b_events   uuid[];
+  b_versions bigint[];
+  v_cancelled integer;
+  v_batched  boolean := false;
 BEGIN
   SELECT coalesce(bool_or(j.keep_cursors), false) INTO v_keep FROM {{schema}}.wh_perspective_jobs j
   WHERE j.perspective_name = p_perspective;
@@ -34,6 +41,9 @@ BEGIN
     -- Work ids are only completed, so placeholders do (there are no rows to delete).
     v_call := format('SELECT o_applied FROM {{schema}}.%I($1, array_fill(0::bigint, ARRAY[cardinality($2)]), $2, $3, true, $4, false, $5, $6, false, true, false)',
                      v_function);
+    -- Its batch function (compile/batch_function.sql) is named as it is, with its own prefix
+    -- (store::names).
+    v_batch := 'wh_batch_' || substr(v_function, length('wh_apply_') + 1);
   END IF;
   IF NOT v_keep THEN
     DELETE FROM {{schema}}.wh_perspective_cursors
@@ -41,7 +51,48 @@ BEGIN
   END IF;
   DELETE FROM {{schema}}.wh_perspective_events
   WHERE stream_id = ANY (p_stream_ids) AND perspective_name = p_perspective;
+  IF v_function IS NOT NULL AND NOT v_keep THEN
+    -- Every stream's history at once, through the batch function: one read of the events and
+    -- one loop, not an apply call per stream (a listed stream with a few events cost as much
+    -- as one with a hundred). The cursors were deleted above; they are written in one
+    -- statement. If anything fails it is undone, and the streams are applied one by one below,
+    -- which isolates the failing event.
+    SELECT array_agg(e.stream_id ORDER BY x.k, e.stream_version),
+           array_agg(e.event_id ORDER BY x.k, e.stream_version),
+           array_agg(e.stream_version ORDER BY x.k, e.stream_version)
+      INTO b_streams, b_events, b_versions
+    FROM unnest(p_stream_ids) WITH ORDINALITY AS x(s, k)
+    JOIN {{schema}}.wh_event_store e ON e.stream_id = x.s
+    JOIN {{schema}}.wh_perspective_subscriptions s
+      ON s.event_type = e.event_type AND s.perspective_name = p_perspective;
+    IF b_events IS NULL THEN
+      v_batched := true;
+    ELSE
+      BEGIN
+        EXECUTE format('SELECT o_applied, o_cancelled FROM {{schema}}.%I($1, $2, $3, NULL::timestamptz)', v_batch)
+          INTO v_n, v_cancelled USING b_streams, b_events, b_versions;
+        IF v_cancelled IS NULL THEN
+          INSERT INTO {{schema}}.wh_perspective_cursors
+              (stream_id, perspective_name, last_version, last_event_id, status, processed_at)
+          SELECT DISTINCT ON (x.s) x.s, p_perspective, x.v, x.e, 2 /* Completed */, now()
+          FROM unnest(b_streams, b_versions, b_events) AS x(s, v, e)
+          ORDER BY x.s, x.v DESC;
+          v_applied := v_n;
+        ELSE
+          -- A handler ran past the statement timeout (nothing was applied): the workers apply
+          -- these streams with their own timeouts, retries and dead letters.
+          FOREACH v_stream IN ARRAY p_stream_ids LOOP
+            v_queued := v_queued + {{schema}}.wh_queue_stream(v_stream, p_perspective);
+          END LOOP;
+        END IF;
+        v_batched := true;
+      EXCEPTION WHEN OTHERS THEN
+        v_batched := false;
+      END;
+    END IF;
+  END IF;
   FOREACH v_stream IN ARRAY p_stream_ids LOOP
+    EXIT WHEN v_batched;
     IF v_function IS NULL THEN
       v_queued := v_queued + {{schema}}.wh_queue_stream(v_stream, p_perspective);
       CONTINUE;
