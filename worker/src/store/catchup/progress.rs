@@ -133,10 +133,7 @@ impl Progress {
                 percent,
                 eta_seconds,
                 version: None,
-                waiting_for: match job.state {
-                    JobState::Waiting => job.waiting_for.clone(),
-                    _ => None,
-                },
+                waiting_for: job.waiting_for.clone(),
             },
         )
     }
