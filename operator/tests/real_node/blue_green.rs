@@ -115,6 +115,29 @@ async fn live_version(conn: &mut PgConnection, schema: &str) -> Option<i64> {
     .unwrap()
 }
 
+/// What holds a build back, for a timed-out wait: the jobs, the versions, each perspective's
+/// dead letters and oldest unapplied work (the switch waits for a lag under 1 s), and the pods.
+async fn build_state(schema: &str, ns: &str) -> String {
+    let mut conn = PgConnection::connect(&database_url()).await.unwrap();
+    let rows: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT 'job ' || perspective_name || ' ' || kind || ' ' || state FROM {schema}.wh_perspective_jobs
+         UNION ALL SELECT 'version ' || perspective_name || ' v' || version || ' ' || state FROM {schema}.wh_perspective_versions
+         UNION ALL SELECT 'dead letters ' || perspective_name || ': ' || count(*) FROM {schema}.wh_dead_letters GROUP BY perspective_name
+         UNION ALL SELECT 'pending ' || perspective_name || ': ' || count(*) || ', oldest '
+                          || round(extract(epoch FROM now() - min(created_at))::numeric, 1) || ' s'
+                   FROM {schema}.wh_perspective_events WHERE processed_at IS NULL GROUP BY perspective_name"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap_or_else(|e| vec![format!("(state unreadable: {e})")]);
+    let pods = kubectl(&["get", "pods", "-n", ns, "-o", "wide"], None);
+    format!(
+        "{}\n{}",
+        rows.join("\n"),
+        String::from_utf8_lossy(&pods.stdout)
+    )
+}
+
 /// Watches the CR until stopped: every `Ready` status seen, and every phase of `seen`.
 struct CrWatch {
     stop: Arc<AtomicBool>,
@@ -233,12 +256,14 @@ async fn a_blue_green_bump_in_the_cr_keeps_ready_and_a_reader_pod_never_sees_a_m
     let appender = Appender::start(&w.schema, history, 50);
     let t = Instant::now();
     w.apply(&bg_yaml(&w.schema, 2));
-    poll("v2 built and switched in", LONG, || async {
+    if let Err(e) = poll("v2 built and switched in", LONG, || async {
         let mut conn = PgConnection::connect(&database_url()).await?;
         Ok((live_version(&mut conn, &w.schema).await == Some(2)).then_some(()))
     })
     .await
-    .unwrap();
+    {
+        panic!("{e:#}\n{}", build_state(&w.schema, &w.ns).await);
+    }
     eprintln!(
         "[real-node] blue/green: v2 live {:?} after the apply",
         t.elapsed()
