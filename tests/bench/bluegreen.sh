@@ -3,7 +3,9 @@
 # version beside the live one while the live one serves; how fast is the build, and what does it
 # cost the live version's latency?
 #
-# Workload: STREAMS streams × PER_STREAM events of type A (default 1 000 × 100 = 100 000), one
+# Workload: STREAMS streams × PER_STREAM events of type A (default 10 000 × 100 = 1 000 000, as
+# backfill.sh and issue 28's "during a 1 000 000-event backfill"; at 100 000 the build lasts
+# about 5 s, and the rollout and the job's start, about a second, weigh as much as the build), one
 # perspective `c1` (`rebuild: blueGreen`) doing one upsert per A event (a per-stream counter) and
 # recording, per live event L, the time from its append (`created_at`) to its apply. One worker
 # process (release build, default options).
@@ -25,13 +27,15 @@
 # every L event once.
 #
 #   tests/bench/bluegreen.sh                        (make bench builds the release worker first)
-#   STREAMS=500 PER_STREAM=100 tests/bench/bluegreen.sh
+#   STREAMS=1000 PER_STREAM=100 tests/bench/bluegreen.sh   (100 000 events, the size before 2026-12-03)
+#   RUST_LOG=perspective_worker=debug KEEP_LOG=/tmp/bg.log tests/bench/bluegreen.sh  (workers' log)
 #   SERIES=1 tests/bench/bluegreen.sh               (also, on stderr, per second of the busy
-#                                                    build: L events appended, p50, p99 in ms)
+#                                                    build: L events appended, p50, p99 in ms;
+#                                                    the rollout's times; the first 3 s in tenths)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-STREAMS=${STREAMS:-1000}
+STREAMS=${STREAMS:-10000}
 PER_STREAM=${PER_STREAM:-100}
 PRODUCERS=${PRODUCERS:-4}
 LIVE_RATE=${LIVE_RATE:-500}
@@ -47,6 +51,7 @@ work=$(mktemp -d)
 pid=
 load=
 cleanup() {
+  if [ -n "${KEEP_LOG:-}" ]; then cp "$work/worker.log" "$KEEP_LOG" 2>/dev/null || true; fi
   if [ -n "$load" ]; then kill -TERM "$load" 2>/dev/null || true; fi
   if [ -n "$pid" ]; then kill -TERM "$pid" 2>/dev/null || true; fi
   wait 2>/dev/null || true
@@ -79,9 +84,20 @@ append_history() { # schema
         FROM generate_series(1, $PER_STREAM) v, generate_series(1, $STREAMS) s ORDER BY s, v"
 }
 
-start_worker() { # config
-  RUST_LOG=warn "$WORKER" --config "$1" run --http-addr 127.0.0.1:0 >>"$work/worker.log" 2>&1 &
+start_worker() { # config; sets $pid and $port (its HTTP endpoints)
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  RUST_LOG=${RUST_LOG:-warn} "$WORKER" --config "$1" run --http-addr "127.0.0.1:$port" >>"$work/worker.log" 2>&1 &
   pid=$!
+}
+
+await_ready() { # port: the worker's /readyz answers 200 (schema verified, first claim done)
+  for _ in $(seq 400); do
+    curl -sf "http://127.0.0.1:$1/readyz" >/dev/null 2>&1 && return 0
+    sleep 0.05
+  done
+  echo "bench: the worker on port $1 did not become ready:" >&2
+  cat "$work/worker.log" >&2
+  exit 1
 }
 
 stop_worker() {
@@ -143,28 +159,21 @@ latency() { # table from to (epoch seconds) -> "p50 p99 count" in ms of the L ev
               FROM $1 WHERE appended_at BETWEEN to_timestamp($2) AND to_timestamp($3)"
 }
 
-await_instances() { # schema count
-  for _ in $(seq 400); do
-    [ "$(q -c "SELECT count(*) FROM $1.wh_service_instances")" = "$2" ] && return 0
-    sleep 0.05
-  done
-  echo "bench: $2 workers did not register:" >&2
-  cat "$work/worker.log" >&2
-  exit 1
-}
-
 bump() { # schema: migrate raises c1 to version 2 (blue/green), then the worker rolls to the new
-  # config (only workers with it run the build), as a pod rollout does: the new worker
-  # registers before the old one stops, so version 1 never goes unserved.
+  # config (only workers with it run the build), as a pod rollout does: the new worker is ready
+  # (its /readyz, a pod's readiness probe) before the old one stops, so version 1 never goes
+  # unserved.
   "$WORKER" --config "$(config "$1" 2)" migrate >"$work/migrate.out" 2>>"$work/migrate.log"
   t0=$(now) # sets the caller's start
   grep -q "building c1 version 2" "$work/migrate.out" || { echo "bench: migrate did not start a blue/green build:" >&2; cat "$work/migrate.out" >&2; exit 1; }
   local old=$pid
   start_worker "$work/$1-2.yaml"
-  await_instances "$1" 2
+  await_ready "$port"
+  t_ready=$(now)
   local new=$pid
   pid=$old
   stop_worker
+  t_stopped=$(now)
   pid=$new
 }
 
@@ -235,6 +244,13 @@ if [ -n "${SERIES:-}" ]; then # per second of the build: L events appended, p50 
                      round(percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_ms)::numeric),
                      round(percentile_cont(0.99) WITHIN GROUP (ORDER BY latency_ms)::numeric)
               FROM ${s}_c1_v1.c1_lat WHERE appended_at BETWEEN to_timestamp($t0) AND to_timestamp($t1)
+              GROUP BY 1 ORDER BY 1" >&2
+  # When the rollout happened, and the first 3 s in tenths: appended, p50, max in ms.
+  echo "the new worker was ready at $(awk -v a="$t0" -v b="$t_ready" 'BEGIN { printf "%.2f", b - a }') s, the old one stopped at $(awk -v a="$t0" -v b="$t_stopped" 'BEGIN { printf "%.2f", b - a }') s" >&2
+  q -F' ' -c "SELECT round(floor((extract(epoch FROM appended_at) - $t0) * 10)::numeric / 10, 1), count(*),
+                     round(percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_ms)::numeric),
+                     round(max(latency_ms)::numeric)
+              FROM ${s}_c1_v1.c1_lat WHERE appended_at BETWEEN to_timestamp($t0) AND to_timestamp($t0 + 3)
               GROUP BY 1 ORDER BY 1" >&2
 fi
 reached=$(awk -v n="$during_n" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }')

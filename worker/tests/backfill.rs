@@ -808,6 +808,70 @@ async fn a_listed_stream_with_live_work_is_taken_in_the_first_chunk() {
     assert_exactly_once(&schema, 20).await;
 }
 
+/// A chunk that lifts the gate on a stream a worker holds rings the doorbell. The worker's settler
+/// leaves a held stream whose only work is gated alone (draining it again cannot apply that
+/// work), and a producer rings only for a stream nobody holds; without the ring such a stream
+/// waited for the claim loop's next poll (up to the 5 s safety net) to be retired or drained —
+/// live events on it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_that_lifts_the_gate_on_a_held_stream_rings_the_doorbell() {
+    let schema = unique_schema("bfring");
+    let (p1_only, both) = configs(&schema);
+    migrate_config(&parse_config(&p1_only)).await;
+    let streams: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 3, 2, 4).await;
+    let engine = RunningEngine::start(&parse_config(&p1_only)).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    migrate_config(&parse_config(&both)).await;
+    let mut conn = connect().await;
+    assert_eq!(advance(&mut conn, &schema, "p2").await, "queueing");
+    let mut listener = sqlx::postgres::PgListener::connect(&database_url())
+        .await
+        .unwrap();
+    listener.listen(&format!("{schema}_work")).await.unwrap();
+    let take_and_apply = format!(
+        "SELECT (SELECT o_applied FROM {schema}.wh_job_requeue_streams('p2', ARRAY(SELECT {schema}.wh_job_take_streams('p2', 2)), true))"
+    );
+
+    // Streams nobody holds: no ring (a producer rings for those).
+    let applied: i64 = sqlx::query_scalar(&take_and_apply)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(applied, 6, "two streams' history applied");
+    let quiet = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await;
+    assert!(quiet.is_err(), "rang for streams nobody holds: {quiet:?}");
+
+    // A stream held by a worker, with live work: the chunk that takes it rings.
+    let me = Uuid::now_v7();
+    sqlx::raw_sql(&format!(
+        "INSERT INTO {schema}.wh_service_instances (instance_id, service_name, host_name, process_id, last_heartbeat_at)
+           VALUES ('{me}', 'test', 'h', 1, now());
+         INSERT INTO {schema}.wh_event_store (stream_id, event_type) SELECT stream_id, 'A'
+           FROM {schema}.wh_perspective_job_streams WHERE perspective_name = 'p2' ORDER BY stream_id LIMIT 1;
+         UPDATE {schema}.wh_active_streams SET assigned_instance_id = '{me}';"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    // The producer rang for its stream (nobody held it then); take that ring first.
+    let producer = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await;
+    assert!(matches!(producer, Ok(Ok(_))), "{producer:?}");
+    let quiet = tokio::time::timeout(Duration::from_millis(300), listener.recv()).await;
+    assert!(quiet.is_err(), "{quiet:?}");
+    let applied: i64 = sqlx::query_scalar(&take_and_apply)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(applied, 7, "the rest, with the live event");
+    let rang = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await;
+    assert!(
+        matches!(rang, Ok(Ok(_))),
+        "no ring for a held stream the chunk ungated: {rang:?}"
+    );
+}
+
 /// A catch-up's progress (read by every worker's job runner while a job runs, and by `status`)
 /// counts each job's pending work; while the jobs table's statistics are stale the planner
 /// guesses hundreds of jobs and costs the counts past `jit_above_cost`. JIT then compiled the

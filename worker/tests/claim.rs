@@ -295,3 +295,45 @@ async fn finding_7_a_flood_of_spoofed_doorbells_is_paced() {
     );
     engine.stop().await;
 }
+
+/// The settler's verdict on held streams it could not retire: one whose only pending work a
+/// backfill gates is settled, not drained again (a drain cannot apply gated work; the job's chunk
+/// queues or applies the stream, and claims re-offer it once it has ungated work), and stays
+/// held; one with ungated work is drained again. Before, every live stream of a blue/green build
+/// went round drain → settle eight times: thousands of useless calls a second at the bump.
+#[tokio::test]
+async fn a_held_stream_whose_only_work_a_backfill_gates_is_settled_not_drained_again() {
+    let (schema, _config) = migrated_schema("settle_gated").await;
+    let mut conn = connect().await;
+    let me = Uuid::now_v7();
+    instance(&mut conn, &schema, me, false).await;
+    let (gated, open) = (Uuid::now_v7(), Uuid::now_v7());
+    // C is beta's alone; A is alpha's alone. A waiting backfill of beta gates all beta work.
+    sqlx::raw_sql(&format!(
+        "INSERT INTO {schema}.wh_perspective_jobs (perspective_name, kind) VALUES ('beta', 'backfill');
+         INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ('{gated}', 'C'), ('{open}', 'A');
+         UPDATE {schema}.wh_active_streams SET assigned_instance_id = '{me}';"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let store = perspective_worker::store::Store::new(pool(2).await, &schema);
+    let settled = store.settle_streams(me, &[gated, open]).await.unwrap();
+    assert_eq!(
+        settled,
+        vec![gated],
+        "only the gated stream needs no other try"
+    );
+    let mut still_held = held(&mut conn, &schema, Some(me)).await;
+    still_held.sort();
+    let mut both = vec![gated, open];
+    both.sort();
+    assert_eq!(still_held, both, "neither is retired: both hold work");
+    // Once the job is gone, the same stream's work is drainable: drained again.
+    sqlx::raw_sql(&format!("DELETE FROM {schema}.wh_perspective_jobs"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let settled = store.settle_streams(me, &[gated, open]).await.unwrap();
+    assert!(settled.is_empty(), "{settled:?}");
+}

@@ -9,12 +9,22 @@ use super::Store;
 /// for them made deadlock cycles (see `functions/complete_applied_events.sql`).
 const COMPLETE_APPLIED_EVENTS: &str = "SELECT {schema}.complete_applied_events($1, $2)";
 const CLEANUP_COMPLETED_STREAMS: &str = "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)";
-/// Those of `$2` the instance `$1` does not hold: retired already (by an earlier call, or by
-/// `claim_work`), or another instance's.
-/// One primary-key probe per stream, not a scan of every stream `$1` holds.
-const NOT_HELD: &str = "SELECT x.stream_id FROM unnest($2::uuid[]) AS x(stream_id)
+/// Those of `$2` that another try would not change: the instance `$1` does not hold them
+/// (retired already, by an earlier call or by `claim_work`, or another instance's), or all their
+/// pending work waits for a backfill to take the stream (`wh_backfill_gated`: a blue/green
+/// build, a perspective added with history). A drain cannot apply gated work, so draining such a
+/// stream again only costs a `wh_drain` and a settle call each time (thousands a second at a
+/// blue/green bump beside live load). The job's chunk that takes the stream queues or applies
+/// its work and rings the doorbell (`wh_job_requeue_streams`), so the next claim retires the
+/// stream or offers what arrived since. One primary-key probe per stream.
+const NO_RETRY: &str = "SELECT x.stream_id FROM unnest($2::uuid[]) AS x(stream_id)
     WHERE (SELECT a.assigned_instance_id FROM {schema}.wh_active_streams a
-           WHERE a.stream_id = x.stream_id) IS DISTINCT FROM $1";
+           WHERE a.stream_id = x.stream_id) IS DISTINCT FROM $1
+       OR (EXISTS (SELECT 1 FROM {schema}.wh_perspective_events w
+                   WHERE w.stream_id = x.stream_id AND w.processed_at IS NULL)
+           AND NOT EXISTS (SELECT 1 FROM {schema}.wh_perspective_events w
+                           WHERE w.stream_id = x.stream_id AND w.processed_at IS NULL
+                             AND NOT {schema}.wh_backfill_gated(w.perspective_name, w.stream_id)))";
 
 impl Store {
     /// Delete work rows applied in earlier transactions (stamp them instead in debug mode): only
@@ -37,9 +47,11 @@ impl Store {
     }
 
     /// Retire those of `streams` (owned by `instance_id`) that have no pending work left;
-    /// returns the settled ones: retired now, or not held by `instance_id` (retired before, or
-    /// another instance's). Neither needs another try: new work re-creates a stream's active
-    /// row and rings the doorbell. The others still hold work (or were locked by a producer).
+    /// returns the settled ones: retired now, not held by `instance_id` (retired before, or
+    /// another instance's), or held with only work a backfill gates (see [`NO_RETRY`]). None
+    /// needs another try: new work re-creates a stream's active row and rings the doorbell, and
+    /// the chunk that lifts a stream's gate rings it too. The others still hold ungated work (or
+    /// were locked by a producer).
     pub async fn settle_streams(
         &self,
         instance_id: Uuid,
@@ -64,16 +76,19 @@ impl Store {
                 .filter(|s| !retired.contains(s))
                 .copied()
                 .collect();
-            let not_held: Vec<Uuid> = c
-                .limit(self.deadlines.routine, "streams not held")
+            let no_retry: Vec<Uuid> = c
+                .limit(
+                    self.deadlines.routine,
+                    "streams another try would not change",
+                )
                 .run(
-                    sqlx::query_scalar(&self.sql(NOT_HELD))
+                    sqlx::query_scalar(&self.sql(NO_RETRY))
                         .bind(instance_id)
                         .bind(&rest)
                         .fetch_all(&mut *c),
                 )
                 .await?;
-            settled.extend(not_held);
+            settled.extend(no_retry);
         }
         Ok(settled)
     }

@@ -6,7 +6,8 @@
 -- applied here, through the perspective's compiled apply function, in the same commit (a rebuilt
 -- stream is never seen reset but not yet replayed), without work rows: all streams in one call of
 -- its batch function, or, when that fails, stream by stream, where what an apply leaves (a
--- failing event and what follows it) is queued for the workers' usual retries. Returns the rows
+-- failing event and what follows it) is queued for the workers' usual retries. It rings the
+-- doorbell when a worker holds one of the streams (see below). Returns the rows
 -- queued and the events applied. A job that keeps cursors (a kept blue/green version catching
 -- up for a rollback) keeps them and applies only the events after them.
 
@@ -119,6 +120,14 @@ BEGIN
   END LOOP;
   DELETE FROM {{schema}}.wh_perspective_job_streams
   WHERE perspective_name = p_perspective AND stream_id = ANY (p_stream_ids);
+  -- A worker may hold one of these streams with nothing but the gated work this chunk replaced
+  -- (its settler leaves such a stream held and does not drain it again: engine::drain::
+  -- completion), and a producer rings only for a stream nobody holds. Ring, so that its next
+  -- claim retires the stream or offers what arrived since, now rather than at the safety-net poll.
+  IF EXISTS (SELECT 1 FROM {{schema}}.wh_active_streams a
+             WHERE a.stream_id = ANY (p_stream_ids) AND a.assigned_instance_id IS NOT NULL) THEN
+    PERFORM pg_notify('{{schema}}_work', '');
+  END IF;
   RETURN QUERY SELECT v_queued, v_applied;
 END
 $$;

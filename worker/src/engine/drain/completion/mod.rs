@@ -231,7 +231,8 @@ impl Settler {
     /// waiting for a retry) is handed back to the drain channel after a growing delay, a few times;
     /// after that the claim loop's own polls look after it. A stream this instance no longer
     /// holds (retired already, e.g. by a claim, or taken over) is settled: draining it again
-    /// would find nothing it owns.
+    /// would find nothing it owns. So is one whose only work a backfill gates: a drain cannot
+    /// apply that work, and the job's chunk that takes the stream rings the doorbell.
     pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<Uuid>) {
         let ctx = &self.shared;
         const RETRIES: u32 = 8;
