@@ -1688,7 +1688,9 @@ spec:
     )
 }
 
-/// One row per order; each event takes a millisecond, so a few thousand make a backfill last.
+/// One row per order; each event takes a millisecond, and waits while a session holds the
+/// advisory lock [`catch_up_gate`] of the perspective, so a test can hold a backfill until the
+/// status has shown it.
 fn catch_up_perspective(name: &str, version: u32) -> String {
     format!(
         r#"    - name: {name}
@@ -1699,9 +1701,40 @@ fn catch_up_perspective(name: &str, version: u32) -> String {
       handlers:
         OrderPlaced: |
           INSERT INTO {name} (order_id, total)
-          SELECT :stream_id, (:data->>'total')::bigint FROM pg_sleep(0.001)
+          SELECT :stream_id, (:data->>'total')::bigint
+          FROM pg_sleep(0.001), pg_advisory_xact_lock_shared(hashtext('{name}'))
 "#
     )
+}
+
+/// Hold `perspective`'s handlers (see [`catch_up_perspective`]) on `conn` until `release`.
+async fn catch_up_gate(conn: &mut sqlx::PgConnection, perspective: &str, release: bool) {
+    let f = if release {
+        "pg_advisory_unlock"
+    } else {
+        "pg_advisory_lock"
+    };
+    sqlx::query(&format!("SELECT {f}(hashtext($1))::text"))
+        .bind(perspective)
+        .execute(conn)
+        .await
+        .unwrap();
+}
+
+/// Wait until the status of `shop` shows `pendingEvents` above 0 while a perspective catches up
+/// (the backfill held by [`catch_up_gate`]), then let the backfill go.
+async fn release_when_pending_shown(w: &World, mut gate: sqlx::PgConnection, perspective: &str) {
+    let shown = poll("pendingEvents above 0 while catching up", LONG, || async {
+        let st = w.pds().get("shop").await?.status.unwrap_or_default();
+        let catching_up = st
+            .perspectives
+            .iter()
+            .any(|p| p.phase != perspective_operator::crd::PerspectivePhase::Live);
+        Ok((catching_up && st.pending_events.is_some_and(|n| n > 0)).then_some(()))
+    })
+    .await;
+    catch_up_gate(&mut gate, perspective, true).await;
+    shown.unwrap();
 }
 
 /// Issue 10, acceptance 6: a perspective added to a running deployment with history gets a new
@@ -1734,6 +1767,10 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
     )
     .await;
 
+    // The backfill waits for this gate until the status has shown its pending events, so a
+    // fast machine cannot finish it between two status reads.
+    let mut gate = db().await;
+    catch_up_gate(&mut gate, "order_totals", false).await;
     w.apply(&catch_up_yaml(
         &w.schema,
         &[("order_rows", 1), ("order_totals", 1)],
@@ -1751,7 +1788,11 @@ async fn an_added_perspective_backfills_while_the_deployment_stays_ready() {
         pending_while_catching_up,
         end_seen_after,
         done,
-    } = watch_catch_up(&w).await;
+    } = tokio::join!(
+        watch_catch_up(&w),
+        release_when_pending_shown(&w, gate, "order_totals")
+    )
+    .0;
     let st = done.status.clone().unwrap();
     // Issue 27: PENDING counts what the backfill still has to apply, and with a 15 s status
     // interval the status still follows the catch-up every few seconds.

@@ -669,6 +669,26 @@ perspectives:
 }
 
 /// `perspective`'s job advanced once, as a worker's turn does.
+/// `per_stream` events on each of `streams`, applied by p1 alone; then p2 added and its job
+/// advanced to `queueing`, so nothing is pending but p2's listed history. Returns the config
+/// with both perspectives and a connection.
+async fn p2_queueing_after_p1_applied(
+    schema: &str,
+    streams: &[Uuid],
+    per_stream: usize,
+) -> (String, sqlx::PgConnection) {
+    let (p1_only, both) = configs(schema);
+    migrate_config(&parse_config(&p1_only)).await;
+    append_load(schema, streams, per_stream, 2, streams.len()).await;
+    let engine = RunningEngine::start(&parse_config(&p1_only)).await;
+    wait_drained(schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    migrate_config(&parse_config(&both)).await;
+    let mut conn = connect().await;
+    assert_eq!(advance(&mut conn, schema, "p2").await, "queueing");
+    (both, conn)
+}
+
 async fn advance(conn: &mut sqlx::PgConnection, schema: &str, perspective: &str) -> String {
     sqlx::query_scalar(&format!("SELECT {schema}.wh_job_advance($1)"))
         .bind(perspective)
@@ -764,17 +784,8 @@ async fn a_backfill_waits_for_transactions_that_appended_before_it_and_for_no_ot
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listed_stream_with_live_work_is_taken_in_the_first_chunk() {
     let schema = unique_schema("bffirst");
-    let (p1_only, both) = configs(&schema);
-    migrate_config(&parse_config(&p1_only)).await;
     let streams: Vec<Uuid> = (0..20).map(|_| Uuid::now_v7()).collect();
-    append_load(&schema, &streams, 5, 2, 20).await;
-    // p1 applies the history first: only the live event below leaves work pending.
-    let engine = RunningEngine::start(&parse_config(&p1_only)).await;
-    wait_drained(&schema, Duration::from_secs(60)).await;
-    engine.stop().await;
-    migrate_config(&parse_config(&both)).await;
-    let mut conn = connect().await;
-    assert_eq!(advance(&mut conn, &schema, "p2").await, "queueing");
+    let (both, mut conn) = p2_queueing_after_p1_applied(&schema, &streams, 5).await;
     // Live traffic on the stream the listing holds last.
     let hot = *streams.iter().max().unwrap();
     append_event(&schema, hot, None, serde_json::json!({})).await;
@@ -816,16 +827,8 @@ async fn a_listed_stream_with_live_work_is_taken_in_the_first_chunk() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunk_that_lifts_the_gate_on_a_held_stream_rings_the_doorbell() {
     let schema = unique_schema("bfring");
-    let (p1_only, both) = configs(&schema);
-    migrate_config(&parse_config(&p1_only)).await;
     let streams: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
-    append_load(&schema, &streams, 3, 2, 4).await;
-    let engine = RunningEngine::start(&parse_config(&p1_only)).await;
-    wait_drained(&schema, Duration::from_secs(60)).await;
-    engine.stop().await;
-    migrate_config(&parse_config(&both)).await;
-    let mut conn = connect().await;
-    assert_eq!(advance(&mut conn, &schema, "p2").await, "queueing");
+    let (_, mut conn) = p2_queueing_after_p1_applied(&schema, &streams, 3).await;
     let mut listener = sqlx::postgres::PgListener::connect(&database_url())
         .await
         .unwrap();
