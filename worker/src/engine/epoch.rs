@@ -84,7 +84,7 @@ impl Epoch {
             hooks: options.hooks.clone(),
             metrics: options.metrics.clone(),
             contention: super::contention_rate::ContentionRate::default(),
-            live_latency: super::live_latency::LiveLatency::default(),
+            live_apply: super::live_apply::LiveApply::default(),
             health: health.clone(),
             shutdown: shutdown.child_token(),
         });

@@ -46,7 +46,7 @@ pub mod hooks;
 pub mod http;
 pub mod lifecycle;
 pub mod listener;
-pub(crate) mod live_latency;
+pub(crate) mod live_apply;
 pub mod metrics;
 pub mod runner;
 pub mod statistics;
@@ -155,8 +155,8 @@ pub(crate) struct Shared {
     pub metrics: Arc<WorkerMetrics>,
     /// Lock conflicts of the last minute, by perspective, for the heartbeat.
     pub contention: contention_rate::ContentionRate,
-    /// The worst apply latency of the last second, by perspective, for a catch-up's pace.
-    pub live_latency: live_latency::LiveLatency,
+    /// What each perspective applied lately (worst latency, rate), for a catch-up's pace.
+    pub live_apply: live_apply::LiveApply,
     /// The engine's (not the epoch's): readiness, abandonment.
     pub health: Arc<health::Health>,
     /// This epoch's: a child of the engine's shutdown token.

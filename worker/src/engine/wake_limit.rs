@@ -7,6 +7,13 @@
 //! takes; the bucket lets [`BURST`] through at once and then [`PER_SECOND`] a second, which costs
 //! a genuine doorbell nothing unless it comes in such a flood (and then at most 1/[`PER_SECOND`]
 //! of waiting, while the claim that follows takes every stream that rang meanwhile).
+//!
+//! Doorbells after a claim that found work are paced too, though genuine ones on idle streams
+//! come faster than [`PER_SECOND`] at a few hundred events a second (each event then waits about
+//! half a token for its claim). Measured on 2026-12-03: unpaced, the live p50 at 500 events/s
+//! with fsync off fell from 9 to 6 ms, but with durable commits every claim's own commit competed
+//! with the producers' (1 000 events/s asked: 520 reached against 700–860, p50 24.5 against
+//! 20–22 ms, 3 workers worse as well).
 
 use std::time::{Duration, Instant};
 

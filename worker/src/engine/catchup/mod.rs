@@ -5,7 +5,7 @@
 //! - this module: the job runner. Every instance helps with the schema's perspective jobs. Each
 //!   turn it advances every job it has the perspective for, takes chunks of streams while a job
 //!   is queueing (up to `maxConcurrentDrainConsumers` chunks at a time, each on its own
-//!   connection; beside live work as many as the live perspectives' latency allows: see
+//!   connection; beside live work as many as the live perspectives' latency and rate allow: see
 //!   [`pace`]; with the compiled SQL
 //!   perspectives each chunk also applies its streams' history; a custom runner, or a
 //!   perspective with sequencing key or serial, gets it queued), and publishes each job's
@@ -224,7 +224,7 @@ impl JobRunner {
     }
 
     /// Take up to [`CHUNKS_PER_TURN`] chunks of `perspective`'s job on one connection, paced by
-    /// [`pace`] against the latency of the perspectives not `catching_up`; returns how many it
+    /// [`pace`] against what the perspectives not `catching_up` applied lately; returns how many it
     /// took. `index` numbers the loops of a turn.
     async fn chunk_loop(
         &self,
@@ -255,10 +255,10 @@ impl JobRunner {
                 pace::Live::Idle
             } else {
                 match shared
-                    .live_latency
-                    .worst_except(|p| catching_up.contains(&p))
+                    .live_apply
+                    .measure_except(|p| catching_up.contains(&p))
                 {
-                    Some(latency) => pace::Live::Latency(latency),
+                    Some(measure) => pace::Live::Measured(measure),
                     None => pace::Live::Unmeasured,
                 }
             };

@@ -25,7 +25,8 @@ pub(super) fn report_applied(
         ctx.metrics.apply_latency.observe(l);
         worst = worst.max(l);
     }
-    ctx.live_latency.record(perspective, worst);
+    ctx.live_apply
+        .record(perspective, worst, u64::from(applied));
     ctx.hooks.emit(HookEvent::PerspectiveEventProcessed {
         perspective: perspective.to_string(),
         stream_id,
