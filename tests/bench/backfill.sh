@@ -24,8 +24,13 @@
 #             the figure is a queue length, not a latency.)
 # Every counter must end at exactly PER_STREAM, in both schemas.
 #
+# PHASES picks the phases (default "steady backfill appends"); the table shows what ran. The
+# appends ratio varies a lot between runs (its baseline did, 1 800-4 100 ev/s): compare builds
+# in alternating rounds of PHASES=appends APPEND_SECONDS=20.
+#
 #   tests/bench/backfill.sh                        (make bench builds the release worker first)
 #   STREAMS=1000 PER_STREAM=100 APPEND_SECONDS=5 tests/bench/backfill.sh
+#   PHASES=appends APPEND_SECONDS=20 WORKER=/tmp/other-build tests/bench/backfill.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -34,6 +39,11 @@ PER_STREAM=${PER_STREAM:-100}
 PRODUCERS=${PRODUCERS:-8}
 APPEND_SECONDS=${APPEND_SECONDS:-8}
 LIVE_RATE=${LIVE_RATE:-500}
+PHASES=${PHASES:-steady backfill appends}
+for p in $PHASES; do
+  case $p in steady|backfill|appends) ;; *) echo "PHASES: unknown phase '$p' (steady, backfill, appends)" >&2; exit 2 ;; esac
+done
+phase() { [[ " $PHASES " == *" $1 "* ]]; }
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
 [ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
 
@@ -145,6 +155,7 @@ await_live_applied() { # schema: no L work pending
 q -c "CREATE TABLE IF NOT EXISTS bench_windows (schema_name text, label text, since timestamptz, until timestamptz)" >/dev/null
 echo "backfill benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f1), fsync=$(q -c 'show fsync'), $(nproc) cores; $STREAMS streams x $PER_STREAM events = $EVENTS events; 1 worker; $PRODUCERS producer connections for ${APPEND_SECONDS}s"
 
+if phase steady; then
 # Steady state: c1 subscribed from the start.
 s=bench_steady
 "$WORKER" --config "$(config $s 1)" migrate >/dev/null 2>>"$work/migrate.log"
@@ -160,6 +171,7 @@ stop_worker
 steady=$(awk -v n=$EVENTS -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }')
 steady_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
 q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
+fi
 
 store_history() { # schema: the history stored before c1 exists
   "$WORKER" --config "$(config "$1" 0)" migrate >/dev/null 2>>"$work/migrate.log"
@@ -172,6 +184,7 @@ add_c1() { # schema: migrate adds c1, which starts its backfill
   grep -q "backfilling c1" "$work/migrate.out" || { echo "bench: migrate did not start a backfill:" >&2; cat "$work/migrate.out" >&2; exit 1; }
 }
 
+if phase backfill; then
 # Backfill, alone.
 s=bench_backfill
 store_history $s
@@ -185,7 +198,9 @@ stop_worker
 backfill=$(awk -v n=$EVENTS -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }')
 backfill_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
 q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
+fi
 
+if phase appends; then
 # The same appends without a backfill, then beside one.
 s=bench_busy
 store_history $s
@@ -207,17 +222,26 @@ await_live_applied $s
 read -r lat_during_p50 lat_during_p99 <<<"$(latency $s live_during)"
 read -r lat_without_p50 lat_without_p99 <<<"$(latency $s live_without)"
 stop_worker
+fi
 
 pct() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f%%", a * 100 / b }'; }
 printf '| figure | value |\n|---|---|\n'
-printf '| backfill of %d events into a new perspective (migrate commit → all applied) | %s ev/s (%s s) |\n' "$EVENTS" "$backfill" "$backfill_s"
-printf '| steady-state apply of the same events by the same perspective | %s ev/s (%s s) |\n' "$steady" "$steady_s"
-printf '| backfill / steady state (goal ≥ 70%%) | **%s** |\n' "$(pct "$backfill" "$steady")"
-printf '| appends, %d connections, during the backfill | %s ev/s |\n' "$PRODUCERS" "$during"
-printf '| appends, %d connections, without a backfill (same schema, before it) | %s ev/s |\n' "$PRODUCERS" "$without"
-printf '| appends during / without (goal ≥ 80%%) | **%s** |\n' "$(pct "$during" "$without")"
-printf '| live perspective at %s appends/s, append → applied, during the backfill | p50 %s ms, p99 %s ms |\n' "$LIVE_RATE" "$lat_during_p50" "$lat_during_p99"
-printf '| live perspective at %s appends/s, append → applied, without a backfill | p50 %s ms, p99 %s ms |\n' "$LIVE_RATE" "$lat_without_p50" "$lat_without_p99"
-if [ "$still" != 1 ]; then
-  echo "note: the backfill ended before the appends did; the 'during' figures are partly without it"
+if phase backfill; then
+  printf '| backfill of %d events into a new perspective (migrate commit → all applied) | %s ev/s (%s s) |\n' "$EVENTS" "$backfill" "$backfill_s"
+fi
+if phase steady; then
+  printf '| steady-state apply of the same events by the same perspective | %s ev/s (%s s) |\n' "$steady" "$steady_s"
+fi
+if phase steady && phase backfill; then
+  printf '| backfill / steady state (goal ≥ 70%%) | **%s** |\n' "$(pct "$backfill" "$steady")"
+fi
+if phase appends; then
+  printf '| appends, %d connections, during the backfill | %s ev/s |\n' "$PRODUCERS" "$during"
+  printf '| appends, %d connections, without a backfill (same schema, before it) | %s ev/s |\n' "$PRODUCERS" "$without"
+  printf '| appends during / without (goal ≥ 80%%) | **%s** |\n' "$(pct "$during" "$without")"
+  printf '| live perspective at %s appends/s, append → applied, during the backfill | p50 %s ms, p99 %s ms |\n' "$LIVE_RATE" "$lat_during_p50" "$lat_during_p99"
+  printf '| live perspective at %s appends/s, append → applied, without a backfill | p50 %s ms, p99 %s ms |\n' "$LIVE_RATE" "$lat_without_p50" "$lat_without_p99"
+  if [ "$still" != 1 ]; then
+    echo "note: the backfill ended before the appends did; the 'during' figures are partly without it"
+  fi
 fi
