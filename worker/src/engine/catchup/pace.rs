@@ -123,11 +123,11 @@ impl Pace {
         };
         // The first measure covers the last two seconds, mostly before this catch-up ran
         // beside the live work (or it ran at its floor): the rate to keep.
-        s.reference = Some(match s.reference {
+        let reference = match s.reference {
             Some(r) if s.level > 0 || now - s.at_floor < FLOOR_SETTLE => r.max(m.rate),
             _ => m.rate,
-        });
-        let reference = s.reference.unwrap_or(m.rate);
+        };
+        s.reference = Some(reference);
         let due = |at: Option<Instant>, every: Duration| at.is_none_or(|at| now - at >= every);
         if m.worst > LIVE_LATENCY_TARGET || m.rate < STEP_DOWN_SHARE * reference {
             if s.level > 0 && due(s.stepped_down, STEP_DOWN_INTERVAL) {
