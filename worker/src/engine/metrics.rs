@@ -440,7 +440,8 @@ fn catchup_pace(r: &Registrar) -> GaugeVec {
         "perspective_catchup_pace",
         "How hard this worker runs a perspective's backfill, rebuild or blue/green build, in \
          chunk loops at full duty (chunk loops x duty): one per drain consumer without live \
-         work, less while the live perspectives' apply latency is high.",
+         work, less while the live perspectives' apply latency is high or their apply rate \
+         falls (producers slowed by the catch-up).",
         &[PERSPECTIVE],
     )
 }
