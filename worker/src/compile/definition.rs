@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v36";
+const FORMAT_VERSION: &str = "apply-v37";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v36",
-                "2eced0c9581ced1837f53a8567a595c026efaaf7393b7b3bf576d5c7282a71c3"
+                "apply-v37",
+                "168ea7b02d30c3c50735db2647c35defcc373e7c320b9268d9d53e7a9ec0025c"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

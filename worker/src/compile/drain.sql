@@ -217,7 +217,8 @@ BEGIN
     RETURN;
   END IF;
   -- Contention (see the header): no lock wait longer than this, for the rest of the call.
-  IF (SELECT s.setting::bigint FROM pg_settings s WHERE s.name = 'lock_timeout')
+  -- (SHOW's form, '0', '50ms' or '2s', reads as an interval; pg_settings costs a millisecond.)
+  IF extract(epoch FROM current_setting('lock_timeout')::interval) * 1000
        NOT BETWEEN 1 AND {{ lock_timeout_ms }} THEN
     PERFORM set_config('lock_timeout', '{{ lock_timeout_ms }}ms', true);
   END IF;
@@ -267,11 +268,16 @@ BEGIN
     FROM (
       SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
       FROM unnest(v_owned) AS x(stream_id)
-      CROSS JOIN (SELECT DISTINCT s.perspective_name FROM {{ schema }}.wh_perspective_subscriptions s
-                  WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)) sub
+      CROSS JOIN (SELECT s.perspective_name,
+                         EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
+                                 WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
+                  FROM {{ schema }}.wh_perspective_subscriptions s
+                  WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)
+                  GROUP BY s.perspective_name) sub
       {{ cursor_of_pair("c.last_version") }}
-      -- A backfill holds the perspective back on a stream until the stream's history is queued.
-      WHERE NOT {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id)
+      -- A backfill holds the perspective back on a stream until the stream's history is queued
+      -- (asked only while the perspective has a backfill job: a call per pair otherwise).
+      WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
   {% if sequenced %}
         AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
   {% endif %}
