@@ -129,3 +129,87 @@ async fn a_table_another_role_owns_is_not_analyzed_by_this_one() {
     ));
     assert!(out.status.success(), "{out:?}");
 }
+
+/// The workers of a deployment check their tables on the same beat and each found the same
+/// table outgrown: each analyzed it in turn (two or three ANALYZEs of a 90 000-row work table in
+/// `tests/bench/crossstream.sh`). A worker whose reading is stale leaves alone a table another
+/// has analyzed since, or is analyzing now.
+#[tokio::test]
+async fn a_table_another_worker_analyzed_since_or_is_analyzing_is_left_alone() {
+    let (schema, _config) = migrated_schema("stats_once").await;
+    let store = Store::new(pool(1).await, &schema);
+    let outgrew = |live: i64, analyzed: f64| live as f64 > 4.0 * analyzed.max(250.0);
+    let out = psql(&format!(
+        "ALTER TABLE {schema}.wh_event_store SET (autovacuum_enabled = false);
+         INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+           SELECT gen_random_uuid(), 'A' FROM generate_series(1, 3000);"
+    ));
+    assert!(out.status.success(), "{out:?}");
+    let event_store = || async {
+        store
+            .table_sizes()
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|t| t.table == "wh_event_store")
+            .unwrap()
+    };
+    wait_until(
+        "the statistics to count the rows",
+        Duration::from_secs(30),
+        || async { event_store().await.live_rows >= 3000 },
+    )
+    .await;
+    let stale = event_store().await;
+    assert!(outgrew(stale.live_rows, stale.analyzed_rows), "{stale:?}");
+
+    // Another worker is analyzing it: its transaction holds the table's lock.
+    let mut other = connect().await;
+    let mut tx = sqlx::Connection::begin(&mut other).await.unwrap();
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtext($1 || '.wh_analyze'), hashtext('wh_event_store'))",
+    )
+    .bind(&schema)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let before = analyze_count(&schema, "wh_event_store").await;
+    assert!(!store
+        .analyze_if_due("wh_event_store", outgrew)
+        .await
+        .unwrap());
+    tx.rollback().await.unwrap();
+    assert_eq!(analyze_count(&schema, "wh_event_store").await, before);
+
+    // Another worker analyzed it since this one's reading: nothing left to do.
+    let out = psql(&format!("ANALYZE {schema}.wh_event_store"));
+    assert!(out.status.success(), "{out:?}");
+    let before = analyze_count(&schema, "wh_event_store").await;
+    assert!(!store
+        .analyze_if_due("wh_event_store", outgrew)
+        .await
+        .unwrap());
+    assert_eq!(analyze_count(&schema, "wh_event_store").await, before);
+
+    // Outgrown again, and nobody at it: this worker analyzes it.
+    let out = psql(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+           SELECT gen_random_uuid(), 'A' FROM generate_series(1, 20000);"
+    ));
+    assert!(out.status.success(), "{out:?}");
+    wait_until(
+        "the statistics to count the new rows",
+        Duration::from_secs(30),
+        || async { event_store().await.live_rows >= 23000 },
+    )
+    .await;
+    assert!(store
+        .analyze_if_due("wh_event_store", outgrew)
+        .await
+        .unwrap());
+    let statistics_rows = scalar(&format!(
+        "SELECT reltuples::bigint FROM pg_class WHERE oid = '{schema}.wh_event_store'::regclass"
+    ))
+    .await;
+    assert_eq!(statistics_rows, 23000);
+}

@@ -8,7 +8,9 @@
 //! to crawl (measured: 16 000 cursor lookups at 1.2 ms each instead of 10 µs). So every
 //! [`CHECK_EVERY`] while claims find work, each table of the schema (the engine's and the
 //! users' read models alike) whose live rows outgrew its statistics is analyzed; the ANALYZE
-//! invalidates every session's cached plans of it, and their next plans fit its size.
+//! invalidates every session's cached plans of it, and their next plans fit its size. One worker
+//! of a deployment analyzes a table at a time, and only if it is still outgrown then (the
+//! workers check on the same beat: each analyzed the same table in turn).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -92,7 +94,10 @@ impl StatisticsKeeper {
                 Verdict::Fresh => {}
                 Verdict::Analyze => {
                     let started = Instant::now();
-                    shared.store.analyze(&t.table).await?;
+                    if !shared.store.analyze_if_due(&t.table, outgrew).await? {
+                        // Another worker analyzed it, or is at it.
+                        continue;
+                    }
                     shared
                         .metrics
                         .tables_analyzed
@@ -103,7 +108,7 @@ impl StatisticsKeeper {
                         live_rows = t.live_rows,
                         statistics_rows = t.analyzed_rows,
                         elapsed_ms = started.elapsed().as_millis() as u64,
-                        "table outgrew its planner statistics; analyzed it (unless another session held it)"
+                        "table outgrew its planner statistics; analyzed it (unless autovacuum or migrate held it)"
                     );
                 }
                 Verdict::Denied => {
