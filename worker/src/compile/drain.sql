@@ -97,13 +97,19 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
     -- the call's row budget covers, starting from a random slot so that calls side by side
     -- take different keys rather than all of them. A pair with a key another applier holds is
     -- busy; one with a key past the budget is not reached (later, at once).
+    -- Index probes per stream and per row (OFFSET 0 and LIMIT 1 keep the planner from joining
+    -- the tables whole): as joins, custom plans hashed the work table and the store for a few
+    -- dozen streams (7.8 ms against 2 ms for 40 streams of 3 000).
     WITH keyed AS MATERIALIZED (
     {% for p in sequenced if p.from_store %}
-      {{ "" if loop.first else "UNION ALL " }}SELECT w.stream_id, w.perspective_name, {{ p.class }} AS class, {{ p[slot_attr] }} AS slot
-      FROM {{ schema }}.wh_perspective_events w
-      JOIN {{ schema }}.wh_event_store e ON e.stream_id = w.stream_id AND e.stream_version = w.stream_version
-      WHERE w.stream_id = ANY (v_owned) AND w.perspective_name = {{ p.name|literal }} AND w.processed_at IS NULL
-        AND (p_perspectives IS NULL OR w.perspective_name = ANY (p_perspectives))
+      {{ "" if loop.first else "UNION ALL " }}SELECT x.s AS stream_id, x.perspective_name, {{ p.class }} AS class, {{ p[slot_attr] }} AS slot
+      FROM unnest(v_owned) AS mine(stream_id)
+      CROSS JOIN LATERAL (SELECT w.stream_id AS s, w.stream_version AS v, w.perspective_name
+                          FROM {{ schema }}.wh_perspective_events w
+                          WHERE w.stream_id = mine.stream_id AND w.perspective_name = {{ p.name|literal }}
+                            AND w.processed_at IS NULL OFFSET 0) x
+      {{ p.join }}
+      WHERE p_perspectives IS NULL OR {{ p.name|literal }} = ANY (p_perspectives)
     {% endfor %}
     ), slots AS MATERIALIZED (
       SELECT k.class, k.slot,
