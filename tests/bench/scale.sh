@@ -104,7 +104,7 @@ migrate() { # schema perspectives
 # registered.
 start_worker() { # schema
   local logf=$work/worker-$1.log
-  RUST_LOG=warn,perspective_worker::http=info "$WORKER" --config "$work/$1.yaml" run --http-addr 127.0.0.1:0 >"$logf" 2>&1 &
+  RUST_LOG=warn,perspective_worker::engine::http=info "$WORKER" --config "$work/$1.yaml" run --http-addr 127.0.0.1:0 >"$logf" 2>&1 &
   WPID=$!
   pids+=("$WPID")
   WPORT=
