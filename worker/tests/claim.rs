@@ -381,4 +381,12 @@ async fn settling_streams_asks_the_backfill_gate_about_their_work_only() {
         calls <= 1000,
         "the gate was asked {calls} times for 1 000 listed streams (one call each is enough)"
     );
+    // Without JIT, whatever the server's setting: guessing hundreds of rows per stream, the
+    // planner put a few dozen streams past jit_above_cost, and JIT took 100 ms a call.
+    let config = scalar(&format!(
+        "SELECT count(*) FROM pg_proc p WHERE p.oid = '{schema}.wh_settled_without_retry'::regproc
+           AND 'jit=off' = ANY (p.proconfig)"
+    ))
+    .await;
+    assert_eq!(config, 1, "wh_settled_without_retry runs with jit = off");
 }

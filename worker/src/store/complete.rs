@@ -9,25 +9,8 @@ use super::Store;
 /// for them made deadlock cycles (see `functions/complete_applied_events.sql`).
 const COMPLETE_APPLIED_EVENTS: &str = "SELECT {schema}.complete_applied_events($1, $2)";
 const CLEANUP_COMPLETED_STREAMS: &str = "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)";
-/// Those of `$2` that another try would not change: the instance `$1` does not hold them
-/// (retired already, by an earlier call or by `claim_work`, or another instance's), or all their
-/// pending work waits for a backfill to take the stream (`wh_backfill_gated`: a blue/green
-/// build, a perspective added with history). A drain cannot apply gated work, so draining such a
-/// stream again only costs a `wh_drain` and a settle call each time (thousands a second at a
-/// blue/green bump beside live load). The job's chunk that takes the stream queues or applies
-/// its work and rings the doorbell (`wh_job_requeue_streams`), so the next claim retires the
-/// stream or offers what arrived since. Index probes per stream: the work-row probes are scalar
-/// subqueries with `LIMIT 1` because PostgreSQL may run an `EXISTS` as a hashed subplan over
-/// every pending row of the schema, asking the gate of each (110 ms a call at 30 000 rows).
-const NO_RETRY: &str = "SELECT x.stream_id FROM unnest($2::uuid[]) AS x(stream_id)
-    WHERE (SELECT a.assigned_instance_id FROM {schema}.wh_active_streams a
-           WHERE a.stream_id = x.stream_id) IS DISTINCT FROM $1
-       OR ((SELECT 1 FROM {schema}.wh_perspective_events w
-            WHERE w.stream_id = x.stream_id AND w.processed_at IS NULL LIMIT 1) IS NOT NULL
-           AND (SELECT 1 FROM {schema}.wh_perspective_events w
-                WHERE w.stream_id = x.stream_id AND w.processed_at IS NULL
-                  AND NOT {schema}.wh_backfill_gated(w.perspective_name, w.stream_id)
-                LIMIT 1) IS NULL)";
+/// Those of `$2` that another try would not change (see `functions/wh_settled_without_retry.sql`).
+const NO_RETRY: &str = "SELECT * FROM {schema}.wh_settled_without_retry($1, $2)";
 
 impl Store {
     /// Delete work rows applied in earlier transactions (stamp them instead in debug mode): only

@@ -44,6 +44,7 @@ pub const FUNCTIONS: &[Function] = functions![
     "complete_perspective_events",
     "complete_applied_events",
     "cleanup_completed_streams",
+    "wh_settled_without_retry",
     "wh_queue_stream",
     // The producer path.
     "wh_event_store_before_insert",
