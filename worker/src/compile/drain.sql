@@ -58,6 +58,26 @@ EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
                          AND w.stream_version > {{ version }} AND w.processed_at IS NULL
                          AND (w.scheduled_for IS NULL OR w.scheduled_for <= now()))
 {%- endmacro %}
+{#- The pairs of the owned streams with the subscribed perspectives the call applies (`x`,
+    `sub`), and whether each perspective has a backfill job. #}
+{% macro owned_pairs() -%}
+FROM unnest(v_owned) AS x(stream_id)
+      CROSS JOIN (SELECT s.perspective_name,
+                         EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
+                                 WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
+                  FROM {{ schema }}.wh_perspective_subscriptions s
+                  WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)
+                  GROUP BY s.perspective_name) sub
+{%- endmacro %}
+{#- Which of those pairs are listed: a backfill holds the perspective back on a stream until the
+    stream's history is queued (asked only while the perspective has a backfill job: a call per
+    pair otherwise), and busy sequenced pairs are left out. #}
+{% macro pair_filter() -%}
+WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
+  {%- if sequenced %}
+        AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
+  {%- endif %}
+{%- endmacro %}
 {#- The cursor of the pair (x.stream_id, sub.perspective_name), if any: one primary-key probe per
     pair. As a plain LEFT JOIN the planner, which cannot see how few streams a call lists (and
     without statistics on the subscriptions guesses 200 perspectives), hashed the whole cursor
@@ -273,20 +293,9 @@ BEGIN
       INTO x_streams, x_names, x_last
     FROM (
       SELECT x.stream_id, sub.perspective_name, coalesce(c.last_version, 0) AS last_version
-      FROM unnest(v_owned) AS x(stream_id)
-      CROSS JOIN (SELECT s.perspective_name,
-                         EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
-                                 WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
-                  FROM {{ schema }}.wh_perspective_subscriptions s
-                  WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)
-                  GROUP BY s.perspective_name) sub
+      {{ owned_pairs() }}
       {{ cursor_of_pair("c.last_version") }}
-      -- A backfill holds the perspective back on a stream until the stream's history is queued
-      -- (asked only while the perspective has a backfill job: a call per pair otherwise).
-      WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
-  {% if sequenced %}
-        AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
-  {% endif %}
+      {{ pair_filter() }}
       ORDER BY 1, 2) y;
     PERFORM set_config('jit', v_jit, true);
   ELSE
@@ -300,20 +309,9 @@ BEGIN
     -- and which take the per-pair path.
     WITH pair AS (
       SELECT x.stream_id, sub.perspective_name, c.last_version, c.last_event_id, c.status, c.error, c.processed_at
-      FROM unnest(v_owned) AS x(stream_id)
-      CROSS JOIN (SELECT s.perspective_name,
-                         EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_jobs j
-                                 WHERE j.perspective_name = s.perspective_name AND j.kind = 'backfill') AS backfill
-                  FROM {{ schema }}.wh_perspective_subscriptions s
-                  WHERE p_perspectives IS NULL OR s.perspective_name = ANY (p_perspectives)
-                  GROUP BY s.perspective_name) sub
+      {{ owned_pairs() }}
       {{ cursor_of_pair("c.last_version, c.last_event_id, c.status, c.error, c.processed_at") }}
-      -- A backfill holds the perspective back on a stream until the stream's history is queued
-      -- (asked only while the perspective has a backfill job).
-      WHERE NOT (sub.backfill AND {{ schema }}.wh_backfill_gated(sub.perspective_name, x.stream_id))
-  {% if sequenced %}
-        AND (x.stream_id, sub.perspective_name) NOT IN (SELECT * FROM unnest(v_busy_streams, v_busy_names))
-  {% endif %}
+      {{ pair_filter() }}
     ), pairs AS MATERIALIZED (
       SELECT p.*, w.*,
              w.n_all <= v_shallow_rows AND w.n_above > 0 AND w.plain
