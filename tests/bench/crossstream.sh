@@ -25,6 +25,15 @@
 # per run (README, "Batch handlers"); event handlers write it once per event. The per-stream
 # perspective has an event handler, except with all-batch (a batch handler grouping by stream).
 #
+# Axon Framework 4.13 beside it (AXON=1, the default; backlog only): tests/bench/axon/ drains
+# the same backlog into the same read models in the same PostgreSQL, right after each of the
+# engine's sets, in a JVM warmed up by a drain of the same size. AXON_LAYOUT: expert (the
+# default: per-aggregate sequencing with 4 segments for orders, a property sequencing policy on
+# the customer for customer_stats, one segment for global_stats) or recommended (Axon's default
+# layout for all three). AXON_BATCH: the processors' batch size (100). AXON_PROCESSOR: pooled
+# (PooledStreamingEventProcessor, the default) or tracking. Needs mvn and java;
+# AXON=0 leaves Axon out.
+#
 #   tests/bench/crossstream.sh            (make bench builds the release worker first)
 #   HANDLERS=event tests/bench/crossstream.sh   (the shared rows written once per event)
 #   CUSTOMER_SEQ=stream GLOBAL_SEQ=stream tests/bench/crossstream.sh   (everything in parallel)
@@ -43,6 +52,17 @@ MODES=${MODES:-backlog live}
 CUSTOMER_SEQ=${CUSTOMER_SEQ:-key}
 GLOBAL_SEQ=${GLOBAL_SEQ:-serial}
 HANDLERS=${HANDLERS:-batch}
+AXON=${AXON:-1}
+AXON_LAYOUT=${AXON_LAYOUT:-expert}
+AXON_BATCH=${AXON_BATCH:-100}
+AXON_PROCESSOR=${AXON_PROCESSOR:-pooled}
+case $AXON_PROCESSOR in pooled|tracking) ;; *) echo "AXON_PROCESSOR must be pooled or tracking, not $AXON_PROCESSOR" >&2; exit 2 ;; esac
+case $AXON in 0|1) ;; *) echo "AXON must be 0 or 1, not $AXON" >&2; exit 2 ;; esac
+case $AXON_LAYOUT in expert|recommended) ;; *) echo "AXON_LAYOUT must be expert or recommended, not $AXON_LAYOUT" >&2; exit 2 ;; esac
+if [ "$AXON" = 1 ] && ! { command -v mvn && command -v java; } >/dev/null; then
+  echo "AXON=1 runs Axon Framework beside the engine and needs mvn and java; AXON=0 leaves it out" >&2
+  exit 2
+fi
 case $HANDLERS in batch|event|all-batch) ;; *) echo "HANDLERS must be batch, event or all-batch, not $HANDLERS" >&2; exit 2 ;; esac
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
 [ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
@@ -250,13 +270,48 @@ SQL
     'BEGIN { printf "%.0f %d %d %d %d %s %s\n", e * n / (b - a), d, dl, f, at, (x == "exact" ? "exact" : "WRONG:" x), ok }' | tr -s ' ' ' '
 }
 
+# Axon's harness, compiled outside the repository; prints its classpath.
+axon_build() {
+  local out=$HOME/.cache/perspective-operator/axon-bench
+  mkdir -p "$out"
+  mvn -q -B -f tests/bench/axon/pom.xml compile dependency:build-classpath \
+      -Dmdep.outputFile="$out/classpath.txt" >"$work/mvn.log" 2>&1 \
+    || { echo "could not build tests/bench/axon:" >&2; cat "$work/mvn.log" >&2; exit 1; }
+  echo "$(cat "$out/classpath.txt"):$out/classes"
+}
+
+# DATABASE_URL (postgres://user[:password]@host:port/db) as a JDBC URL.
+jdbc_url() {
+  local u=${DATABASE_URL#*://} creds user pass
+  creds=${u%%@*}; user=${creds%%:*}; pass=
+  [ "$creds" != "$user" ] && pass="&password=${creds#*:}"
+  echo "jdbc:postgresql://${u#*@}?user=$user$pass"
+}
+
+run_axon() { # mode round set -> "applies/s deadlocks handler_failures exactness drained"
+  local s="axon_$1_$2_$3"
+  JDBC_URL=$(jdbc_url) AXON_SCHEMA=$s SET=$3 LAYOUT=$AXON_LAYOUT BATCH=$AXON_BATCH PROCESSOR=$AXON_PROCESSOR STREAMS=$STREAMS \
+    PER_STREAM=$PER_STREAM CUSTOMERS=$CUSTOMERS TIMEOUT=$TIMEOUT \
+    java -Dorg.slf4j.simpleLogger.defaultLogLevel=warn -cp "$axon_cp" bench.AxonCrossStream 2>>"$work/axon.log" \
+    || { echo "Axon's run failed:" >&2; tail -20 "$work/axon.log" >&2; exit 1; }
+  q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" -c "DROP SCHEMA IF EXISTS ${s}_warmup CASCADE" >/dev/null
+}
+
 median() { sort -g | awk '{a[NR]=$1} END{print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+
+axon_cp=
+if [ "$AXON" = 1 ]; then axon_cp=$(axon_build); fi
 
 echo "cross-stream benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f1), fsync=$(q -c 'show fsync'), $(nproc) cores; $WORKERS workers (default options), $STREAMS streams x $PER_STREAM events over $CUSTOMERS customers; shared rows: customer $CUSTOMER_SEQ, global $GLOBAL_SEQ, $HANDLERS handlers; $ROUNDS rounds, medians"
 for mode in $MODES; do
   for r in $(seq "$ROUNDS"); do
     for i in "${!SETS[@]}"; do
       run_set "$mode" "$r" "$i" >>"$work/$mode.$i"
+      if [ "$AXON" = 1 ] && [ "$mode" = backlog ]; then
+        run_axon "$mode" "$r" "$i" >>"$work/$mode.axon$i"
+        paste -d' ' <(tail -1 "$work/$mode.$i") <(tail -1 "$work/$mode.axon$i") \
+          | awk '{ printf "%.4f\n", $1 * 100 / $8 }' >>"$work/$mode.vsaxon$i"
+      fi
     done
     # This round's ratios against its own per-stream run.
     base=$(tail -1 "$work/$mode.0" | cut -d' ' -f1)
@@ -274,4 +329,15 @@ for mode in $MODES; do
       "$(cut -d' ' -f4 "$f" | paste -sd/)" "$(cut -d' ' -f5 "$f" | paste -sd/)" \
       "$(cut -d' ' -f6 "$f" | sort -u | paste -sd,)" "$(cut -d' ' -f7 "$f" | sort -u | paste -sd,)"
   done
+  if [ -s "$work/$mode.axon0" ]; then
+    printf '\nAxon Framework 4.13 beside it (%s layout, %s processors, batch size %s), each right after the same set:\n\n| read models | Axon applies/s | engine vs Axon (median of rounds; min–max) | deadlocks | handler failures | models | drained |\n|---|---|---|---|---|---|---|\n' "$AXON_LAYOUT" "$AXON_PROCESSOR" "$AXON_BATCH"
+    for i in "${!SETS[@]}"; do
+      f="$work/$mode.axon$i"
+      printf '| %s | %.0f | %.0f%% (%.0f–%.0f%%) | %s | %s | %s | %s |\n' "${SETS[$i]}" \
+        "$(cut -d' ' -f1 "$f" | median)" "$(median <"$work/$mode.vsaxon$i")" \
+        "$(sort -g "$work/$mode.vsaxon$i" | head -1)" "$(sort -g "$work/$mode.vsaxon$i" | tail -1)" \
+        "$(cut -d' ' -f2 "$f" | paste -sd/)" "$(cut -d' ' -f3 "$f" | paste -sd/)" \
+        "$(cut -d' ' -f4 "$f" | sort -u | paste -sd,)" "$(cut -d' ' -f5 "$f" | sort -u | paste -sd,)"
+    done
+  fi
 done
