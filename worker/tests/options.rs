@@ -151,6 +151,81 @@ async fn max_concurrent_drain_consumers_bounds_the_batches_applied_at_once() {
     assert_eq!(probe.most_running.load(Ordering::SeqCst), 2);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_consumers_per_deployment_leaves_one_worker_its_share_of_the_consumers() {
+    let schema = unique_schema("opt_deploy1");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  maxConcurrentDrainConsumers: 4
+  drainConsumersPerDeployment: 2
+  maxConcurrentPerspectives: 1
+  drainBatcher: { maxSize: 1 }
+",
+    ));
+    migrate_config(&config).await;
+    // Calls wait for a third partner: only more than two consumers reach it.
+    let probe = Probe::new(&config, 3);
+    run_through(&schema, &config, probe.clone(), 6).await;
+    assert_eq!(probe.most_running.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_consumers_per_deployment_is_shared_among_the_live_workers() {
+    let schema = unique_schema("opt_deploy2");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  maxConcurrentDrainConsumers: 4
+  drainConsumersPerDeployment: 2
+  maxConcurrentPerspectives: 1
+  drainBatcher: { maxSize: 1 }
+  heartbeatIntervalSeconds: 2
+",
+    ));
+    migrate_config(&config).await;
+    // Two workers, one probe: calls wait for a third partner, which only more than one
+    // consumer per worker reaches.
+    let probe = Probe::new(&config, 3);
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        let mut options = EngineOptions::new(config.clone(), database_url());
+        options.runner = Some(probe.clone());
+        engines.push(RunningEngine::start_with(options).await);
+    }
+    for (i, engine) in engines.iter().enumerate() {
+        let metrics = engine.metrics.clone();
+        wait_until(
+            &format!("worker {i} counting both workers and running 1 consumer"),
+            Duration::from_secs(10),
+            || async { metrics.drain_consumers.get() == 1 },
+        )
+        .await;
+    }
+    let streams: Vec<Uuid> = (0..8).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 1, 1, streams.len()).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    let first = engines.remove(0);
+    first.stop().await;
+    assert_exactly_once(&schema, streams.len()).await;
+    assert!(
+        probe.most_running.load(Ordering::SeqCst) <= 2,
+        "one consumer per worker: {} applies at once",
+        probe.most_running.load(Ordering::SeqCst)
+    );
+    // The other worker, alone now (the stopped one deregistered), takes the whole share at its
+    // next heartbeat.
+    let second = engines.remove(0);
+    let metrics = second.metrics.clone();
+    wait_until(
+        "the remaining worker running both consumers",
+        Duration::from_secs(15),
+        || async { metrics.drain_consumers.get() == 2 },
+    )
+    .await;
+    second.stop().await;
+}
+
 /// The next hook event, or a panic naming `what` after 10 s.
 async fn next_hook(rx: &mut broadcast::Receiver<HookEvent>, what: &str) -> HookEvent {
     tokio::time::timeout(Duration::from_secs(10), rx.recv())

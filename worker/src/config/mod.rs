@@ -315,6 +315,7 @@ perspectives:
         assert_eq!(worker.perspective_batch_size, 100);
         assert_eq!(worker.max_concurrent_perspectives, 30);
         assert_eq!(worker.max_concurrent_drain_consumers, 4);
+        assert_eq!(worker.drain_consumers_per_deployment, 4);
         assert_eq!(worker.drain_loop_max_iterations, 5);
         assert_eq!(worker.drain_loop_refetch_min_batch, 2);
         assert_eq!(worker.drain_batcher.sliding_window_milliseconds, 300);

@@ -360,6 +360,12 @@ fn worker_count_ranges(worker: &WorkerOptions) -> Vec<(&'static str, u64, u64, u
             MAX_DRAIN_CONSUMERS.into(),
         ),
         (
+            "drainConsumersPerDeployment",
+            worker.drain_consumers_per_deployment.into(),
+            1,
+            MAX_DRAIN_CONSUMERS_PER_DEPLOYMENT.into(),
+        ),
+        (
             "drainLoopMaxIterations",
             worker.drain_loop_max_iterations.into(),
             1,

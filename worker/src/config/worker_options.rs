@@ -34,6 +34,7 @@ pub const MAX_IDLE_THRESHOLD_POLLS: u32 = 1_000;
 pub const MAX_PERSPECTIVE_BATCH_SIZE: u32 = 10_000;
 pub const MAX_CONCURRENT_PERSPECTIVES: u32 = 256;
 pub const MAX_DRAIN_CONSUMERS: u32 = 64;
+pub const MAX_DRAIN_CONSUMERS_PER_DEPLOYMENT: u32 = 4_096;
 pub const MAX_DRAIN_LOOP_ITERATIONS: u32 = 1_000;
 pub const MAX_DRAIN_REFETCH_MIN_BATCH: u32 = 10_000;
 pub const MAX_HEARTBEAT_INTERVAL_SECONDS: u32 = 3_600;
@@ -77,9 +78,12 @@ pub struct WorkerOptions {
     /// Custom PerspectiveRunner only: (stream, perspective) groups of one drain batch applied concurrently, each on its own connection (default 30). No effect on compiled SQL perspectives: one wh_drain call applies a whole batch inside the database, so their parallelism is maxConcurrentDrainConsumers.
     #[schemars(range(min = 1, max = MAX_CONCURRENT_PERSPECTIVES))]
     pub max_concurrent_perspectives: u32,
-    /// Parallel drain consumer loops, each applying its own batch of streams (default 4).
+    /// Parallel drain consumer loops, each applying its own batch of streams (default 4). At most this many run in one worker; `drainConsumersPerDeployment` may leave fewer running.
     #[schemars(range(min = 1, max = MAX_DRAIN_CONSUMERS))]
     pub max_concurrent_drain_consumers: u32,
+    /// Drain consumers of all of the deployment's workers together (default 4, one worker's worth): each worker runs this / live workers of them (rounded down; at least 1, at most `maxConcurrentDrainConsumers`), recounting the live workers at each heartbeat, and as many catch-up chunk loops. Each consumer's wh_drain call keeps a database core busy; more calls than the database has cores only queue for them and pay each call's fixed cost more often (on a 2-core PostgreSQL, 3 workers x 4 consumers drained a cross-stream backlog at about 19 000 applies/s, 3 x 1 at about 28 000). Raise it to about the database cores you want applying.
+    #[schemars(range(min = 1, max = MAX_DRAIN_CONSUMERS_PER_DEPLOYMENT))]
+    pub drain_consumers_per_deployment: u32,
     /// Drain rounds one batch runs for a stream that still has due work before handing it back to the drain queue; 1 is single-pass (default 5).
     #[schemars(range(min = 1, max = MAX_DRAIN_LOOP_ITERATIONS))]
     pub drain_loop_max_iterations: u32,
@@ -123,6 +127,7 @@ impl Default for WorkerOptions {
             perspective_batch_size: 100,
             max_concurrent_perspectives: 30,
             max_concurrent_drain_consumers: 4,
+            drain_consumers_per_deployment: 4,
             drain_loop_max_iterations: 5,
             drain_loop_refetch_min_batch: 2,
             drain_batcher: DrainBatcherOptions::default(),
@@ -144,6 +149,14 @@ impl Default for WorkerOptions {
 pub const DRAIN_ROWS_PER_FETCH: usize = 10_000;
 
 impl WorkerOptions {
+    /// Drain consumers one worker runs while `live_workers` (itself included) are live: its
+    /// share of `drainConsumersPerDeployment` (rounded down, so that all of them together stay
+    /// within it), within 1 and `maxConcurrentDrainConsumers`.
+    pub fn drain_consumers(&self, live_workers: usize) -> usize {
+        (self.drain_consumers_per_deployment as usize / live_workers.max(1))
+            .clamp(1, self.max_concurrent_drain_consumers.max(1) as usize)
+    }
+
     /// Stream ids one drain batch may hold: `drainBatcher.maxSize`, capped so that the batch's
     /// full-depth groups (`perspectiveBatchSize` rows for each of `perspectives`) stay within
     /// [`DRAIN_ROWS_PER_FETCH`] rows; at least 1. What the channel holds beyond it goes to the
@@ -254,6 +267,32 @@ mod tests {
     use super::*;
     use crate::config::tests::{parse, MINIMAL};
     use crate::config::Config;
+
+    #[test]
+    fn each_worker_runs_its_share_of_the_deployments_drain_consumers() {
+        let options = WorkerOptions::default(); // 4 per worker, 4 per deployment
+        let widths: Vec<usize> = (1..=6).map(|live| options.drain_consumers(live)).collect();
+        assert_eq!(
+            widths,
+            [4, 2, 1, 1, 1, 1],
+            "within the 4 in all, at least 1 each"
+        );
+        assert_eq!(
+            options.drain_consumers(0),
+            4,
+            "no count yet: this worker alone"
+        );
+        let six = WorkerOptions {
+            drain_consumers_per_deployment: 6,
+            ..WorkerOptions::default()
+        };
+        let widths: Vec<usize> = (1..=4).map(|live| six.drain_consumers(live)).collect();
+        assert_eq!(
+            widths,
+            [4, 3, 2, 1],
+            "never above maxConcurrentDrainConsumers"
+        );
+    }
 
     #[test]
     fn options_override_defaults_and_null_attempts_never_dead_letter() {

@@ -10,6 +10,9 @@ use super::health::Probe;
 use super::Shared;
 use crate::store::instances::{heartbeat_metadata, Heartbeat as Beat, InstanceInfo};
 
+/// When the first heartbeat after registering comes, at the latest.
+const FIRST_RECOUNT: Duration = Duration::from_secs(1);
+
 /// The heartbeat task.
 pub(crate) struct Heartbeat {
     shared: Arc<Shared>,
@@ -53,7 +56,8 @@ impl Heartbeat {
     }
 
     /// One heartbeat: the previous heartbeat's age (`None`: the instance was not registered),
-    /// and whether a peer is silent past the stale threshold.
+    /// and whether a peer is silent past the stale threshold. Resizes the drain to this worker's
+    /// share among the live workers it counted.
     async fn record(&mut self) -> Result<Beat, sqlx::Error> {
         let shared = &self.shared;
         self.instance.metadata = heartbeat_metadata(
@@ -64,7 +68,29 @@ impl Heartbeat {
             .config
             .worker
             .abandon_stale_instance_threshold_seconds as f64;
-        shared.store.record_heartbeat(&self.instance, stale).await
+        let beat = shared.store.record_heartbeat(&self.instance, stale).await?;
+        self.resize_drain(beat.live_peers.max(0) as usize + 1);
+        Ok(beat)
+    }
+
+    /// Runs this worker's share of `drainConsumersPerDeployment` while `live_workers` (itself
+    /// included) are live.
+    fn resize_drain(&self, live_workers: usize) {
+        let shared = &self.shared;
+        let width = shared.config.worker.drain_consumers(live_workers);
+        let changed = shared.drain_width.send_if_modified(|w| {
+            let changed = *w != width;
+            *w = width;
+            changed
+        });
+        shared.metrics.drain_consumers.set(width as i64);
+        if changed {
+            tracing::info!(
+                live_workers,
+                drain_consumers = width,
+                "drain consumers resized to this worker's share of drainConsumersPerDeployment"
+            );
+        }
     }
 
     /// Abandons the silent peers (which can take a while: their streams are released).
@@ -145,11 +171,15 @@ impl Heartbeat {
         // The interval stays fixed (peers judge us by it); the streaks only pace the logs.
         let mut failures = FailureStreak::new("heartbeat", every, every);
         let mut count_failures = FailureStreak::new("counting pending events", every, every);
+        // The first beat comes sooner: workers of a deployment start together, and the first
+        // to register counted none of the others when it sized its drain.
+        let mut next = every.min(FIRST_RECOUNT);
         loop {
             tokio::select! {
                 _ = self.shared.shutdown.cancelled() => return,
-                _ = tokio::time::sleep(every) => {}
+                _ = tokio::time::sleep(next) => {}
             }
+            next = every;
             let started = Instant::now();
             // Only the heartbeat itself is watched: a sweep that releases many streams may
             // take seconds.

@@ -76,6 +76,9 @@ pub struct WorkerMetrics {
     pub notify_wakeups: IntCounter,
     /// `perspective_listener_connected`: 1 while the LISTEN connection is healthy.
     pub listener_connected: IntGauge,
+    /// `perspective_drain_consumers`: drain consumers this worker runs now, its share of
+    /// `drainConsumersPerDeployment` among the live workers.
+    pub drain_consumers: IntGauge,
     /// `perspective_reregistrations_total`: times this worker found that its peers may have
     /// abandoned it (heartbeat stale or instance row gone), dropped the work it held and
     /// registered again.
@@ -136,6 +139,7 @@ impl WorkerMetrics {
             apply_latency: apply_latency(&r),
             notify_wakeups: notify_wakeups(&r),
             listener_connected: listener_connected(&r),
+            drain_consumers: drain_consumers(&r),
             reregistrations: reregistrations(&r),
             completions_flushed: completions_flushed(&r),
             completion_flush_failures: completion_flush_failures(&r),
@@ -370,6 +374,14 @@ fn reregistrations(r: &Registrar) -> IntCounter {
     )
 }
 
+fn drain_consumers(r: &Registrar) -> IntGauge {
+    r.int_gauge(
+        "perspective_drain_consumers",
+        "Drain consumers this worker runs: its share of worker.drainConsumersPerDeployment \
+         among the live workers (recounted each heartbeat), at most maxConcurrentDrainConsumers.",
+    )
+}
+
 fn listener_connected(r: &Registrar) -> IntGauge {
     r.int_gauge(
         "perspective_listener_connected",
@@ -494,6 +506,7 @@ mod tests {
         "perspective_apply_latency_seconds",
         "perspective_notify_wakeups_total",
         "perspective_listener_connected",
+        "perspective_drain_consumers",
         "perspective_reregistrations_total",
         "perspective_completions_flushed_total",
         "perspective_completion_flush_failures_total",
@@ -526,6 +539,7 @@ mod tests {
         m.apply_latency.observe(0.04);
         m.notify_wakeups.inc();
         m.listener_connected.set(1);
+        m.drain_consumers.set(2);
         m.reregistrations.inc();
         m.completions_flushed.inc_by(10);
         m.completion_flush_failures.inc();

@@ -161,6 +161,16 @@ pub(crate) struct Shared {
     pub health: Arc<health::Health>,
     /// This epoch's: a child of the engine's shutdown token.
     pub shutdown: CancellationToken,
+    /// Drain consumers (and catch-up chunk loops) to run now: this worker's share of
+    /// `drainConsumersPerDeployment`, set by each heartbeat from the live workers it counts.
+    pub drain_width: tokio::sync::watch::Sender<usize>,
+}
+
+impl Shared {
+    /// Drain consumers to run now (see [`Shared::drain_width`]).
+    pub(crate) fn drain_width(&self) -> usize {
+        *self.drain_width.borrow()
+    }
 }
 
 /// A custom runner applies the groups the worker fetches, stream by stream: it cannot keep
@@ -412,8 +422,8 @@ fn spawn_tasks(
         settle_tx.clone(),
     ));
     let rx: drain::SharedReceiver = Arc::new(tokio::sync::Mutex::new(drain_rx));
-    for _ in 0..config.worker.max_concurrent_drain_consumers.max(1) {
-        tasks.push(tokio::spawn(drainer.clone().consume(rx.clone())));
+    for index in 0..config.worker.max_concurrent_drain_consumers.max(1) as usize {
+        tasks.push(tokio::spawn(drainer.clone().consume(rx.clone(), index)));
     }
     let statistics = statistics::StatisticsKeeper {
         shared: shared.clone(),

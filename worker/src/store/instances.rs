@@ -8,15 +8,18 @@ use uuid::Uuid;
 use super::Store;
 
 // The subqueries read the rows as they were before the heartbeat (one statement, one snapshot;
-// the function's write is not visible to them): the previous heartbeat's age, and whether a
-// peer is silent past the stale threshold ($6), so that the sweep runs only then (an idle
-// worker's statements are few: issue 28).
+// the function's write is not visible to them): the previous heartbeat's age, whether a peer is
+// silent past the stale threshold ($6), so that the sweep runs only then (an idle worker's
+// statements are few: issue 28), and how many peers are live (within it).
 const RECORD_HEARTBEAT: &str =
     "SELECT (SELECT extract(epoch FROM now() - i.last_heartbeat_at)::float8
                                   FROM {schema}.wh_service_instances i WHERE i.instance_id = $1),
                                  EXISTS (SELECT 1 FROM {schema}.wh_service_instances i
                                          WHERE i.instance_id <> $1
                                            AND i.last_heartbeat_at < now() - make_interval(secs => $6)),
+                                 (SELECT count(*) FROM {schema}.wh_service_instances i
+                                  WHERE i.instance_id <> $1
+                                    AND i.last_heartbeat_at >= now() - make_interval(secs => $6)),
                                  {schema}.record_heartbeat($1, $2, $3, $4, $5)::text";
 const CLEANUP_STALE_INSTANCES: &str = "SELECT {schema}.cleanup_stale_instances($1, $2)";
 const DEREGISTER_INSTANCE: &str = "SELECT {schema}.deregister_instance($1)";
@@ -45,6 +48,8 @@ pub struct Heartbeat {
     pub previous_age: Option<f64>,
     /// Whether another instance was silent past the stale threshold (a sweep would abandon it).
     pub stale_peers: bool,
+    /// Other instances live by the stale threshold.
+    pub live_peers: i64,
 }
 
 /// Who an instance is, as recorded with each heartbeat.
@@ -86,22 +91,23 @@ impl Store {
         stale_seconds: f64,
     ) -> Result<Heartbeat, sqlx::Error> {
         let mut c = self.quick_conn("record_heartbeat").await?;
-        let (previous_age, stale_peers, _): (Option<f64>, bool, Option<String>) = c
-            .deadline()
-            .run(
-                sqlx::query_as(&self.sql(RECORD_HEARTBEAT))
-                    .bind(info.instance_id)
-                    .bind(&info.service_name)
-                    .bind(&info.host_name)
-                    .bind(info.process_id)
-                    .bind(&info.metadata)
-                    .bind(stale_seconds)
-                    .fetch_one(&mut *c),
-            )
-            .await?;
+        let (previous_age, stale_peers, live_peers, _): (Option<f64>, bool, i64, Option<String>) =
+            c.deadline()
+                .run(
+                    sqlx::query_as(&self.sql(RECORD_HEARTBEAT))
+                        .bind(info.instance_id)
+                        .bind(&info.service_name)
+                        .bind(&info.host_name)
+                        .bind(info.process_id)
+                        .bind(&info.metadata)
+                        .bind(stale_seconds)
+                        .fetch_one(&mut *c),
+                )
+                .await?;
         Ok(Heartbeat {
             previous_age,
             stale_peers,
+            live_peers,
         })
     }
 

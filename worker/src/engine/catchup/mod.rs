@@ -182,7 +182,7 @@ impl JobRunner {
                 .await?;
             match state {
                 JobState::Queueing => {
-                    let loops = shared.config.worker.max_concurrent_drain_consumers.max(1);
+                    let loops = shared.drain_width().max(1) as u32;
                     let catching_up: Vec<&str> = active.iter().map(|(p, _)| p.as_str()).collect();
                     let results = futures::future::join_all(
                         (0..loops).map(|i| self.chunk_loop(i, perspective, *kind, &catching_up)),

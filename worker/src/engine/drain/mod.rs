@@ -81,12 +81,22 @@ impl Drainer {
         }
     }
 
-    /// One consumer loop.
-    pub(crate) async fn consume(self: Arc<Self>, rx: SharedReceiver) {
+    /// One consumer loop, the `index`th (from 0): it takes batches while fewer than `index + 1`
+    /// consumers would leave the worker under its share of the deployment's drain consumers
+    /// ([`Shared::drain_width`]), and waits otherwise.
+    pub(crate) async fn consume(self: Arc<Self>, rx: SharedReceiver, index: usize) {
+        let mut width = self.shared.drain_width.subscribe();
         loop {
-            let Some(batch) = next_batch(&self, &rx).await else {
+            tokio::select! {
+                _ = self.shared.shutdown.cancelled() => return,
+                turn = width.wait_for(|w| index < *w) => if turn.is_err() { return },
+            }
+            let Some(batch) = next_batch(&self, &rx, index, &mut width).await else {
                 return;
             };
+            if batch.is_empty() {
+                continue; // no longer its turn
+            }
             // Every log line of the batch carries the instance (and its pairs' lines their pair).
             let span = tracing::info_span!("drain_batch", instance_id = %self.shared.instance_id,
                                            streams = batch.len());
@@ -171,7 +181,14 @@ pub(crate) fn share_of_backlog(limit: usize, floor: usize, queued: usize, idle: 
 }
 
 /// Wait for the first stream id, then gather more with the sliding window (see [`gather`]).
-async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
+/// Empty when the worker's drain shrank below the `index`th consumer meanwhile: the consumers
+/// that had passed their turn wait for the channel in line, and would each take one more batch.
+async fn next_batch(
+    ctx: &Drainer,
+    rx: &SharedReceiver,
+    index: usize,
+    width: &mut tokio::sync::watch::Receiver<usize>,
+) -> Option<Vec<Uuid>> {
     let config = &ctx.shared.config;
     let floor = config.worker.drain_batch_limit(config.perspectives.len());
     let limit = batch_limit(
@@ -181,7 +198,10 @@ async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
     );
     let mut rx = rx.lock().await;
     let first = tokio::select! {
+        // Before an id that is already there.
+        biased;
         _ = ctx.shared.shutdown.cancelled() => return None,
+        shrunk = width.wait_for(|w| index >= *w) => return shrunk.ok().map(|_| Vec::new()),
         id = rx.recv() => id?,
     };
     let in_flight = ctx.batches_in_flight.load(Ordering::Relaxed);
@@ -189,7 +209,7 @@ async fn next_batch(ctx: &Drainer, rx: &SharedReceiver) -> Option<Vec<Uuid>> {
         limit,
         floor,
         rx.len() + 1,
-        (config.worker.max_concurrent_drain_consumers as usize).saturating_sub(in_flight),
+        ctx.shared.drain_width().saturating_sub(in_flight),
     );
     let busy = || ctx.batches_in_flight.load(Ordering::Relaxed) > 0;
     let opts = &config.worker.drain_batcher;
