@@ -10,7 +10,8 @@
 #            work rows — one round trip per group, no claiming, no engine.
 #   engine   N `perspective-worker run` processes (release build) already running and idle,
 #            with C drain consumers each (the default 4; also 1, to show scale-out where one
-#            worker alone leaves the database idle); all events are appended in one
+#            worker alone leaves the database idle; drainConsumersPerDeployment is set to
+#            N x C, so that each runs C: its default, 4, gives 3 workers 1 each, the 3 x 1 variant); all events are appended in one
 #            transaction; timed from that commit until every cursor is at its stream's head and
 #            no work row is left unprocessed (claim, fetch, apply and complete included; the
 #            retirement of drained streams goes on afterwards).
@@ -51,7 +52,7 @@ q() { psql "$DATABASE_URL" -XAtq -v ON_ERROR_STOP=1 "$@"; }
 now() { date +%s.%N; }
 APPLIES=$(( STREAMS * PER_STREAM * 2 ))
 
-config() { # schema strategy [drain consumers per worker] -> file
+config() { # schema strategy [drain consumers per worker] [workers] -> file
   cat >"$work/$1.yaml" <<EOF
 schema: $1
 perspectives:
@@ -66,6 +67,7 @@ perspectives:
 worker:
   completionStrategy: $2
   maxConcurrentDrainConsumers: ${3:-4}
+  drainConsumersPerDeployment: $(( ${3:-4} * ${4:-1} ))
 EOF
   echo "$work/$1.yaml"
 }
@@ -160,7 +162,7 @@ run_ceiling() { # round -> applies/s
 
 run_engine() { # round workers strategy consumers -> applies/s ; leaves RSS in $work/rss
   local s="eng_$1_$2_$(echo "$3" | tr 'A-Z' 'a-z')_$4"
-  local cfg; cfg=$(config "$s" "$3" "$4")
+  local cfg; cfg=$(config "$s" "$3" "$4" "$2")
   "$WORKER" --config "$cfg" migrate >/dev/null 2>>"$work/migrate.log"
   pids=()
   for _ in $(seq "$2"); do
