@@ -132,42 +132,36 @@ async fn max_concurrent_perspectives_bounds_the_groups_a_custom_runner_applies_a
     assert_eq!(most_concurrent_applies(2).await, 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_concurrent_drain_consumers_bounds_the_batches_applied_at_once() {
-    let schema = unique_schema("opt_consumers");
-    // One stream per batch and one group at a time per batch: concurrent applies are batches.
+/// The most batches one worker applied at once with the `worker:` options `options` (one
+/// stream per batch and one group at a time per batch, so concurrent applies are batches), where
+/// calls wait for a third partner: only more than two consumers reach it.
+async fn most_concurrent_batches(name: &str, options: &str, streams: usize) -> usize {
+    let schema = unique_schema(name);
     let config = parse_config(&recording_yaml(
         &schema,
-        "worker:
-  maxConcurrentDrainConsumers: 2
-  maxConcurrentPerspectives: 1
-  drainBatcher: { maxSize: 1 }
-",
+        &format!(
+            "worker:\n{options}  maxConcurrentPerspectives: 1\n  drainBatcher: {{ maxSize: 1 }}\n"
+        ),
     ));
     migrate_config(&config).await;
-    // Calls wait for a third partner: only more than two consumers reach it.
     let probe = Probe::new(&config, 3);
-    run_through(&schema, &config, probe.clone(), 4).await;
-    assert_eq!(probe.most_running.load(Ordering::SeqCst), 2);
+    run_through(&schema, &config, probe.clone(), streams).await;
+    probe.most_running.load(Ordering::SeqCst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_concurrent_drain_consumers_bounds_the_batches_applied_at_once() {
+    let options = "  maxConcurrentDrainConsumers: 2\n";
+    assert_eq!(
+        most_concurrent_batches("opt_consumers", options, 4).await,
+        2
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_consumers_per_deployment_leaves_one_worker_its_share_of_the_consumers() {
-    let schema = unique_schema("opt_deploy1");
-    let config = parse_config(&recording_yaml(
-        &schema,
-        "worker:
-  maxConcurrentDrainConsumers: 4
-  drainConsumersPerDeployment: 2
-  maxConcurrentPerspectives: 1
-  drainBatcher: { maxSize: 1 }
-",
-    ));
-    migrate_config(&config).await;
-    // Calls wait for a third partner: only more than two consumers reach it.
-    let probe = Probe::new(&config, 3);
-    run_through(&schema, &config, probe.clone(), 6).await;
-    assert_eq!(probe.most_running.load(Ordering::SeqCst), 2);
+    let options = "  maxConcurrentDrainConsumers: 4\n  drainConsumersPerDeployment: 2\n";
+    assert_eq!(most_concurrent_batches("opt_deploy1", options, 6).await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
