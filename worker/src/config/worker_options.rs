@@ -75,7 +75,7 @@ pub struct WorkerOptions {
     /// Most events of one (stream, perspective) handed to one call of its apply function (or of a custom PerspectiveRunner); the model change and the cursor advance of a call commit together (default 100).
     #[schemars(range(min = 1, max = MAX_PERSPECTIVE_BATCH_SIZE))]
     pub perspective_batch_size: u32,
-    /// Custom PerspectiveRunner only: (stream, perspective) groups of one drain batch applied concurrently, each on its own connection (default 30). No effect on compiled SQL perspectives: one wh_drain call applies a whole batch inside the database, so their parallelism is maxConcurrentDrainConsumers.
+    /// Custom PerspectiveRunner only: (stream, perspective) groups of one drain batch applied concurrently, each on its own connection (default 30). No effect on compiled SQL perspectives: one wh_drain call applies a whole batch inside the database, so their parallelism is the drain consumers the worker runs (maxConcurrentDrainConsumers, or its share of drainConsumersPerDeployment).
     #[schemars(range(min = 1, max = MAX_CONCURRENT_PERSPECTIVES))]
     pub max_concurrent_perspectives: u32,
     /// Parallel drain consumer loops, each applying its own batch of streams (default 4). At most this many run in one worker; `drainConsumersPerDeployment` may leave fewer running.

@@ -10,7 +10,8 @@
 //!   woken at once by the doorbell or [`Hooks::request_immediate_poll`]; feeds stream ids into
 //!   the drain queue; marks the engine ready after its first claim;
 //! - [`listener`]: the LISTEN connection (doorbell → claim wake-up; health; reconnects);
-//! - [`drain`]: `maxConcurrentDrainConsumers` consumers: sliding-window batches of stream ids,
+//! - [`drain`]: this worker's share of `drainConsumersPerDeployment` (at most
+//!   `maxConcurrentDrainConsumers`) consumers: sliding-window batches of stream ids,
 //!   drained by `wh_drain` in the database or, for a custom [`PerspectiveRunner`], fetched and
 //!   applied group by group; its `queue` holds the streams queued for or being drained, each at
 //!   most once;

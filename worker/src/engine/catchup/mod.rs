@@ -4,7 +4,7 @@
 //!   phase (Live, Backfilling, Rebuilding) and catch-up figures read from its job's row;
 //! - this module: the job runner. Every instance helps with the schema's perspective jobs. Each
 //!   turn it advances every job it has the perspective for, takes chunks of streams while a job
-//!   is queueing (up to `maxConcurrentDrainConsumers` chunks at a time, each on its own
+//!   is queueing (as many chunks at a time as it runs drain consumers, each on its own
 //!   connection; beside live work as many as the live perspectives' latency and rate allow: see
 //!   [`pace`]; with the compiled SQL
 //!   perspectives each chunk also applies its streams' history; a custom runner, or a
