@@ -166,7 +166,8 @@ impl ClaimLoop {
                 _ = shared.shutdown.cancelled() => return,
                 _ = shared.hooks.wake_requested() => {
                     // Paced: anyone may ring the doorbell (see wake_limit).
-                    let pause = wakes.take(Instant::now());
+                    let live = shared.live_workers.load(Ordering::Relaxed);
+                    let pause = wakes.take_share(Instant::now(), live);
                     if !pause.is_zero() {
                         tokio::select! {
                             _ = shared.shutdown.cancelled() => return,

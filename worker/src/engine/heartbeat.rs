@@ -69,7 +69,11 @@ impl Heartbeat {
             .worker
             .abandon_stale_instance_threshold_seconds as f64;
         let beat = shared.store.record_heartbeat(&self.instance, stale).await?;
-        self.resize_drain(beat.live_peers.max(0) as usize + 1);
+        let live_workers = beat.live_peers.max(0) as usize + 1;
+        shared
+            .live_workers
+            .store(live_workers, std::sync::atomic::Ordering::Relaxed);
+        self.resize_drain(live_workers);
         Ok(beat)
     }
 

@@ -165,6 +165,8 @@ pub(crate) struct Shared {
     /// Drain consumers (and catch-up chunk loops) to run now: this worker's share of
     /// `drainConsumersPerDeployment`, set by each heartbeat from the live workers it counts.
     pub drain_width: tokio::sync::watch::Sender<usize>,
+    /// The workers of the deployment the last heartbeat counted live, this one included.
+    pub live_workers: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
