@@ -90,9 +90,19 @@ pub(crate) struct Settler {
     pub queue: Arc<super::queue::DrainQueue>,
 }
 
-/// Coalescing of completions: wait this long after the first one, or until this many.
+/// Coalescing of completions: wait [`flush_window`] after the first one, or until this many.
 const FLUSH_WINDOW: Duration = Duration::from_millis(25);
 const FLUSH_MAX: usize = 1000;
+
+/// How long a flush waits for more completions while `live_workers` (this one included) share
+/// the deployment's work: [`FLUSH_WINDOW`] for each, up to four. Each flush is followed by a
+/// settle of its streams, and the workers of a deployment flush what one worker would have
+/// flushed in one go: three workers each flushing every 25 ms made three times the calls of one
+/// (issue 28). The cursor is the durable floor, so a later flush delays no apply; a stream
+/// retired later rings no doorbell meanwhile, but its new work is re-offered by the next claim.
+pub(crate) fn flush_window(live_workers: usize) -> Duration {
+    FLUSH_WINDOW * live_workers.clamp(1, 4) as u32
+}
 
 /// The pause after the `attempt`-th failed round of the last flush before stopping, or `None`:
 /// give up. The retry backoff of a running worker grows to `worker.retryOptions` limits (a
@@ -124,7 +134,8 @@ impl FlushWorker {
                 }
             }
             // Coalesce.
-            let deadline = tokio::time::Instant::now() + FLUSH_WINDOW;
+            let live = ctx.live_workers.load(std::sync::atomic::Ordering::Relaxed);
+            let deadline = tokio::time::Instant::now() + flush_window(live);
             while tracker.pending_count() < FLUSH_MAX {
                 match tokio::time::timeout_at(deadline, rx.recv()).await {
                     Ok(Some(item)) => tracker.add(item),
@@ -292,6 +303,15 @@ impl Settler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_workers_of_a_deployment_flush_as_often_as_one_would() {
+        let ms = |n| flush_window(n).as_millis();
+        assert_eq!(ms(1), 25, "one worker");
+        assert_eq!(ms(0), 25, "0 counts as 1");
+        assert_eq!(ms(3), 75);
+        assert_eq!(ms(40), 100, "never longer than four windows");
+    }
 
     #[test]
     fn the_last_flush_retries_a_few_times_within_two_seconds_then_gives_up() {
