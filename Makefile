@@ -64,6 +64,7 @@ bench: postgres
 	tests/bench/append.sh
 	tests/bench/apply.sh
 	tests/bench/backfill.sh
+	PHASES=live LIVE_RATE=1000 DURABLE=1 tests/bench/backfill.sh
 	tests/bench/crossstream.sh
 	tests/bench/latency.sh
 	tests/bench/idle.sh
