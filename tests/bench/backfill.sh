@@ -212,45 +212,53 @@ backfill_s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
 q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
 fi
 
+# The history stored, and a worker running `live` only.
+live_only() { # schema
+  store_history "$1"
+  start_worker "$work/$1-0.yaml"
+  await_registered "$1"
+}
+
+# Once the live work is applied: the worker stopped, c1 added (its backfill starts) and a worker
+# started again.
+begin_backfill() { # schema
+  await_live_applied "$1"
+  stop_worker
+  add_c1 "$1"
+  start_worker "$work/$1-1.yaml"
+}
+
+end_backfill() { # schema: every event applied once, the worker stopped, the schema dropped
+  await_applied "$1"
+  check "$1"
+  await_live_applied "$1"
+  stop_worker
+  q -c "SET client_min_messages = warning" -c "DROP SCHEMA $1 CASCADE" >/dev/null
+}
+
 if phase appends; then
 # The same appends without a backfill, then beside one.
 s=bench_busy
-store_history $s
-start_worker "$work/$s-0.yaml"
-await_registered $s
+live_only $s
 without=$(producers $s without)
-await_live_applied $s
-stop_worker
-add_c1 $s
-start_worker "$work/$s-1.yaml"
+begin_backfill $s
 during=$(producers $s during)
 still=$(q -c "SELECT count(*) FROM $s.wh_perspective_jobs WHERE state <> 'done'")
-await_applied $s
-check $s
-stop_worker
-q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
+end_backfill $s
 fi
 
 if phase live; then
 # Live appends at a fixed rate without a backfill, then from the backfill's start.
 s=bench_live
-store_history $s
-start_worker "$work/$s-0.yaml"
-await_registered $s
+live_only $s
 live_without=$(producers $s live_without "$LIVE_RATE")
-await_live_applied $s
-stop_worker
-add_c1 $s
-start_worker "$work/$s-1.yaml"
+begin_backfill $s
 live_during=$(producers $s live_during "$LIVE_RATE")
 backfilled=$(q -c "SELECT round(coalesce(sum(n), 0) * 100.0 / $EVENTS) FROM $s.c1")
-await_applied $s
-check $s
 await_live_applied $s
 read -r lat_during_p50 lat_during_p99 <<<"$(latency $s live_during)"
 read -r lat_without_p50 lat_without_p99 <<<"$(latency $s live_without)"
-stop_worker
-q -c "SET client_min_messages = warning" -c "DROP SCHEMA $s CASCADE" >/dev/null
+end_backfill $s
 fi
 
 pct() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.0f%%", a * 100 / b }'; }
