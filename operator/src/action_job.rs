@@ -1,6 +1,7 @@
 //! Day-2 actions asked for by annotation on a deployment, and the short Job that carries one
-//! out: `perspective-worker dead-letters replay|discard --all [--perspective P]` or
-//! `perspective-worker rebuild --perspective P`, with the migration Job's image, pod policy and
+//! out: `perspective-worker dead-letters replay|discard --all [--perspective P]`,
+//! `perspective-worker rebuild --perspective P` or `perspective-worker switch [--perspective P]`
+//! (the blue/green switch, for workers whose role may not make it), with the migration Job's image, pod policy and
 //! Secret (the owner role). Pure: which action an annotation asks for (or why it is refused),
 //! the Job, and what its outcome says.
 
@@ -15,8 +16,11 @@ use crate::labels;
 use crate::migration_job::JobState;
 use crate::pod;
 
-/// The value of a dead-letter annotation that means every perspective.
+/// The value of a dead-letter or switch annotation that means every perspective.
 pub const ALL: &str = "all";
+
+/// How long a switch Job waits for a version to catch up before it fails.
+const SWITCH_WAIT_SECONDS: u64 = 60;
 
 /// A day-2 action.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,14 +28,16 @@ pub enum Action {
     ReplayDeadLetters,
     DiscardDeadLetters,
     Rebuild,
+    Switch,
 }
 
 impl Action {
     /// Every action, in the order their annotations are taken up.
-    pub const ALL: [Action; 3] = [
+    pub const ALL: [Action; 4] = [
         Action::ReplayDeadLetters,
         Action::DiscardDeadLetters,
         Action::Rebuild,
+        Action::Switch,
     ];
 
     /// The annotation on the deployment that asks for it.
@@ -40,6 +46,7 @@ impl Action {
             Action::ReplayDeadLetters => labels::REPLAY_DEAD_LETTERS,
             Action::DiscardDeadLetters => labels::DISCARD_DEAD_LETTERS,
             Action::Rebuild => labels::REBUILD,
+            Action::Switch => labels::SWITCH,
         }
     }
 
@@ -56,6 +63,7 @@ impl Action {
             Action::ReplayDeadLetters => "replay",
             Action::DiscardDeadLetters => "discard",
             Action::Rebuild => "rebuild",
+            Action::Switch => "switch",
         }
     }
 
@@ -74,6 +82,12 @@ impl Action {
                 vec!["dead-letters".into(), "discard".into(), "--all".into()]
             }
             Action::Rebuild => vec!["rebuild".into()],
+            // A version caught up a moment ago may lag past the threshold for a turn.
+            Action::Switch => vec![
+                "switch".into(),
+                "--wait-seconds".into(),
+                SWITCH_WAIT_SECONDS.to_string(),
+            ],
         };
         if target != ALL {
             args.extend(["--perspective".to_owned(), target.to_owned()]);
@@ -92,6 +106,8 @@ impl Action {
             Action::ReplayDeadLetters => format!("replayed the dead letters of {whose}"),
             Action::DiscardDeadLetters => format!("discarded the dead letters of {whose}"),
             Action::Rebuild => format!("rebuild of {whose} started (status shows its progress)"),
+            // The command fails while a version it was asked to switch is left.
+            Action::Switch => format!("switch of {whose} done: no new version left to switch to"),
         }
     }
 }
@@ -343,6 +359,34 @@ mod tests {
         assert_eq!(
             Action::DiscardDeadLetters.args(ALL),
             ["dead-letters", "discard", "--all"]
+        );
+        assert_eq!(
+            Action::Switch.args("orders"),
+            ["switch", "--wait-seconds", "60", "--perspective", "orders"]
+        );
+        assert_eq!(Action::Switch.args(ALL), ["switch", "--wait-seconds", "60"]);
+    }
+
+    #[test]
+    fn a_switch_is_asked_for_a_perspective_or_all_after_the_other_actions() {
+        let switch = annotated(&[(labels::SWITCH, "order_summary")]);
+        assert_eq!(
+            requested(&switch, &names()),
+            Some(Ok(Request {
+                action: Action::Switch,
+                target: "order_summary".into()
+            }))
+        );
+        let all = annotated(&[(labels::SWITCH, "all")]);
+        assert_eq!(requested(&all, &names()).unwrap().unwrap().target, ALL);
+        let both = annotated(&[(labels::SWITCH, "all"), (labels::REBUILD, "order_count")]);
+        assert_eq!(
+            requested(&both, &names()).unwrap().unwrap().action,
+            Action::Rebuild
+        );
+        assert_eq!(
+            Action::Switch.done("order_summary"),
+            "switch of order_summary done: no new version left to switch to"
         );
     }
 

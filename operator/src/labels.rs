@@ -16,10 +16,12 @@ pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 pub const CONFIG_HASH: &str = "perspectives.dev/config-hash";
 pub const MIGRATION_HASH: &str = "perspectives.dev/migration-hash";
 /// Annotations on a deployment asking for a day-2 action (see the action Job module): the value is a
-/// perspective, or `all` for the dead-letter actions. The operator removes each once done.
+/// perspective, or `all` for the dead-letter and switch actions. The operator removes each once done.
 pub const REPLAY_DEAD_LETTERS: &str = "perspectives.dev/replay-dead-letters";
 pub const DISCARD_DEAD_LETTERS: &str = "perspectives.dev/discard-dead-letters";
 pub const REBUILD: &str = "perspectives.dev/rebuild";
+/// Day-2 action: the blue/green switch of a perspective (or `all`) as the owner role.
+pub const SWITCH: &str = "perspectives.dev/switch";
 /// Annotations on an action Job: the deployment's annotation it carries out, its value, and
 /// that its outcome was reported.
 pub const ACTION: &str = "perspectives.dev/action";

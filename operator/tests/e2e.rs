@@ -3391,6 +3391,29 @@ async fn dead_letters_are_reported_and_handled_by_annotation() {
         5,
     )
     .await;
+
+    // 7. A switch through the plugin (issue 29): its Job runs `perspective-worker switch` as the
+    // owner; with no version being built there is nothing to switch, and it succeeds.
+    let switch = kubectl_pd(&w, &["switch", "shop", "all"]);
+    assert!(switch.status.success(), "{switch:?}");
+    assert!(
+        stdout(&switch).contains("Succeeded: switch of all perspectives done"),
+        "{switch:?}"
+    );
+    let jobs = action_jobs().await;
+    let args = jobs[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .args
+        .clone()
+        .unwrap_or_default();
+    assert_eq!(args, ["switch", "--wait-seconds", "60"]);
     w.shutdown().await;
 }
 

@@ -714,9 +714,13 @@ async fn a_custom_runner_is_refused_with_a_blue_green_perspective() {
     assert!(err.to_string().contains("rebuild: blueGreen"), "{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_worker_role_that_is_not_the_owner_builds_but_leaves_the_switch_to_the_owner() {
-    let (schema, _) = v1_with_history("bgrole", 5, 5).await;
+/// Version 2 built by an engine running as a worker role (`grants worker`), which may not
+/// switch: returned once it has refused the switch a few times, still running. Also the config
+/// file (version 2) and the role.
+async fn built_by_a_worker_role(
+    prefix: &str,
+) -> (String, std::path::PathBuf, String, RunningEngine) {
+    let (schema, _) = v1_with_history(prefix, 5, 5).await;
     let role = format!("{schema}_worker");
     assert!(psql(&format!("CREATE ROLE {role} LOGIN")).status.success());
     let file = std::env::temp_dir().join(format!("{schema}.yaml"));
@@ -729,10 +733,10 @@ async fn a_worker_role_that_is_not_the_owner_builds_but_leaves_the_switch_to_the
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let v2 = yaml(&schema, 2, V2);
+    std::fs::write(&file, &v2).unwrap();
     migrate_yaml(&v2).await;
-    let config = parse_config(&v2);
     let engine = RunningEngine::start_with(perspective_worker::engine::EngineOptions::new(
-        config.clone(),
+        parse_config(&v2),
         url_as(&role),
     ))
     .await;
@@ -757,14 +761,77 @@ async fn a_worker_role_that_is_not_the_owner_builds_but_leaves_the_switch_to_the
     })
     .await;
     assert_eq!(live_version(&schema).await, None);
+    (schema, file, role, engine)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_role_that_is_not_the_owner_builds_but_leaves_the_switch_to_the_owner() {
+    let (schema, file, _, engine) = built_by_a_worker_role("bgrole").await;
     assert_eq!(
         scalar(&format!("SELECT count(*) FROM {schema}.wh_dead_letters")).await,
         0
     );
     engine.stop().await;
+    let config = parse_config(&std::fs::read_to_string(&file).unwrap());
     let owner = RunningEngine::start(&config).await;
     wait_live(&schema, 2).await;
     owner.stop().await;
+    assert_exact(&format!("{schema}.order_totals"), &schema).await;
+}
+
+/// `perspective-worker switch`, run as the owner, makes the switch the workers' role may not;
+/// run as that role it is refused, naming why; with nothing being built it has nothing to do.
+/// The worker role's engine goes on applying, now to version 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_switch_command_run_as_the_owner_switches_what_a_worker_role_built() {
+    let (schema, file, role, engine) = built_by_a_worker_role("bgswitch").await;
+    let switch = |url: String, extra: &[&str]| {
+        let mut cmd = worker_bin();
+        cmd.env("DATABASE_URL", url)
+            .arg("--config")
+            .arg(&file)
+            .arg("switch")
+            .args(extra);
+        cmd.output().unwrap()
+    };
+    let refused = switch(url_as(&role), &[]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(
+        stderr.contains("the switch needs the rights of the schema's owner"),
+        "{stderr}"
+    );
+    assert_eq!(live_version(&schema).await, None);
+    let unknown = switch(database_url(), &["--perspective", "nope"]);
+    assert!(!unknown.status.success());
+    assert!(
+        String::from_utf8_lossy(&unknown.stderr).contains("--perspective nope"),
+        "{unknown:?}"
+    );
+
+    let out = switch(
+        database_url(),
+        &["--perspective", "orders", "--wait-seconds", "30"],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout.contains("switched orders from version 1 to version 2"),
+        "{stdout}"
+    );
+    assert_eq!(live_version(&schema).await, Some(2));
+    let again = switch(database_url(), &[]);
+    assert!(again.status.success(), "nothing left to switch: {again:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&again.stdout).trim(),
+        "nothing to switch: no version of any perspective is being built"
+    );
+
+    // The worker role's engine applies new events to version 2, exactly once.
+    let ids: Vec<Uuid> = (0..3).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &ids, 4, 2, 20).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
     assert_exact(&format!("{schema}.order_totals"), &schema).await;
 }
 

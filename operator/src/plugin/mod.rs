@@ -71,6 +71,19 @@ pub enum Command {
         #[command(flatten)]
         wait: Wait,
     },
+    /// Switch PERSPECTIVE (or `all`) to its new blue/green version once it has caught up, as the
+    /// owner role: for workers whose role may not switch (`status` shows the perspective
+    /// `Switching` then). Sets the annotation perspectives.dev/switch and waits for the outcome.
+    ///
+    /// Example: kubectl pd switch shop order_summary
+    Switch {
+        /// The PerspectiveDeployment.
+        name: String,
+        /// A perspective, or `all`.
+        perspective: String,
+        #[command(flatten)]
+        wait: Wait,
+    },
     /// The logs of the deployment's worker pods (each pod's last lines).
     ///
     /// Example: kubectl pd logs shop --tail 100
@@ -170,6 +183,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<bool> {
             perspective,
             wait,
         } => action::ask(&pds, &name, Action::Rebuild, &perspective, &wait).await,
+        Command::Switch {
+            name,
+            perspective,
+            wait,
+        } => action::ask(&pds, &name, Action::Switch, &perspective, &wait).await,
         Command::Logs { name, tail } => {
             get(&pds, &name).await?;
             let pods = worker_pods(&client, &namespace, &name).await?;

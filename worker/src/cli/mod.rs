@@ -11,6 +11,7 @@ mod out;
 mod rebuild;
 mod run;
 mod status;
+mod switch;
 mod table;
 
 use std::path::PathBuf;
@@ -108,6 +109,11 @@ enum Command {
     /// deployment's schema, and nothing more (run it as the schema's owner, after `migrate`).
     /// --print shows the statements instead of running them.
     Grants(grants::GrantsArgs),
+    /// Switch each blue/green perspective whose new version has caught up (`status` shows it
+    /// `Switching`), as a worker running as the schema's owner would: run it as the owner when
+    /// the workers run as a role that may not switch. Fails, naming what is missing, if a version
+    /// has not caught up within --wait-seconds.
+    Switch(switch::SwitchArgs),
 }
 
 /// Load the config and run the command.
@@ -122,6 +128,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::DeadLetters(command) => dead_letters::execute(&ctx, command).await,
         Command::Status(args) => status::execute(&ctx, args).await,
         Command::Grants(args) => grants::execute(&ctx, args).await,
+        Command::Switch(args) => switch::execute(&ctx, args).await,
     }
 }
 

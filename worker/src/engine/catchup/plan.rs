@@ -51,7 +51,7 @@ pub enum JobError {
         message: String,
     },
     #[error(
-        "perspective {perspective}: version {version} is built, but the switch needs the rights of the schema's owner (it moves tables and replaces functions) and this worker's database role does not have them; run the workers as the owner role (the old version keeps serving meanwhile)"
+        "perspective {perspective}: version {version} is built, but the switch needs the rights of the schema's owner (it moves tables and replaces functions) and this database role does not have them; run `perspective-worker switch` as the owner (on Kubernetes: annotate the deployment perspectives.dev/switch=<perspective>), or the workers as the owner role (the old version keeps serving meanwhile)"
     )]
     SwitchNeedsOwner { perspective: String, version: i32 },
     #[error(transparent)]

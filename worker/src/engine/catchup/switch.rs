@@ -148,6 +148,68 @@ impl JobRunner {
     }
 }
 
+/// What [`switch_caught_up`] found for one version being built.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SwitchAttempt {
+    /// Switched to it.
+    Switched(Switched),
+    /// Not caught up yet (see [`caught_up`]).
+    NotCaughtUp {
+        perspective: String,
+        version: i32,
+        readiness: Readiness,
+    },
+    /// Caught up, but not switched now: `migrate` or a worker held the schema's migration lock,
+    /// or the build changed meanwhile. Trying again soon settles it.
+    Busy { perspective: String, version: i32 },
+}
+
+/// Switch every version being built (of `only`, when given) that has caught up, as a worker
+/// running as the schema's owner does on its turn: `perspective-worker switch`, for
+/// deployments whose workers run as a role that may not switch. Refused with
+/// [`JobError::SwitchNeedsOwner`] unless this connection acts as the schema's owner.
+pub async fn switch_caught_up(
+    conn: &mut PgConnection,
+    schema: &str,
+    only: Option<&str>,
+) -> Result<Vec<SwitchAttempt>, JobError> {
+    let building: Vec<(String, i32)> = versions::building(conn, schema)
+        .await?
+        .into_iter()
+        .filter(|(p, _, _)| only.is_none_or(|o| o == p))
+        .map(|(p, v, _)| (p, v))
+        .collect();
+    if let Some((perspective, version)) = building.first() {
+        if !versions::acts_as_owner(conn, schema).await? {
+            return Err(JobError::SwitchNeedsOwner {
+                perspective: perspective.clone(),
+                version: *version,
+            });
+        }
+    }
+    let mut attempts = Vec::new();
+    for (perspective, version) in building {
+        let internal = internal_name(&perspective, version as u32);
+        let readiness = versions::readiness(conn, schema, &internal).await?;
+        if !caught_up(&readiness) {
+            attempts.push(SwitchAttempt::NotCaughtUp {
+                perspective,
+                version,
+                readiness,
+            });
+            continue;
+        }
+        attempts.push(match switch(conn, schema, &perspective, version).await? {
+            Some(s) => SwitchAttempt::Switched(s),
+            None => SwitchAttempt::Busy {
+                perspective,
+                version,
+            },
+        });
+    }
+    Ok(attempts)
+}
+
 /// One switch of `perspective` to version `next`, in its own transaction; None when it is not
 /// this worker's to make now (the lock is taken, the build is gone or no longer caught up).
 pub async fn switch(
