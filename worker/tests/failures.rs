@@ -312,13 +312,19 @@ claimWorker:
         metrics.completion_flush_failures.get() >= 1
     })
     .await;
-    // The rows usually go out in one flush, sometimes in two a few ms apart; their first retry
-    // is 1 s later. Half a second in, every first failure is counted: when there are twice as
-    // many, each flush has failed its retry too, and the next retries are 100 s away.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let first_round = metrics.completion_flush_failures.get();
-    wait_until("the failed retries", Duration::from_secs(20), || async {
-        metrics.completion_flush_failures.get() >= 2 * first_round
+    // The rows go out in one flush or a few; each failed one is retried 1 s after it was sent,
+    // then 100 s after that. So once a failure has been retried (at least 2 counted) and no
+    // other has come for 3 s, the next retries are 100 s away. (Counting the failures half a
+    // second after the first and waiting for twice as many failed on a loaded CI machine: a
+    // flush that took 0.8 s to fail was retried 0.2 s after, inside that half second.)
+    let mut last = (metrics.completion_flush_failures.get(), Instant::now());
+    wait_until("the failed retries", Duration::from_secs(30), || {
+        let now = metrics.completion_flush_failures.get();
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+        let quiet = now >= 2 && last.1.elapsed() >= Duration::from_secs(3);
+        async move { quiet }
     })
     .await;
     for s in &streams {
