@@ -88,7 +88,9 @@ impl PerspectiveStatus {
             (None, Phase::Switching, Some(next)) => Some(format!(
                 "{} switching: v{next} is built and switches once caught up (its oldest unapplied \
                  event under 1 s old, no pending dead letter) by a worker running as the schema \
-                 owner; v{} serves until then",
+                 owner; v{} serves until then (workers running as a role that may not switch: \
+                 run `perspective-worker switch --perspective {0}` as the owner, or `kubectl pd \
+                 switch <deployment> {0}`)",
                 self.name,
                 self.version.unwrap_or_default()
             )),
@@ -315,7 +317,14 @@ mod tests {
             line.starts_with("orders switching: v3 is built and switches once caught up"),
             "{line}"
         );
-        assert!(line.ends_with("v2 serves until then"), "{line}");
+        assert!(line.contains("v2 serves until then"), "{line}");
+        assert!(
+            line.ends_with(
+                "run `perspective-worker switch --perspective orders` as the owner, or \
+                 `kubectl pd switch <deployment> orders`)"
+            ),
+            "{line}"
+        );
         p.phase = Phase::Live;
         assert_eq!(p.phase_message(), None);
         p.phase = Phase::Rebuilding;
