@@ -11,7 +11,10 @@ use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::PodTemplateSpec;
 use kube::api::ObjectMeta;
 
-use crate::crd::{DatabaseRole, PerspectiveDeploymentSpec};
+use crate::crd::{
+    ActionPhase, DatabaseRole, LastAction, PerspectiveDeploymentSpec, PerspectiveDeploymentStatus,
+    PerspectivePhase,
+};
 use crate::labels;
 use crate::migration_job::JobState;
 use crate::pod;
@@ -155,6 +158,64 @@ pub fn requested(
             action.annotation()
         ),
     }))
+}
+
+/// After a switch Job the operator started by itself failed, how long before it starts another
+/// for the same perspective: a version with dead letters waiting does not catch up by itself.
+pub const AUTO_SWITCH_AFTER_FAILURE_SECONDS: i64 = 300;
+
+/// After any other switch of a perspective ended, how long before the operator starts one by
+/// itself: status may still show the perspective `Switching` from before the switch.
+pub const AUTO_SWITCH_AFTER_SWITCH_SECONDS: i64 = 30;
+
+/// The switch the operator starts without an annotation: workers that run as a role of their
+/// own (`spec.database.workerSecretRef`) may not switch, so a perspective that status shows
+/// `Switching` waits for the owner. The first such perspective of the spec, unless a switch of
+/// it is running or ended lately (see the pauses above); `status_at` is now.
+pub fn auto_switch(
+    spec: &PerspectiveDeploymentSpec,
+    status: Option<&PerspectiveDeploymentStatus>,
+    status_at: k8s_openapi::jiff::Timestamp,
+) -> Option<Request> {
+    spec.database.worker_secret_ref.as_ref()?;
+    let status = status?;
+    let last = status
+        .last_action
+        .as_ref()
+        .filter(|a| a.annotation == labels::SWITCH);
+    spec.perspectives
+        .iter()
+        .filter(|p| {
+            status
+                .perspectives
+                .iter()
+                .any(|s| s.name == p.name && s.phase == PerspectivePhase::Switching)
+        })
+        .find(|p| !switched_lately(last, &p.name, status_at))
+        .map(|p| Request {
+            action: Action::Switch,
+            target: p.name.clone(),
+        })
+}
+
+/// Whether `last` (the last switch action) is of `perspective` and running, or ended within its
+/// pause.
+fn switched_lately(
+    last: Option<&LastAction>,
+    perspective: &str,
+    now: k8s_openapi::jiff::Timestamp,
+) -> bool {
+    let Some(a) = last.filter(|a| a.target == perspective || a.target == ALL) else {
+        return false;
+    };
+    let pause = match a.phase {
+        ActionPhase::Failed => AUTO_SWITCH_AFTER_FAILURE_SECONDS,
+        _ => AUTO_SWITCH_AFTER_SWITCH_SECONDS,
+    };
+    match &a.finished_at {
+        None => true,
+        Some(at) => now.as_second() - at.0.as_second() < pause,
+    }
 }
 
 /// A refused annotation.
@@ -388,6 +449,74 @@ mod tests {
             Action::Switch.done("order_summary"),
             "switch of order_summary done: no new version left to switch to"
         );
+    }
+
+    #[test]
+    fn the_operator_switches_by_itself_only_for_a_worker_role_and_not_again_at_once() {
+        use crate::crd::PerspectiveLag;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        use k8s_openapi::jiff::Timestamp;
+        let with_role: PerspectiveDeploymentSpec = serde_yaml::from_str(
+            "schema: shop\ndatabase: {secretRef: {name: db}, workerSecretRef: {name: w}}\n\
+             perspectives: [{name: orders, handlers: {A: SELECT 1}}, {name: carts, handlers: {A: SELECT 1}}]",
+        )
+        .unwrap();
+        let lag = |name: &str, phase| PerspectiveLag {
+            name: name.into(),
+            phase,
+            ..Default::default()
+        };
+        let mut status = PerspectiveDeploymentStatus {
+            perspectives: vec![
+                lag("orders", PerspectivePhase::Live),
+                lag("carts", PerspectivePhase::Switching),
+            ],
+            ..Default::default()
+        };
+        let now = Timestamp::from_second(1_000_000).unwrap();
+        let carts = Some(Request {
+            action: Action::Switch,
+            target: "carts".into(),
+        });
+        assert_eq!(auto_switch(&with_role, Some(&status), now), carts);
+        // Workers running as the owner switch by themselves.
+        let mut owner = with_role.clone();
+        owner.database.worker_secret_ref = None;
+        assert_eq!(auto_switch(&owner, Some(&status), now), None);
+        assert_eq!(auto_switch(&with_role, None, now), None);
+        // Not while its switch runs, nor soon after one ended; later after a failed one.
+        let ended = |phase, seconds_ago: i64| LastAction {
+            annotation: labels::SWITCH.into(),
+            target: "carts".into(),
+            phase,
+            job: Some("j".into()),
+            started_at: Time(Timestamp::from_second(1_000_000 - seconds_ago - 5).unwrap()),
+            finished_at: Some(Time(
+                Timestamp::from_second(1_000_000 - seconds_ago).unwrap(),
+            )),
+            message: String::new(),
+        };
+        let mut running = ended(ActionPhase::Running, 0);
+        running.finished_at = None;
+        for (last, expected) in [
+            (running, None),
+            (ended(ActionPhase::Succeeded, 10), None),
+            (ended(ActionPhase::Succeeded, 31), carts.clone()),
+            (ended(ActionPhase::Failed, 200), None),
+            (ended(ActionPhase::Failed, 301), carts.clone()),
+        ] {
+            status.last_action = Some(last.clone());
+            assert_eq!(
+                auto_switch(&with_role, Some(&status), now),
+                expected,
+                "{last:?}"
+            );
+        }
+        // Another action's outcome does not hold it back.
+        let mut other = ended(ActionPhase::Failed, 1);
+        other.annotation = labels::REBUILD.into();
+        status.last_action = Some(other);
+        assert_eq!(auto_switch(&with_role, Some(&status), now), carts);
     }
 
     #[test]

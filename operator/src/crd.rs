@@ -425,8 +425,9 @@ pub struct PerspectiveDeploymentStatus {
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub perspectives: Vec<PerspectiveLag>,
-    /// The last day-2 action asked for by annotation (replay or discard dead letters, rebuild):
-    /// what, its Job, and how it ended.
+    /// The last day-2 action asked for by annotation (replay or discard dead letters, rebuild,
+    /// switch), or a switch the operator started for workers whose role may not make it: what,
+    /// its Job, and how it ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_action: Option<LastAction>,
 }
@@ -435,7 +436,8 @@ pub struct PerspectiveDeploymentStatus {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct LastAction {
-    /// The annotation that asked for it, e.g. `perspectives.dev/replay-dead-letters`.
+    /// The annotation that asked for it, e.g. `perspectives.dev/replay-dead-letters`
+    /// (`perspectives.dev/switch` for a switch the operator started by itself).
     pub annotation: String,
     /// Its value: a perspective, or `all`.
     pub target: String,

@@ -25,6 +25,9 @@ pub const SWITCH: &str = "perspectives.dev/switch";
 /// Annotations on an action Job: the deployment's annotation it carries out, its value, and
 /// that its outcome was reported.
 pub const ACTION: &str = "perspectives.dev/action";
+/// On an action Job the operator started without an annotation (a switch for workers whose role
+/// may not make it).
+pub const ACTION_BY_OPERATOR: &str = "perspectives.dev/action-by-operator";
 pub const ACTION_TARGET: &str = "perspectives.dev/action-target";
 pub const ACTION_REPORTED: &str = "perspectives.dev/action-reported";
 

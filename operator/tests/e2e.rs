@@ -2894,6 +2894,36 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
         jobs.contains("shop-owner") && !jobs.contains("shop-worker") && !jobs.contains("shop-db"),
         "{jobs}"
     );
+
+    // Issue 29: a blue/green version bump. The workers (the worker role) build version 2 but
+    // may not switch to it; status shows it Switching, and the operator runs the switch as the
+    // owner by itself (an action Job with the migration Secret): version 2 serves.
+    let v2 = yaml.replace("'v1'", "'v2'").replace(
+        "    - name: order_summary\n",
+        "    - name: order_summary\n      version: 2\n      rebuild: blueGreen\n",
+    );
+    assert_ne!(v2, yaml);
+    w.apply(&v2);
+    let switched = wait_last_action(
+        &w,
+        "shop",
+        "perspectives.dev/switch",
+        perspective_operator::crd::ActionPhase::Succeeded,
+    )
+    .await;
+    assert_eq!(switched.target, "order_summary");
+    assert!(switched.message.contains("by the operator"), "{switched:?}");
+    wait_sql(
+        &mut conn,
+        "version 2 serves, built by the worker role",
+        &format!(
+            "SELECT count(*) FROM {}.order_summary WHERE version = 'v2'",
+            w.schema
+        ),
+        5,
+    )
+    .await;
+    w.wait_condition("shop", "Ready", "True", None).await;
     w.shutdown().await;
     for role in [&worker, &reader] {
         let _ = sqlx::query(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))

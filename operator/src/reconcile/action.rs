@@ -31,6 +31,16 @@ use crate::labels;
 use crate::migration_job::{self, JobState};
 use crate::pod;
 
+/// What the status and Events add about a Job the operator started by itself.
+fn by_operator_note(job: &Job) -> &'static str {
+    if job.annotations().contains_key(labels::ACTION_BY_OPERATOR) {
+        " (started by the operator: the workers run as spec.database.workerSecretRef's role, \
+         which may not switch)"
+    } else {
+        ""
+    }
+}
+
 /// How soon to look again while an action Job runs.
 const WHILE_RUNNING: Duration = Duration::from_secs(2);
 
@@ -99,7 +109,7 @@ impl Step<'_> {
             .collect();
         let cached = self.pd.metadata.annotations.clone().unwrap_or_default();
         if action_job::requested(&cached, &names).is_none() {
-            return Ok(());
+            return self.switch_for_the_workers(jobs, outcome).await;
         }
         // Read afresh: the cached copy may still carry an annotation just removed (by this
         // reconcile, or by one whose writes the cache has not seen; then it is stale).
@@ -130,18 +140,37 @@ impl Step<'_> {
                 Ok(())
             }
             Some(Ok(request)) => {
-                self.start(&request, jobs, outcome).await?;
+                self.start(&request, jobs, false, outcome).await?;
                 outcome.requeue = outcome.requeue.min(WHILE_RUNNING);
                 Ok(())
             }
         }
     }
 
-    /// Deletes earlier action Jobs, creates `request`'s, and announces it.
+    /// With nothing asked for: the switch the workers' role may not make, started by the
+    /// operator ([`action_job::auto_switch`]).
+    async fn switch_for_the_workers(
+        &self,
+        jobs: &[Job],
+        outcome: &mut Outcome,
+    ) -> Result<(), Error> {
+        let Some(request) =
+            action_job::auto_switch(&self.pd.spec, self.pd.status.as_ref(), Timestamp::now())
+        else {
+            return Ok(());
+        };
+        self.start(&request, jobs, true, outcome).await?;
+        outcome.requeue = outcome.requeue.min(WHILE_RUNNING);
+        Ok(())
+    }
+
+    /// Deletes earlier action Jobs, creates `request`'s, and announces it; `by_operator`: no
+    /// annotation asked for it.
     async fn start(
         &self,
         request: &Request,
         earlier: &[Job],
+        by_operator: bool,
         outcome: &mut Outcome,
     ) -> Result<(), Error> {
         for job in earlier {
@@ -172,11 +201,18 @@ impl Step<'_> {
             pod::harden(pod_spec, self.r.app_armor_runtime_default);
         }
         job.metadata.owner_references = self.pd.controller_owner_ref(&()).map(|o| vec![o]);
+        if by_operator {
+            job.metadata
+                .annotations
+                .get_or_insert_with(Default::default)
+                .insert(labels::ACTION_BY_OPERATOR.to_owned(), "true".to_owned());
+        }
         let job = self.jobs.create(&PostParams::default(), &job).await?;
         let note = format!(
-            "{} {}: started Job {name}",
+            "{} {}: started Job {name}{}",
             request.action.annotation(),
-            request.target
+            request.target,
+            by_operator_note(&job)
         );
         info!(namespace = %self.r.namespace, name = %self.r.name, job = %name, "{note}");
         outcome.last_action = Some(LastAction {
@@ -213,7 +249,7 @@ impl Step<'_> {
         if reported && !shown_running {
             return Ok(());
         }
-        let message = action_job::outcome_message(&request, &name, &state);
+        let message = action_job::outcome_message(&request, &name, &state) + by_operator_note(job);
         let (phase, type_, reason) = match state {
             JobState::Succeeded => (ActionPhase::Succeeded, EventType::Normal, "ActionSucceeded"),
             _ => (ActionPhase::Failed, EventType::Warning, "ActionFailed"),
