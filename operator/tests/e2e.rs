@@ -2787,8 +2787,11 @@ async fn sessions_as(conn: &mut PgConnection, role: &str, app: &str) -> i64 {
 /// `grants reader`): the deployment becomes Ready, applies events with the workers connected as
 /// their role, and its figures come through the reader (before the reader's grants they do not).
 /// Until the workers' Secret exists the deployment is `SecretMissing`, naming only its field.
+/// Issue 29 through those roles: a blue/green bump built by the worker role and switched by the
+/// operator as the owner, then a rollback to the kept version, caught up and switched back alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
+    use perspective_operator::crd::ActionPhase;
     let w = World::new("roles", &[("op", &["--status-interval-seconds=2"])]).await;
     let mut conn = db().await;
     let (worker, reader) = (
@@ -2908,7 +2911,7 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
         &w,
         "shop",
         "perspectives.dev/switch",
-        perspective_operator::crd::ActionPhase::Succeeded,
+        ActionPhase::Succeeded,
     )
     .await;
     assert_eq!(switched.target, "order_summary");
@@ -2923,6 +2926,53 @@ async fn separate_secrets_run_workers_and_status_as_their_own_roles() {
         5,
     )
     .await;
+    w.wait_condition("shop", "Ready", "True", None).await;
+
+    // Rollback, through the worker role too: version 1 is kept, so setting it back makes the
+    // workers catch it up on what it missed (two orders appended while version 2 served) and the
+    // operator switch back as the owner — without a rebuild, and announced as a rollback.
+    append_orders(&mut conn, &w.schema, 2).await;
+    let in_v2 = format!(
+        "SELECT count(*) FROM {}.order_summary WHERE version = 'v2'",
+        w.schema
+    );
+    wait_sql(&mut conn, "version 2 applies new orders", &in_v2, 7).await;
+    let back = yaml.replace(
+        "    - name: order_summary\n",
+        "    - name: order_summary\n      version: 1\n      rebuild: blueGreen\n",
+    );
+    assert_ne!(back, yaml);
+    w.apply(&back);
+    events_at_least(&w, "shop", "VersionRolledBack", 1).await;
+    wait_sql(
+        &mut conn,
+        "version 1 serves again, caught up by the worker role",
+        &format!(
+            "SELECT count(*) FROM {}.order_summary WHERE version = 'v1'",
+            w.schema
+        ),
+        7,
+    )
+    .await;
+    // The switch back is the operator's second switch Job; while it runs, its `lastAction`
+    // shows no `finishedAt` (a status patch once kept the first one's).
+    let again = poll("the switch back reported", LONG, || async {
+        let pd = w.pds().get("shop").await?;
+        let a = pd.status.and_then(|s| s.last_action);
+        if let Some(a) = a.as_ref().filter(|a| a.job != switched.job) {
+            assert!(
+                a.annotation == "perspectives.dev/switch"
+                    && a.target == "order_summary"
+                    && a.message.contains("by the operator")
+                    && (a.phase == ActionPhase::Succeeded) == a.finished_at.is_some(),
+                "{a:?} after {switched:?}"
+            );
+        }
+        Ok(a.filter(|a| a.job != switched.job && a.phase == ActionPhase::Succeeded))
+    })
+    .await
+    .unwrap();
+    eprintln!("[e2e] switched back: {again:?}");
     w.wait_condition("shop", "Ready", "True", None).await;
     w.shutdown().await;
     for role in [&worker, &reader] {

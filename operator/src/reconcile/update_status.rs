@@ -109,24 +109,37 @@ pub async fn update_status(
 }
 
 /// The merge patch from `previous` to `new`: a field `new` leaves out (figures that became
-/// unknown) is `null`, so that the merge removes it instead of keeping the stale value. It is
-/// conditional on `resource_version`, the version `previous` was read from: the API server
-/// refuses it (409) when the object changed since, so that a reconcile that started from a
-/// stale cached copy never writes back figures carried from it.
+/// unknown, a new `lastAction` not finished yet) is `null`, so that the merge removes it instead
+/// of keeping the stale value; at every depth, since a merge patch merges objects field by field
+/// (lists it replaces whole). It is conditional on `resource_version`, the version `previous`
+/// was read from: the API server refuses it (409) when the object changed since, so that a
+/// reconcile that started from a stale cached copy never writes back figures carried from it.
 fn status_patch(
     previous: &PerspectiveDeploymentStatus,
     new: &PerspectiveDeploymentStatus,
     resource_version: Option<String>,
 ) -> serde_json::Value {
     let mut status = serde_json::to_value(new).unwrap_or_default();
-    if let (Some(fields), Ok(serde_json::Value::Object(old))) =
-        (status.as_object_mut(), serde_json::to_value(previous))
-    {
-        for key in old.keys() {
-            fields.entry(key.clone()).or_insert(serde_json::Value::Null);
-        }
+    if let Ok(old) = serde_json::to_value(previous) {
+        null_what_is_gone(&mut status, &old);
     }
     json!({ "metadata": { "resourceVersion": resource_version }, "status": status })
+}
+
+/// Adds `null` to `new` for each field of `old` it lacks, in objects that both have at the same
+/// place.
+fn null_what_is_gone(new: &mut serde_json::Value, old: &serde_json::Value) {
+    let (Some(fields), Some(old)) = (new.as_object_mut(), old.as_object()) else {
+        return;
+    };
+    for (key, before) in old {
+        match fields.get_mut(key) {
+            Some(now) => null_what_is_gone(now, before),
+            None => {
+                fields.insert(key.clone(), serde_json::Value::Null);
+            }
+        }
+    }
 }
 
 /// The Event of a change of what the database read found: a Warning when it became
@@ -373,6 +386,44 @@ mod tests {
             }],
             ..Default::default()
         }
+    }
+
+    /// A new action's `lastAction` has no `finishedAt`: the patch must remove the previous
+    /// one's (a merge patch keeps a field of a nested object it does not name), or a Running
+    /// action shows when the one before it finished.
+    #[test]
+    fn the_status_patch_removes_fields_gone_from_nested_objects() {
+        use crate::crd::{ActionPhase, LastAction};
+        let action = |phase, finished: Option<i64>| PerspectiveDeploymentStatus {
+            last_action: Some(LastAction {
+                annotation: "perspectives.dev/switch".into(),
+                target: "orders".into(),
+                phase,
+                job: Some("shop-switch-1".into()),
+                started_at: Time(Timestamp::UNIX_EPOCH),
+                finished_at: finished.map(|s| Time(Timestamp::from_second(s).unwrap())),
+                message: String::new(),
+            }),
+            ..Default::default()
+        };
+        let done = action(ActionPhase::Succeeded, Some(60));
+        let running = action(ActionPhase::Running, None);
+        let patch = status_patch(&done, &running, Some("7".into()));
+        assert_eq!(
+            patch["status"]["lastAction"]["finishedAt"],
+            serde_json::Value::Null
+        );
+        assert!(patch["status"]["lastAction"]
+            .as_object()
+            .unwrap()
+            .contains_key("finishedAt"));
+        assert_eq!(patch["status"]["lastAction"]["phase"], "Running");
+        assert_eq!(patch["metadata"]["resourceVersion"], "7");
+        // Top-level fields gone are removed too; present ones are not touched.
+        let patch = status_patch(&done, &PerspectiveDeploymentStatus::default(), None);
+        assert_eq!(patch["status"]["lastAction"], serde_json::Value::Null);
+        let patch = status_patch(&running, &done, None);
+        assert!(patch["status"]["lastAction"]["finishedAt"].is_string());
     }
 
     fn conflicts(figures: &[(&str, i64)]) -> PerspectiveDeploymentStatus {
