@@ -73,6 +73,7 @@ bench: postgres
 bench-scale: postgres
 	$(CARGO) build --release -p perspective-worker
 	tests/bench/scale.sh
+	tests/bench/breadth-tables.sh
 
 # Container images (buildah, no Docker engine): perspective-worker and perspective-operator.
 images:

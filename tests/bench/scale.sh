@@ -239,43 +239,17 @@ rate() { awk -v n="$1" -v a="$2" -v b="$3" 'BEGIN { printf "%.0f", n / (b - a) }
 
 # --- breadth ----------------------------------------------------------------------------------
 # The hand-written ceiling of one shape, on a schema whose events are appended and no worker runs:
-# 4 pgbench connections each call a PL/pgSQL function that locks the oldest active streams worth
-# CEIL_APPLIES applies, applies their events in stream order with the counters' upsert, writes
-# their cursors, deletes their work rows and retires them — claim, apply, completion and
-# retirement in one transaction per call. That is the work per stream and per event any engine
-# on these tables has to do, without the engine: no assignment kept between transactions, no
-# locks against producers, no failure handling. Prints applies/s.
+# 4 pgbench connections each call `bench_drain_current` (tests/bench/breadth-ceilings.sql, where
+# the other variants of tests/bench/breadth-tables.sh live too), which claims, applies, completes
+# and retires the oldest active streams worth CEIL_APPLIES applies in one transaction: the work
+# per stream and per event any engine on these tables has to do, without the engine. Prints
+# applies/s.
 ceiling_breadth() { # schema streams per
   local s=$1 k=$(( CEIL_APPLIES / ($3 * 2) )) calls t0 t1
   [ "$k" -ge 1 ] || k=1
   calls=$(( ($2 + k - 1) / k ))
-  q <<EOF
-CREATE FUNCTION $s.bench_drain_next(p_streams integer) RETURNS integer LANGUAGE plpgsql AS \$f\$
-DECLARE v_streams uuid[]; r record; v_n integer := 0;
-BEGIN
-  v_streams := ARRAY(SELECT a.stream_id FROM $s.wh_active_streams a WHERE a.assigned_instance_id IS NULL
-                     ORDER BY a.created_at LIMIT p_streams FOR UPDATE SKIP LOCKED);
-  IF cardinality(v_streams) = 0 THEN RETURN 0; END IF;
-  FOR r IN SELECT w.perspective_name, w.stream_id, w.stream_version FROM $s.wh_perspective_events w
-           WHERE w.stream_id = ANY (v_streams) ORDER BY w.perspective_name, w.stream_id, w.stream_version LOOP
-    IF r.perspective_name = 'c1' THEN
-      INSERT INTO $s.c1 AS c VALUES (r.stream_id, 1, r.stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last;
-    ELSE
-      INSERT INTO $s.c2 AS c VALUES (r.stream_id, 1, r.stream_version) ON CONFLICT (stream_id) DO UPDATE SET n = c.n + 1, last = excluded.last;
-    END IF;
-    v_n := v_n + 1;
-  END LOOP;
-  INSERT INTO $s.wh_perspective_cursors AS c (stream_id, perspective_name, last_version, status)
-  SELECT w.stream_id, w.perspective_name, max(w.stream_version), 2 FROM $s.wh_perspective_events w
-  WHERE w.stream_id = ANY (v_streams) GROUP BY 1, 2
-  ON CONFLICT (stream_id, perspective_name) DO UPDATE SET last_version = excluded.last_version, status = 2;
-  DELETE FROM $s.wh_perspective_events w WHERE w.stream_id = ANY (v_streams);
-  DELETE FROM $s.wh_active_streams a WHERE a.stream_id = ANY (v_streams);
-  RETURN v_n;
-END
-\$f\$;
-EOF
-  echo "SELECT $s.bench_drain_next($k);" >"$work/ceiling.sql"
+  sed "s/@schema@/$s/g" tests/bench/breadth-ceilings.sql | q
+  echo "SELECT $s.bench_drain_current($k);" >"$work/ceiling.sql"
   t0=$(q -c "SELECT extract(epoch FROM clock_timestamp())")
   # Calls that find nothing left return at once; a few spare ones per connection absorb the
   # streams skipped while locked by another connection near the end.
