@@ -119,6 +119,19 @@ async fn a_statement_past_its_deadline_is_abandoned_and_the_server_ends_its_back
     let store = Store::new(pool, &schema).with_deadlines(short());
     let me = instance(Uuid::now_v7());
     store.record_heartbeat(&me, 30.0).await.unwrap();
+    // Its connection back in the pool first: while sqlx still tests it on release, the next
+    // acquire opens a second one, which would stay in the pool after the abandoned one left
+    // (a CI run saw the pool at 1 below).
+    let idle = store.pool().clone();
+    wait_until(
+        "the connection back in the pool",
+        Duration::from_secs(5),
+        || {
+            let idle = idle.clone();
+            async move { idle.size() == 1 && idle.num_idle() == 1 }
+        },
+    )
+    .await;
 
     // Another session holds the instances table: the heartbeat waits on its lock, on a healthy
     // link, until its deadline.
