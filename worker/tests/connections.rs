@@ -43,6 +43,22 @@ fn instance(id: Uuid) -> InstanceInfo {
     }
 }
 
+/// Waits until the pool's one connection is idle in it. While sqlx still tests a released
+/// connection, the next acquire opens a second one, which stays in the pool after a test's
+/// abandoned connection has left it.
+async fn back_in_the_pool(pool: &PgPool) {
+    let pool = pool.clone();
+    wait_until(
+        "the connection back in the pool",
+        Duration::from_secs(5),
+        || {
+            let pool = pool.clone();
+            async move { pool.size() == 1 && pool.num_idle() == 1 }
+        },
+    )
+    .await;
+}
+
 /// The statement's outcome, or a failure if it hung past `bound` (instead of hanging the test).
 async fn bounded<T>(
     bound: Duration,
@@ -66,16 +82,7 @@ async fn a_heartbeat_over_a_cut_link_returns_the_deadline_error_in_time_and_drop
         .record_heartbeat(&me, 30.0)
         .await
         .expect("heartbeat through the proxy");
-    let idle = store.pool().clone();
-    wait_until(
-        "the connection back in the pool",
-        Duration::from_secs(5),
-        || {
-            let idle = idle.clone();
-            async move { idle.num_idle() == 1 }
-        },
-    )
-    .await;
+    back_in_the_pool(store.pool()).await;
 
     // Cut: testing the idle connection before handing it out, and then opening a new one,
     // would each wait for the kernel; the deadline counts from asking for the connection.
@@ -119,19 +126,8 @@ async fn a_statement_past_its_deadline_is_abandoned_and_the_server_ends_its_back
     let store = Store::new(pool, &schema).with_deadlines(short());
     let me = instance(Uuid::now_v7());
     store.record_heartbeat(&me, 30.0).await.unwrap();
-    // Its connection back in the pool first: while sqlx still tests it on release, the next
-    // acquire opens a second one, which would stay in the pool after the abandoned one left
-    // (a CI run saw the pool at 1 below).
-    let idle = store.pool().clone();
-    wait_until(
-        "the connection back in the pool",
-        Duration::from_secs(5),
-        || {
-            let idle = idle.clone();
-            async move { idle.size() == 1 && idle.num_idle() == 1 }
-        },
-    )
-    .await;
+    // Its connection back in the pool first (a CI run saw the pool at 1 below without it).
+    back_in_the_pool(store.pool()).await;
 
     // Another session holds the instances table: the heartbeat waits on its lock, on a healthy
     // link, until its deadline.
