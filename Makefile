@@ -3,7 +3,7 @@
 #   make test    lint, then every test against a real PostgreSQL (installed with apt-get if missing)
 #                and, for the operator, a real Kubernetes control plane on loopback (tests/e2e/),
 #                then the real-node scenarios (a kubelet with containerd, runc and the CNI bridge)
-#   make bench   append-path, apply-path, backfill, cross-stream read-model, latency and blue/green
+#   make bench   append-path, apply-path, backfill, cross-stream read-model, latency, rollout and blue/green
 #                benchmarks (see BENCHMARKS.md)
 #   make bench-scale  how the cost grows with history, breadth, fan-out, a hot stream and churn
 #                (~15 min; appends its table to docs/benchmarks-history.md)
@@ -67,6 +67,7 @@ bench: postgres
 	PHASES=live LIVE_RATE=1000 DURABLE=1 tests/bench/backfill.sh
 	tests/bench/crossstream.sh
 	tests/bench/latency.sh
+	tests/bench/rollout.sh
 	tests/bench/idle.sh
 	tests/bench/bluegreen.sh
 

@@ -1567,3 +1567,207 @@ claimWorker:
     .await;
     engine.stop().await;
 }
+
+/// `hand_over_streams`: a stopping instance's streams go to its live peers by partition (the
+/// claim's share), except those it keeps (being drained) and those another session has locked;
+/// with no live peer they are released; the doorbell says 'orphan'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_over_streams_gives_held_streams_to_the_live_peers_by_partition() {
+    let schema = unique_schema("handover_sql");
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    let mut listener = sqlx::postgres::PgListener::connect(&database_url())
+        .await
+        .unwrap();
+    listener.listen(&format!("{schema}_work")).await.unwrap();
+    let (stopping, stale) = (Uuid::now_v7(), Uuid::now_v7());
+    let mut peers = [Uuid::now_v7(), Uuid::now_v7()];
+    peers.sort();
+    for id in [stopping, stale, peers[0], peers[1]] {
+        sqlx::query(&format!(
+            "SELECT {schema}.record_heartbeat($1, 't', 'h', 1)"
+        ))
+        .bind(id)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_service_instances SET last_heartbeat_at = now() - interval '1 hour'
+         WHERE instance_id = $1"
+    ))
+    .bind(stale)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let streams: Vec<Uuid> = (0..40).map(|_| Uuid::now_v7()).collect();
+    for s in &streams {
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+        ))
+        .bind(s)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_active_streams SET assigned_instance_id = $1"
+    ))
+    .bind(stopping)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    // One kept (being drained), one locked by another session (a settle, say).
+    let (kept, locked) = (streams[0], streams[1]);
+    let mut other = connect().await;
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {schema}.wh_active_streams WHERE stream_id = $1 FOR UPDATE"
+    ))
+    .bind(locked)
+    .execute(&mut other)
+    .await
+    .unwrap();
+    let hand_over = format!("SELECT {schema}.hand_over_streams($1, $2, 30)");
+    let moved: i32 = sqlx::query_scalar(&hand_over)
+        .bind(stopping)
+        .bind(vec![kept])
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(moved, 38, "all but the kept and the locked stream");
+    let rows: Vec<(Uuid, Option<Uuid>, i32)> = sqlx::query_as(&format!(
+        "SELECT stream_id, assigned_instance_id, partition_number FROM {schema}.wh_active_streams"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    for (s, owner, partition) in rows {
+        let expected = if s == kept || s == locked {
+            stopping
+        } else {
+            peers[partition as usize % 2]
+        };
+        assert_eq!(owner, Some(expected), "stream {s} (partition {partition})");
+    }
+    // (The appends rang it with an empty payload first.)
+    let orphan = async { while listener.recv().await.unwrap().payload() != "orphan" {} };
+    tokio::time::timeout(Duration::from_secs(5), orphan)
+        .await
+        .expect("the doorbell rings with 'orphan'");
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+
+    // With no live peer, the streams are released to nobody.
+    sqlx::query(&format!(
+        "DELETE FROM {schema}.wh_service_instances WHERE instance_id <> $1"
+    ))
+    .bind(stopping)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let moved: i32 = sqlx::query_scalar(&hand_over)
+        .bind(stopping)
+        .bind(Vec::<Uuid>::new())
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(moved, 2, "the kept and the locked stream");
+    let unowned: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_active_streams WHERE assigned_instance_id IS NULL"
+    ))
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(unowned, 2);
+}
+
+/// A stopping worker hands the streams it holds but is not draining to its live peer at once:
+/// their events are applied while it still waits for an in-flight drain, not after it
+/// deregisters (in a rolling update the new pod's worker otherwise waited for the old one's
+/// whole stop). Here the old worker's only drain consumer is in a handler that sleeps past the
+/// 5 s drain grace of a stop, so its stop takes 5 s; the peer must apply the other stream well
+/// before that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_worker_hands_the_streams_it_is_not_draining_to_a_live_peer_at_once() {
+    let schema = unique_schema("handover");
+    let yaml = recording_yaml(
+        &schema,
+        "worker:\n  maxConcurrentDrainConsumers: 1\n  drainConsumersPerDeployment: 1\n  failureRetryBaseMilliseconds: 20\n",
+    )
+    .replacen(
+        "      A: INSERT INTO seen_p1",
+        "      A: SELECT pg_sleep(h.secs) FROM hold h WHERE :data->>'hold' = 'yes'; INSERT INTO seen_p1",
+        1,
+    )
+    .replacen(
+        "versions bigint[] NOT NULL)\n",
+        "versions bigint[] NOT NULL); CREATE TABLE IF NOT EXISTS hold (secs float8 NOT NULL)\n",
+        1,
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    sqlx::query(&format!("INSERT INTO {schema}.hold VALUES (8)"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let old = RunningEngine::start(&config).await;
+    let (stuck, idle) = (Uuid::now_v7(), Uuid::now_v7());
+    append_event(&schema, stuck, None, serde_json::json!({"hold": "yes"})).await;
+    let sleeping = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'
+           AND query LIKE '%{schema}.wh_drain%'"
+    );
+    wait_until(
+        "the old worker's drain sleeps in the handler",
+        Duration::from_secs(10),
+        || {
+            let sql = sleeping.clone();
+            async move { scalar(&sql).await == 1 }
+        },
+    )
+    .await;
+    append_event(&schema, idle, None, serde_json::json!({})).await;
+    let held_by = format!(
+        "SELECT count(*) FROM {schema}.wh_active_streams WHERE stream_id = '{idle}'
+           AND assigned_instance_id = '{}'",
+        old.instance_id
+    );
+    wait_until(
+        "the old worker holds the second stream",
+        Duration::from_secs(10),
+        || {
+            let sql = held_by.clone();
+            async move { scalar(&sql).await == 1 }
+        },
+    )
+    .await;
+    let peer = RunningEngine::start(&config).await;
+    let stopping = Instant::now();
+    let old_stop = tokio::spawn(old.stop());
+    let applied = format!("SELECT count(*) FROM {schema}.seen_p2 WHERE stream_id = '{idle}'");
+    wait_until(
+        "the peer applies the stream the old worker held but was not draining",
+        Duration::from_secs(3),
+        || {
+            let sql = applied.clone();
+            async move { scalar(&sql).await == 1 }
+        },
+    )
+    .await;
+    assert!(
+        !old_stop.is_finished(),
+        "applied while the old worker was still stopping (after {:?})",
+        stopping.elapsed()
+    );
+    // The stop cancels the sleeping drain after its grace; the event's retry sleeps no more.
+    sqlx::query(&format!("UPDATE {schema}.hold SET secs = 0"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    old_stop.await.unwrap();
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    peer.stop().await;
+    assert_exactly_once(&schema, 2).await;
+}

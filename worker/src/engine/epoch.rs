@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::FailureStreak;
+use super::drain::queue::DrainQueue;
 use super::health::Health;
 use super::{connect, db, heartbeat, lifecycle, spawn_tasks, verify_schema};
 use super::{EngineError, EngineOptions, Shared};
@@ -65,6 +66,8 @@ pub(super) struct Epoch {
     flush_task: JoinHandle<()>,
     /// Ends the flush task once the other tasks (the drain consumers) have stopped.
     flush_stop: CancellationToken,
+    /// What the drain consumers are draining: a stop keeps those streams until they are done.
+    queue: Arc<DrainQueue>,
 }
 
 impl Epoch {
@@ -102,14 +105,14 @@ impl Epoch {
         if config.worker.notify_applied {
             lifecycle::reconcile_orphans(&shared).await;
         }
-        let (tasks, flush_task, flush_stop) =
-            spawn_tasks(&shared, options, listen_pool.clone(), heartbeat);
+        let tasks = spawn_tasks(&shared, options, listen_pool.clone(), heartbeat);
         Ok(Epoch {
             shared,
             listen_pool,
-            tasks,
-            flush_task,
-            flush_stop,
+            tasks: tasks.running,
+            flush_task: tasks.flush,
+            flush_stop: tasks.flush_stop,
+            queue: tasks.queue,
         })
     }
 
@@ -135,8 +138,9 @@ impl Epoch {
         }
     }
 
-    /// Graceful shutdown (the engine's token is cancelled): no new claims, in-flight batches
-    /// finish, completions are flushed, leases and streams are released, the instance
+    /// Graceful shutdown (the engine's token is cancelled): no new claims, the streams not being
+    /// drained go to the live peers at once, in-flight batches finish and their streams follow,
+    /// completions are flushed, leases and any streams left are released, the instance
     /// deregisters — each step bounded (see [`StopBudget`]).
     pub(super) async fn stop(self) {
         let started = Instant::now();
@@ -148,7 +152,16 @@ impl Epoch {
             StopBudget::REACHABLE
         };
         shared.shutdown.cancel();
+        let reachable = !shared.health.unreachable();
+        if reachable {
+            hand_over(&shared, &self.queue, HAND_OVER_TIMEOUT).await;
+        }
         stop_tasks(&shared, self.tasks, started, budget).await;
+        // Again once the drains are over: the streams they held need not wait for the last
+        // flush and the deregistration (measured 130 ms after a catch-up's drains).
+        if reachable {
+            hand_over(&shared, &self.queue, HAND_OVER_AGAIN_TIMEOUT).await;
+        }
         // Last: the completions the drain consumers queued, flushed at once (not after their
         // retry backoff).
         self.flush_stop.cancel();
@@ -180,6 +193,46 @@ impl Epoch {
             .is_err()
         {
             tracing::warn!("closing the connection pool timed out");
+        }
+    }
+}
+
+/// How long a stop waits for its streams to be handed over before it goes on without (the
+/// deregistration gives them back in any case): first while the drains run on, then (shorter,
+/// so that the last flush keeps its share of the budget) once they are over.
+const HAND_OVER_TIMEOUT: Duration = Duration::from_secs(2);
+const HAND_OVER_AGAIN_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A step of a stop, once nothing new is claimed or taken from the drain channel: the held
+/// streams not being drained go to the live peers at once (`hand_over_streams`), so their events
+/// are applied while this worker finishes its drains and flushes; done first, and again once the
+/// drains are over. In a rolling update the new pod's peer otherwise waited for the whole stop:
+/// measured at 500 live events/s, events then waited up to 420 ms while the old worker took
+/// 330 ms to stop.
+async fn hand_over(shared: &Shared, queue: &DrainQueue, timeout: Duration) {
+    let keep = queue.in_flight();
+    let stale = shared
+        .config
+        .worker
+        .abandon_stale_instance_threshold_seconds as f64;
+    let handed = tokio::time::timeout(
+        timeout,
+        shared
+            .store
+            .hand_over_streams(shared.instance_id, &keep, stale),
+    )
+    .await;
+    match handed {
+        Ok(Ok(0)) => {}
+        Ok(Ok(n)) => tracing::info!(
+            streams = n,
+            draining = keep.len(),
+            "handed the streams not being drained over to the live peers"
+        ),
+        Ok(Err(e)) => tracing::warn!(error = %crate::db::describe_error(&e, None),
+            "could not hand the streams over; the deregistration gives them back"),
+        Err(_) => {
+            tracing::warn!("no answer handing the streams over; the deregistration gives them back")
         }
     }
 }

@@ -298,8 +298,8 @@ impl Engine {
         self.options.instance_id
     }
 
-    /// Run until the shutdown token is cancelled, then stop: no new claims, in-flight batches
-    /// finish, completions are flushed, leases and streams are released, the instance
+    /// Run until the shutdown token is cancelled, then stop: no new claims, the streams not
+    /// being drained go to the live peers, in-flight batches finish, completions are flushed, leases and streams are released, the instance
     /// deregisters — within 13 s even when the database cannot be reached (a deregistration
     /// that fails or gets no answer is logged, not returned: peers abandon the instance after
     /// the stale threshold). Meanwhile, if peers may have abandoned this instance (see
@@ -360,16 +360,26 @@ async fn connect(options: &EngineOptions) -> Result<(Store, PgPool), EngineError
     Ok((store, listen_pool))
 }
 
-/// Every task of a started engine, joined by their channels: the listener, the job runner, the
-/// heartbeat, the vacuum, the settler, the drain consumers, the statistics keeper and the claim
-/// loop; and, apart (it stops last, see [`Engine::run_until_stopped`]), the completion flush
-/// with the token that ends it.
+/// The tasks of a started engine (see [`spawn_tasks`]).
+struct Tasks {
+    /// The listener, the job runner, the heartbeat, the vacuum, the settler, the drain
+    /// consumers, the statistics keeper and the claim loop.
+    running: Vec<JoinHandle<()>>,
+    /// The completion flush, apart: it stops last (see [`Engine::run_until_stopped`]).
+    flush: JoinHandle<()>,
+    /// Ends the flush.
+    flush_stop: CancellationToken,
+    /// The streams handed to the drain consumers (a stop hands the others over at once).
+    queue: Arc<drain::queue::DrainQueue>,
+}
+
+/// Every task of a started engine, joined by their channels.
 fn spawn_tasks(
     shared: &Arc<Shared>,
     options: &EngineOptions,
     listen_pool: PgPool,
     heartbeat: heartbeat::Heartbeat,
-) -> (Vec<JoinHandle<()>>, JoinHandle<()>, CancellationToken) {
+) -> Tasks {
     let config = &shared.config;
     let (drain_tx, drain_rx) =
         mpsc::channel(config.worker.drain_batcher.max_size.max(16) as usize * 4);
@@ -435,7 +445,7 @@ fn spawn_tasks(
     tasks.push(tokio::spawn(statistics.run()));
     let claim_loop = claim::ClaimLoop {
         shared: shared.clone(),
-        queue,
+        queue: queue.clone(),
         listener_healthy,
         last_work,
     };
@@ -448,7 +458,12 @@ fn spawn_tasks(
         settle_tx,
         stop: flush_stop.clone(),
     };
-    (tasks, tokio::spawn(flush.run(completion_rx)), flush_stop)
+    Tasks {
+        running: tasks,
+        flush: tokio::spawn(flush.run(completion_rx)),
+        flush_stop,
+        queue,
+    }
 }
 
 fn db(step: &'static str, e: sqlx::Error) -> EngineError {

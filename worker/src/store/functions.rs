@@ -54,6 +54,7 @@ pub const FUNCTIONS: &[Function] = functions![
     // Instances.
     "record_heartbeat",
     "cleanup_stale_instances",
+    "hand_over_streams",
     "deregister_instance",
     // Claiming, fetching, dead letters.
     "claim_work",

@@ -23,6 +23,7 @@ const RECORD_HEARTBEAT: &str =
                                  {schema}.record_heartbeat($1, $2, $3, $4, $5)::text";
 const CLEANUP_STALE_INSTANCES: &str = "SELECT {schema}.cleanup_stale_instances($1, $2)";
 const DEREGISTER_INSTANCE: &str = "SELECT {schema}.deregister_instance($1)";
+const HAND_OVER_STREAMS: &str = "SELECT {schema}.hand_over_streams($1, $2, $3)";
 
 /// The key of `wh_service_instances.metadata` under which each heartbeat publishes the
 /// instance's lock conflicts with other appliers over the last minute, by perspective (only
@@ -123,6 +124,26 @@ impl Store {
             .run(
                 sqlx::query_scalar(&self.sql(CLEANUP_STALE_INSTANCES))
                     .bind(instance_id)
+                    .bind(stale_seconds)
+                    .fetch_one(&mut *c),
+            )
+            .await
+    }
+
+    /// First step of a graceful shutdown: the streams this instance holds, except `keep` (being
+    /// drained), go to its live peers at once; how many did.
+    pub async fn hand_over_streams(
+        &self,
+        instance_id: Uuid,
+        keep: &[Uuid],
+        stale_seconds: f64,
+    ) -> Result<i32, sqlx::Error> {
+        let mut c = self.quick_conn("hand_over_streams").await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(HAND_OVER_STREAMS))
+                    .bind(instance_id)
+                    .bind(keep)
                     .bind(stale_seconds)
                     .fetch_one(&mut *c),
             )

@@ -84,6 +84,17 @@ impl DrainQueue {
         state.queued.len() + state.in_flight.len()
     }
 
+    /// The streams being drained now.
+    pub(crate) fn in_flight(&self) -> Vec<Uuid> {
+        self.state
+            .lock()
+            .unwrap()
+            .in_flight
+            .keys()
+            .copied()
+            .collect()
+    }
+
     /// Whether `stream` is queued or being drained.
     #[cfg(test)]
     fn contains(&self, stream: &Uuid) -> bool {
