@@ -953,7 +953,7 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
     assert!(report.functions_installed);
     // Replaced in place (same oids, so grants on them stay); the compiled ones, and engine
     // functions added since 0017 (complete_applied_events, wh_run_events, wh_job_blockers,
-    // wh_version_*, wh_settled_without_retry), are new.
+    // wh_version_*, wh_settled_without_retry, hand_over_streams), are new.
     let after: Vec<(String, i64)> = oids(schema.clone())
         .await
         .into_iter()
@@ -967,6 +967,7 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
                 "wh_version_adopt_work",
                 "wh_version_switch",
                 "wh_settled_without_retry",
+                "hand_over_streams",
             ]
             .contains(&name.as_str())
         })
