@@ -109,8 +109,11 @@ impl Action {
             Action::ReplayDeadLetters => format!("replayed the dead letters of {whose}"),
             Action::DiscardDeadLetters => format!("discarded the dead letters of {whose}"),
             Action::Rebuild => format!("rebuild of {whose} started (status shows its progress)"),
-            // The command fails while a version it was asked to switch is left.
-            Action::Switch => format!("switch of {whose} done: no new version left to switch to"),
+            // The command fails while a version it was asked to switch is left, so a success
+            // means each new version serves now (or there was none); its log names each switch.
+            Action::Switch => format!(
+                "switch of {whose} done: every new version serves now (the Job's log names each switch)"
+            ),
         }
     }
 }
@@ -447,7 +450,7 @@ mod tests {
         );
         assert_eq!(
             Action::Switch.done("order_summary"),
-            "switch of order_summary done: no new version left to switch to"
+            "switch of order_summary done: every new version serves now (the Job's log names each switch)"
         );
     }
 
