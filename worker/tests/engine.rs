@@ -1771,3 +1771,41 @@ async fn a_stopping_worker_hands_the_streams_it_is_not_draining_to_a_live_peer_a
     peer.stop().await;
     assert_exactly_once(&schema, 2).await;
 }
+
+/// A stopping worker finishes the pass its batch is in, not the batch's further passes over a
+/// deep stream (`drainLoopMaxIterations`): its stop would wait for them, and the stream it
+/// holds goes to a live peer (or the next worker) once the pass is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_worker_takes_no_further_pass_over_a_deep_stream() {
+    let schema = unique_schema("stoppass");
+    let yaml = recording_yaml(&schema, "worker:\n  perspectiveBatchSize: 10\n").replacen(
+        "      A: INSERT INTO seen_p1",
+        "      A: SELECT pg_sleep(0.02); INSERT INTO seen_p1",
+        1,
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let stream = Uuid::now_v7();
+    append_load(&schema, &[stream], 200, 1, 200).await;
+    let engine = RunningEngine::start(&config).await;
+    let cursor = format!(
+        "SELECT coalesce(max(last_version), 0) FROM {schema}.wh_perspective_cursors
+         WHERE stream_id = '{stream}' AND perspective_name = 'p1'"
+    );
+    wait_until("the first pass is applied", Duration::from_secs(30), || {
+        let sql = cursor.clone();
+        async move { scalar(&sql).await >= 10 }
+    })
+    .await;
+    // The second pass (10 events of 20 ms) is under way; the batch would take three more.
+    engine.stop().await;
+    let applied = scalar(&cursor).await;
+    assert!(
+        applied <= 20,
+        "the stopping worker applied {applied} events: passes after the one under way"
+    );
+    let next = RunningEngine::start(&config).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    next.stop().await;
+    assert_exactly_once(&schema, 1).await;
+}

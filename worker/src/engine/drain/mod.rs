@@ -287,7 +287,9 @@ impl Drop for InFlight<'_> {
         self.finish();
     }
 }
-/// Claim, fetch and apply `streams`, re-fetching busy streams up to `drainLoopMaxIterations`.
+/// Claim, fetch and apply `streams`, re-fetching busy streams up to `drainLoopMaxIterations`
+/// times; a stopping worker takes no further pass (its stop waits for this batch, and the
+/// streams it still holds then go to its live peers).
 async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
     let mine = ctx.queue.start(streams);
     if mine.is_empty() {
@@ -302,7 +304,10 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
     let mut current = mine.clone();
     let mut iterations = 0;
     let max_iterations = ctx.shared.config.worker.drain_loop_max_iterations.max(1);
-    while !current.is_empty() && iterations < max_iterations {
+    while !current.is_empty()
+        && iterations < max_iterations
+        && (iterations == 0 || !ctx.shared.shutdown.is_cancelled())
+    {
         iterations += 1;
         let Round {
             applied,
