@@ -299,7 +299,8 @@ impl Engine {
     }
 
     /// Run until the shutdown token is cancelled, then stop: no new claims, the streams not
-    /// being drained go to the live peers, in-flight batches finish, completions are flushed, leases and streams are released, the instance
+    /// being drained go to the live peers, in-flight batches finish and their streams follow,
+    /// completions are flushed, leases and any streams left are released, the instance
     /// deregisters — within 13 s even when the database cannot be reached (a deregistration
     /// that fails or gets no answer is logged, not returned: peers abandon the instance after
     /// the stale threshold). Meanwhile, if peers may have abandoned this instance (see
