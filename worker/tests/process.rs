@@ -57,17 +57,19 @@ async fn sigkill_with_leases_and_unflushed_completions_loses_and_repeats_nothing
     let mut victim = spawn_worker(&path, a);
     // Kill it once it has applied some work, still holds streams (its lease on their work)
     // with events left to apply, and has applied rows whose deletion has not been flushed.
-    let held = format!(
-        "SELECT count(*) FROM {schema}.wh_perspective_events w
-         JOIN {schema}.wh_active_streams a USING (stream_id)
-         JOIN {schema}.wh_perspective_cursors c USING (stream_id, perspective_name)
-         WHERE a.assigned_instance_id = '{a}' AND w.stream_version > c.last_version"
+    // Both in one statement (one snapshot) on one connection: the work lasts about a second, and
+    // polling with a new connection per query under a loaded CI machine missed it (the worker
+    // had drained everything before two separate reads agreed).
+    let kill_point = format!(
+        "SELECT EXISTS (SELECT 1 FROM {schema}.wh_perspective_events w
+                        JOIN {schema}.wh_active_streams a USING (stream_id)
+                        JOIN {schema}.wh_perspective_cursors c USING (stream_id, perspective_name)
+                        WHERE a.assigned_instance_id = '{a}' AND w.stream_version > c.last_version)
+            AND EXISTS (SELECT 1 FROM {schema}.wh_perspective_events w
+                        JOIN {schema}.wh_perspective_cursors c USING (stream_id, perspective_name)
+                        WHERE w.stream_version <= c.last_version)"
     );
-    let unflushed = format!(
-        "SELECT count(*) FROM {schema}.wh_perspective_events w
-         JOIN {schema}.wh_perspective_cursors c USING (stream_id, perspective_name)
-         WHERE w.stream_version <= c.last_version"
-    );
+    let mut poll = connect().await;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         assert!(
@@ -78,10 +80,14 @@ async fn sigkill_with_leases_and_unflushed_completions_loses_and_repeats_nothing
             victim.try_wait().unwrap().is_none(),
             "the worker exited early"
         );
-        if scalar(&held).await > 0 && scalar(&unflushed).await > 0 {
+        let reached: bool = sqlx::query_scalar(&kill_point)
+            .fetch_one(&mut poll)
+            .await
+            .unwrap();
+        if reached {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     victim.kill().unwrap(); // SIGKILL
     victim.wait().unwrap();
