@@ -45,35 +45,12 @@ cleanup() {
 trap cleanup EXIT
 q() { psql "$DATABASE_URL" -XAtq -v ON_ERROR_STOP=1 "$@"; }
 
-config() { # schema -> file
-  local f="$work/$1.yaml" p
-  {
-    echo "schema: $1"
-    echo "perspectives:"
-    for p in orders_seen audit_seen; do
-      cat <<Y
-  - name: $p
-    setup: CREATE TABLE IF NOT EXISTS $p (event_id uuid PRIMARY KEY, appended_at timestamptz NOT NULL, applied_at timestamptz NOT NULL)
-    handlers:
-      Placed: INSERT INTO $p VALUES (:event_id, :created_at, clock_timestamp())
-Y
-    done
-  } >"$f"
-  echo "$f"
-}
-
-await_drained() { # schema
-  for _ in $(seq 600); do
-    [ "$(q -c "SELECT count(*) FROM $1.wh_perspective_events WHERE processed_at IS NULL")" = 0 ] && return 0
-    sleep 0.1
-  done
-  echo "latency: $1 did not drain within 60 s" >&2
-  return 1
-}
+# The live load's schema (live_config) and await_drained.
+source tests/bench/live-load.sh
 
 run() { # workers rate -> "achieved p50 p99 max worst_second_p99"
   local n=$1 rate=$2 s="lat_${1}_${2}" cfg
-  cfg=$(config "$s")
+  cfg=$(live_config "$s")
   "$WORKER" --config "$cfg" migrate >/dev/null 2>>"$work/migrate.log"
   pids=()
   for _ in $(seq "$n"); do

@@ -60,23 +60,8 @@ q() { psql "$DATABASE_URL" -XAtq -v ON_ERROR_STOP=1 "$@"; }
 now() { date +%s.%N; }
 median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
-config() { # schema -> file
-  local f="$work/$1.yaml" p
-  {
-    echo "schema: $1"
-    echo "perspectives:"
-    for p in orders_seen audit_seen; do
-      cat <<Y
-  - name: $p
-    setup: CREATE TABLE IF NOT EXISTS $p (event_id uuid PRIMARY KEY, appended_at timestamptz NOT NULL, applied_at timestamptz NOT NULL)
-    handlers:
-      Placed: INSERT INTO $p VALUES (:event_id, :created_at, clock_timestamp())
-      Backlog: SELECT 1
-Y
-    done
-  } >"$f"
-  echo "$f"
-}
+# The live load's schema (live_config) and await_drained.
+source tests/bench/live-load.sh
 
 start_worker() { # binary config log -> pid (in $started)
   RUST_LOG=${WORKER_LOG:-info} "$1" --config "$2" run --http-addr 127.0.0.1:0 >"$3" 2>&1 &
@@ -95,18 +80,10 @@ await_ready() { # log: until the worker's /readyz answers 200 (10 s at most)
   return 1
 }
 
-await_drained() { # schema
-  for _ in $(seq 600); do
-    [ "$(q -c "SELECT count(*) FROM $1.wh_perspective_events WHERE processed_at IS NULL")" = 0 ] && return 0
-    sleep 0.1
-  done
-  echo "rollout: $1 did not drain within 60 s" >&2
-  return 1
-}
 
 run() { # name binary round -> "stop_ms before_p50 before_p99 p50 p99 max n"
   local name=$1 bin=$2 s="roll_$1_$3" cfg a b t_start t_term t_gone
-  cfg=$(config "$s")
+  cfg=$(live_config "$s" "Backlog: SELECT 1")
   "$bin" --config "$cfg" migrate >/dev/null 2>>"$work/migrate.log"
   start_worker "$bin" "$cfg" "$work/$s.a.log"; a=$started
   await_ready "$work/$s.a.log"
