@@ -184,6 +184,55 @@ async fn a_claim_takes_its_share_then_a_silent_owners_streams_oldest_first() {
     assert_eq!(by_age, all);
 }
 
+/// A peer that has begun a graceful stop (`hand_over_streams` marks it) has no share of the
+/// unowned streams any more: the live one takes them all at once, rather than leaving the
+/// stopping peer's share until it deregisters at the end of its stop (in a rolling update, half
+/// of the new streams while two workers ran). Heartbeats no longer count it among the live peers
+/// either (the drain consumers and the doorbell pace are shared among those).
+#[tokio::test]
+async fn a_stopping_peer_has_no_share_of_the_unowned_streams() {
+    let (schema, _config) = migrated_schema("claim_stopping").await;
+    let mut conn = connect().await;
+    streams(&mut conn, &schema, 40).await;
+    let mut ids = [Uuid::now_v7(), Uuid::now_v7()];
+    ids.sort();
+    let (first, second) = (ids[0], ids[1]);
+    let store = perspective_worker::store::Store::new(pool(2).await, &schema);
+    let info = |id: Uuid| perspective_worker::store::instances::InstanceInfo {
+        instance_id: id,
+        service_name: "test".into(),
+        host_name: "h".into(),
+        process_id: 1,
+        metadata: serde_json::json!({}),
+    };
+    store.record_heartbeat(&info(first), 30.0).await.unwrap();
+    store.record_heartbeat(&info(second), 30.0).await.unwrap();
+    let beat = store.record_heartbeat(&info(first), 30.0).await.unwrap();
+    assert_eq!(beat.live_peers, 1);
+
+    let handed = store.hand_over_streams(second, &[], 30.0).await.unwrap();
+    assert_eq!(handed, 0, "it held nothing");
+    let stopping: bool = sqlx::query_scalar(&format!(
+        "SELECT stopping_since IS NOT NULL FROM {schema}.wh_service_instances WHERE instance_id = $1"
+    ))
+    .bind(second)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert!(stopping, "the hand-over marks the instance stopping");
+    let beat = store.record_heartbeat(&info(first), 30.0).await.unwrap();
+    assert_eq!(beat.live_peers, 0, "a stopping peer is not counted live");
+
+    let got = claim(&mut conn, &schema, first, 100).await;
+    assert_eq!(got.len(), 40, "every unowned stream, both partition shares");
+    assert_eq!(
+        got,
+        held(&mut conn, &schema, Some(first)).await,
+        "oldest first"
+    );
+    assert!(held(&mut conn, &schema, None).await.is_empty());
+}
+
 /// A claim that takes new streams does not look for held streams with nothing pending: the
 /// oldest held streams are then the ones being drained, and the look cost a work-table probe
 /// for each — a third of a backlog's claims (migration 0015), and 0.4 of a live claim's 1.3 ms

@@ -1772,6 +1772,61 @@ async fn a_stopping_worker_hands_the_streams_it_is_not_draining_to_a_live_peer_a
     assert_exactly_once(&schema, 2).await;
 }
 
+/// A stopping worker's in-flight `wh_drain` call takes no further pair once the stop has begun
+/// (`hand_over_streams` marks the instance stopping): the pairs it has not reached go to a live
+/// peer at once, rather than waiting for the whole call (a catch-up's calls, over deep streams,
+/// run for hundreds of milliseconds). Here one call holds 12 deep streams whose p1 windows take
+/// 100 ms each; the stop comes while the second is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_worker_takes_no_further_pair_in_its_drain_call() {
+    let schema = unique_schema("stoppair");
+    let yaml = recording_yaml(
+        &schema,
+        "worker:\n  perspectiveBatchSize: 10\n  maxConcurrentDrainConsumers: 1\n  drainConsumersPerDeployment: 1\n",
+    )
+    .replacen(
+        "      A: INSERT INTO seen_p1",
+        "      A: SELECT nextval('progress'), pg_sleep(0.01); INSERT INTO seen_p1",
+        1,
+    )
+    .replacen(
+        "versions bigint[] NOT NULL)\n",
+        "versions bigint[] NOT NULL); CREATE SEQUENCE IF NOT EXISTS progress\n",
+        1,
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let streams: Vec<Uuid> = (0..12).map(|_| Uuid::now_v7()).collect();
+    append_load(&schema, &streams, 20, 1, 240).await;
+    let engine = RunningEngine::start(&config).await;
+    // (A sequence moves outside the transaction: the call's progress, before it commits.)
+    let progress =
+        format!("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {schema}.progress");
+    wait_until(
+        "the call is past its first p1 window",
+        Duration::from_secs(30),
+        || {
+            let sql = progress.clone();
+            async move { scalar(&sql).await >= 13 }
+        },
+    )
+    .await;
+    engine.stop().await;
+    let reached = scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_cursors
+         WHERE perspective_name = 'p1' AND last_version > 0"
+    ))
+    .await;
+    assert!(
+        (1..=3).contains(&reached),
+        "the stopping worker applied p1 on {reached} of 12 streams: pairs after the stop began"
+    );
+    let next = RunningEngine::start(&config).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    next.stop().await;
+    assert_exactly_once(&schema, 12).await;
+}
+
 /// A stopping worker finishes the pass its batch is in, not the batch's further passes over a
 /// deep stream (`drainLoopMaxIterations`): its stop would wait for them, and the stream it
 /// holds goes to a live peer (or the next worker) once the pass is over.

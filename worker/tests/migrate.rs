@@ -947,7 +947,8 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
         [
             "0018_engine_functions_installed_by_migrate.sql",
             "0019_retention_guard_checks_each_row.sql",
-            "0020_blue_green_versions.sql"
+            "0020_blue_green_versions.sql",
+            "0021_stopping_instances.sql"
         ]
     );
     assert!(report.functions_installed);

@@ -21,6 +21,10 @@
     appliers again while holding them (each deadlock costs the waiters deadlock_timeout). For
     the same reason the call waits at most lock_timeout_ms for any lock (a shorter lock_timeout
     of the session is kept): a longer wait is given up as contention.
+    Once the caller's worker has begun a graceful stop (hand_over_streams sets its instance's
+    stopping_since), the per-pair path takes no further pair either: they are returned not
+    reached, with o_more, and the stop hands them to a live peer rather than making the peer wait
+    for the whole call (a catch-up's calls run for hundreds of milliseconds).
     Shallow pairs (few pending rows, none failed or leased, no rewind) are applied set-based
     first, all of them in one subtransaction: one statement each for the window, the cursor
     locks, the cursor moves and the completion, and one loop over all their events per
@@ -224,6 +228,10 @@ DECLARE
   v_jit      text;
   -- A pair met a lock conflict: no further pair is applied in this call (see the header).
   v_conflict boolean := false;
+  -- The caller's worker began a graceful stop (hand_over_streams marked its instance): no
+  -- further pair either; those not reached go to a live peer. Looked up at most every 5 ms.
+  v_stopping boolean := false;
+  v_look_at  timestamptz := statement_timestamp();
   -- Sequenced pairs with a key another applier holds: not applied in this call.
   v_busy_streams uuid[];
   v_busy_names text[];
@@ -537,7 +545,12 @@ BEGIN
     WHERE v_fallback AND (v_cancel_i IS NULL OR x.k <> v_k)
     ORDER BY 1, 2
   LOOP
-    IF v_budget <= 0 OR clock_timestamp() >= v_stop_at OR v_conflict THEN
+    IF NOT v_stopping AND clock_timestamp() >= v_look_at THEN
+      v_stopping := EXISTS (SELECT 1 FROM {{ schema }}.wh_service_instances i
+                            WHERE i.instance_id = p_instance_id AND i.stopping_since IS NOT NULL);
+      v_look_at := clock_timestamp() + interval '5 milliseconds';
+    END IF;
+    IF v_budget <= 0 OR clock_timestamp() >= v_stop_at OR v_conflict OR v_stopping THEN
       -- Not reached in this call: say so, so the worker comes back for it.
       RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, r.last_version, NULL::bigint, NULL::text,
                           '{}'::bigint[], '{}'::bigint[], '{}'::bigint[], '{}'::timestamptz[], false, '{}'::uuid[], true,

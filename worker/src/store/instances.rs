@@ -10,7 +10,8 @@ use super::Store;
 // The subqueries read the rows as they were before the heartbeat (one statement, one snapshot;
 // the function's write is not visible to them): the previous heartbeat's age, whether a peer is
 // silent past the stale threshold ($6), so that the sweep runs only then (an idle worker's
-// statements are few: issue 28), and how many peers are live (within it).
+// statements are few: issue 28), and how many peers are live (within it, and not stopping:
+// hand_over_streams).
 const RECORD_HEARTBEAT: &str =
     "SELECT (SELECT extract(epoch FROM now() - i.last_heartbeat_at)::float8
                                   FROM {schema}.wh_service_instances i WHERE i.instance_id = $1),
@@ -18,7 +19,7 @@ const RECORD_HEARTBEAT: &str =
                                          WHERE i.instance_id <> $1
                                            AND i.last_heartbeat_at < now() - make_interval(secs => $6)),
                                  (SELECT count(*) FROM {schema}.wh_service_instances i
-                                  WHERE i.instance_id <> $1
+                                  WHERE i.instance_id <> $1 AND i.stopping_since IS NULL
                                     AND i.last_heartbeat_at >= now() - make_interval(secs => $6)),
                                  {schema}.record_heartbeat($1, $2, $3, $4, $5)::text";
 const CLEANUP_STALE_INSTANCES: &str = "SELECT {schema}.cleanup_stale_instances($1, $2)";
@@ -49,7 +50,7 @@ pub struct Heartbeat {
     pub previous_age: Option<f64>,
     /// Whether another instance was silent past the stale threshold (a sweep would abandon it).
     pub stale_peers: bool,
-    /// Other instances live by the stale threshold.
+    /// Other instances live by the stale threshold and not stopping.
     pub live_peers: i64,
 }
 

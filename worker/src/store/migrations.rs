@@ -112,6 +112,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0020_blue_green_versions.sql",
         template: include_str!("../../../migrations/0020_blue_green_versions.sql"),
     },
+    Migration {
+        version: 21,
+        name: "0021_stopping_instances.sql",
+        template: include_str!("../../../migrations/0021_stopping_instances.sql"),
+    },
 ];
 
 /// The last migration that defined functions; later ones must not (see the module docs).

@@ -52,12 +52,14 @@ BEGIN
   END IF;
 
   -- The caller always counts itself live, so a late heartbeat never makes it claim everything.
+  -- A peer that is stopping (hand_over_streams marked it) has no share: it claims no more.
   SELECT r.rank, r.cnt INTO v_rank, v_count
   FROM (
     SELECT l.id, (row_number() OVER (ORDER BY l.id) - 1)::integer AS rank, (count(*) OVER ())::integer AS cnt
     FROM (
       SELECT i.instance_id AS id FROM {{schema}}.wh_service_instances i
       WHERE i.last_heartbeat_at >= now() - make_interval(secs => p_stale_seconds)
+        AND i.stopping_since IS NULL
       UNION
       SELECT p_instance_id
     ) l

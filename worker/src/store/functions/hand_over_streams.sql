@@ -1,6 +1,9 @@
--- hand_over_streams(instance, keep, stale seconds): the first step of a graceful stop. Every
--- stream the instance holds, except `keep` (those it is draining now), goes at once to one of its
--- live peers: the one its partition falls to among them (`partition_number % peers = rank`, the
+-- hand_over_streams(instance, keep, stale seconds): the first step of a graceful stop. It marks
+-- the instance stopping (`stopping_since`): claims then leave it out of the share of unowned
+-- streams (their new streams go to the peers at once, not after the deregistration), and its
+-- in-flight wh_drain calls take no further pair. Every stream the instance holds, except `keep`
+-- (those it is draining now), goes at once to one of its live peers that are not stopping
+-- themselves: the one its partition falls to among them (`partition_number % peers = rank`, the
 -- claim's share), or to nobody (unowned) when no peer is live. The doorbell ('orphan') makes the
 -- peers claim, and a claim re-offers every stream its caller holds, so their pending events are
 -- applied while this instance finishes its in-flight drains and flushes. Before, they waited
@@ -21,9 +24,12 @@ DECLARE
   v_peers uuid[];
   v_moved integer;
 BEGIN
+  UPDATE {{schema}}.wh_service_instances
+     SET stopping_since = coalesce(stopping_since, now())
+   WHERE instance_id = p_instance_id;
   v_peers := ARRAY(
     SELECT i.instance_id FROM {{schema}}.wh_service_instances i
-    WHERE i.instance_id <> p_instance_id
+    WHERE i.instance_id <> p_instance_id AND i.stopping_since IS NULL
       AND i.last_heartbeat_at >= now() - make_interval(secs => p_stale_seconds)
     ORDER BY i.instance_id);
   UPDATE {{schema}}.wh_active_streams a
