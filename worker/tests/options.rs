@@ -220,6 +220,56 @@ async fn drain_consumers_per_deployment_is_shared_among_the_live_workers() {
     second.stop().await;
 }
 
+/// When a peer begins its stop, the remaining worker recounts the live workers at once (the
+/// `orphan` doorbell of `hand_over_streams`), not at its next heartbeat: in a rolling update the
+/// new worker otherwise drained with half its share until then. Here heartbeats are 20 s apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_takes_the_whole_share_as_soon_as_its_peer_begins_to_stop() {
+    let schema = unique_schema("opt_recount");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  maxConcurrentDrainConsumers: 4
+  drainConsumersPerDeployment: 2
+  heartbeatIntervalSeconds: 20
+  abandonStaleInstanceThresholdSeconds: 60
+",
+    ));
+    migrate_config(&config).await;
+    let first = RunningEngine::start(&config).await;
+    let second = RunningEngine::start(&config).await;
+    for (name, engine) in [("first", &first), ("second", &second)] {
+        let metrics = engine.metrics.clone();
+        // (The first counts the second at its first beat, a second after registering.)
+        wait_until(
+            &format!("the {name} worker counting both and running 1 consumer"),
+            Duration::from_secs(10),
+            || async { metrics.drain_consumers.get() == 1 },
+        )
+        .await;
+    }
+    // Both past their first beat (the early one), so that only the recount can come next.
+    let beaten = format!(
+        "SELECT count(*) FROM {schema}.wh_service_instances WHERE last_heartbeat_at > started_at"
+    );
+    wait_until("both workers' first beat", Duration::from_secs(10), || {
+        let sql = beaten.clone();
+        async move { scalar(&sql).await == 2 }
+    })
+    .await;
+    let stopping = tokio::time::Instant::now();
+    first.stop().await;
+    let metrics = second.metrics.clone();
+    wait_until(
+        "the remaining worker running both consumers",
+        Duration::from_secs(5),
+        || async { metrics.drain_consumers.get() == 2 },
+    )
+    .await;
+    println!("recounted {:?} after the stop began", stopping.elapsed());
+    second.stop().await;
+}
+
 /// The next hook event, or a panic naming `what` after 10 s.
 async fn next_hook(rx: &mut broadcast::Receiver<HookEvent>, what: &str) -> HookEvent {
     tokio::time::timeout(Duration::from_secs(10), rx.recv())

@@ -92,6 +92,7 @@ impl Epoch {
             shutdown: shutdown.child_token(),
             drain_width: tokio::sync::watch::Sender::new(config.worker.drain_consumers(1)),
             live_workers: std::sync::atomic::AtomicUsize::new(1),
+            recount: tokio::sync::Notify::new(),
         });
         // Register before the first claim, so it ranks us among the live instances.
         let mut heartbeat = heartbeat::Heartbeat::new(shared.clone(), &options.service_name);

@@ -12,6 +12,9 @@ use crate::store::instances::{heartbeat_metadata, Heartbeat as Beat, InstanceInf
 
 /// When the first heartbeat after registering comes, at the latest.
 const FIRST_RECOUNT: Duration = Duration::from_secs(1);
+/// The least time between heartbeats when the listener asks for a recount (`orphan`
+/// doorbells, which anyone may ring, cost at most this many beats a second).
+const RECOUNT_SPACING: Duration = Duration::from_millis(250);
 
 /// The heartbeat task.
 pub(crate) struct Heartbeat {
@@ -161,6 +164,25 @@ impl Heartbeat {
         }
     }
 
+    /// Waits `next`, or less when the live workers changed (a peer began its stop, deregistered
+    /// or was abandoned: the `orphan` doorbell): then the beat that recounts them comes
+    /// [`RECOUNT_SPACING`] after the last one at the earliest. In a rolling update the new
+    /// worker otherwise ran half its share of the drain until its next interval (measured: the
+    /// first second of a catch-up after the old worker's SIGTERM). False: shutdown.
+    async fn wait_for_next_beat(&self, next: Duration, last_beat: Instant) -> bool {
+        let shared = &self.shared;
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(next) => return true,
+            _ = shared.recount.notified() => {}
+        }
+        let spaced = (last_beat + RECOUNT_SPACING).saturating_duration_since(Instant::now());
+        tokio::select! {
+            _ = shared.shutdown.cancelled() => false,
+            _ = tokio::time::sleep(spaced) => true,
+        }
+    }
+
     /// Heartbeats until shutdown, or until one finds that peers may have abandoned this
     /// instance (then it tells the engine's health and stops: the engine registers again).
     pub(crate) async fn run(mut self) {
@@ -178,13 +200,14 @@ impl Heartbeat {
         // The first beat comes sooner: workers of a deployment start together, and the first
         // to register counted none of the others when it sized its drain.
         let mut next = every.min(FIRST_RECOUNT);
+        let mut last_beat = Instant::now();
         loop {
-            tokio::select! {
-                _ = self.shared.shutdown.cancelled() => return,
-                _ = tokio::time::sleep(next) => {}
+            if !self.wait_for_next_beat(next, last_beat).await {
+                return;
             }
             next = every;
             let started = Instant::now();
+            last_beat = started;
             // Only the heartbeat itself is watched: a sweep that releases many streams may
             // take seconds.
             let beat = match health.watch(Probe::Heartbeat, self.record()).await {

@@ -1,5 +1,6 @@
 //! The LISTEN connection: turns doorbell NOTIFYs into immediate claim polls (and a job's start,
-//! the `jobs` payload, into a wake-up of the job runner), reports its health
+//! the `jobs` payload, into a wake-up of the job runner; a change of the live workers, the
+//! `orphan` payload, also into a recount by the heartbeat), reports its health
 //! (the claim loop relaxes its safety-net cadence only while it is healthy), and reconnects.
 //! sqlx has no TCP keepalive, so the idle session is probed every two quick deadlines (10 s by
 //! default, see [`crate::store::Deadlines`]): over a dead link it would otherwise wait for
@@ -12,7 +13,7 @@ use std::time::Duration;
 use sqlx::postgres::{PgListener, PgPool};
 use tokio::sync::Notify;
 
-use crate::store::names::JOBS_PAYLOAD;
+use crate::store::names::{JOBS_PAYLOAD, ORPHAN_PAYLOAD};
 
 use super::backoff::FailureStreak;
 use super::Shared;
@@ -76,6 +77,13 @@ impl Listener {
                 };
                 match next {
                     Ok(Some(n)) if n.payload() == JOBS_PAYLOAD => self.jobs_wake.notify_one(),
+                    Ok(Some(n)) if n.payload() == ORPHAN_PAYLOAD => {
+                        // The live workers changed: a share of the drain and of the doorbell
+                        // pace to recount, besides streams to claim.
+                        ctx.metrics.notify_wakeups.inc();
+                        ctx.recount.notify_one();
+                        ctx.hooks.request_immediate_poll();
+                    }
                     Ok(Some(_)) => {
                         ctx.metrics.notify_wakeups.inc();
                         ctx.hooks.request_immediate_poll();

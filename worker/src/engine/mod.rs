@@ -167,6 +167,9 @@ pub(crate) struct Shared {
     pub drain_width: tokio::sync::watch::Sender<usize>,
     /// The workers of the deployment the last heartbeat counted live, this one included.
     pub live_workers: std::sync::atomic::AtomicUsize,
+    /// Rung by the listener on an `orphan` doorbell (a peer began its stop, deregistered or was
+    /// abandoned): the heartbeat recounts the live workers soon, not at its next interval.
+    pub recount: tokio::sync::Notify,
 }
 
 impl Shared {
