@@ -167,8 +167,8 @@ impl Heartbeat {
     /// Waits `next`, or less when the live workers changed (a peer began its stop, deregistered
     /// or was abandoned: the `orphan` doorbell): then the beat that recounts them comes
     /// [`RECOUNT_SPACING`] after the last one at the earliest. In a rolling update the new
-    /// worker otherwise ran half its share of the drain until its next interval (measured: the
-    /// first second of a catch-up after the old worker's SIGTERM). False: shutdown.
+    /// worker otherwise ran half its share of the drain until its next beat (up to
+    /// `heartbeatIntervalSeconds` after the old worker's SIGTERM). False: shutdown.
     async fn wait_for_next_beat(&self, next: Duration, last_beat: Instant) -> bool {
         let shared = &self.shared;
         tokio::select! {

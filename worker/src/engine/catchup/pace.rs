@@ -11,11 +11,11 @@
 //! The pace goes up a step while the latency stays under half of [`LIVE_LATENCY_TARGET`] and the
 //! rate at [`STEP_UP_SHARE`] of the reference or more (every 250 ms until it first had to halve,
 //! every 2 s after that), and is halved when the latency goes over the target or the rate under
-//! [`STEP_DOWN_SHARE`] (additive increase, multiplicative decrease, as TCP's congestion window), so a catch-up takes what the machine has to spare and gives it
-//! back within a second or two. It never goes below one chunk loop at half duty (a catch-up must
-//! end; a lower floor made a custom runner's queued backfill crawl), so it cannot always keep
-//! the live side at its goals. While live work exists but nothing was applied in the last second
-//! there is no measure: it holds.
+//! [`STEP_DOWN_SHARE`] (additive increase, multiplicative decrease, as TCP's congestion window), so
+//! a catch-up takes what the machine has to spare and gives it back within a second or two. It
+//! never goes below one chunk loop at half duty (a catch-up must end; a lower floor made a custom
+//! runner's queued backfill crawl), so it cannot always keep the live side at its goals. While live
+//! work exists but nothing was applied in the last second there is no measure: it holds.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -42,7 +42,7 @@ const STEP_UP_INTERVAL: Duration = Duration::from_millis(250);
 /// seconds) must have seen the last step before the next. Climbing every 250 ms, the rate fell
 /// under its share only after the pace had reached the top, and the pace swung between the
 /// floor and the top: beside a durable backfill, producers asking 1 000 events a second reached
-/// 637–764 (as in a slow start and congestion avoidance, but with halvings as the losses).
+/// 568–779 (as in a slow start and congestion avoidance, but with halvings as the losses).
 const CAUTIOUS_STEP_UP_INTERVAL: Duration = Duration::from_secs(2);
 /// At most one halving per this long: the latency window (a second) must forget the slow
 /// events of before the last halving first.
