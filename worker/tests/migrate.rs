@@ -538,8 +538,12 @@ async fn unused_columns_indexes_and_functions_are_dropped() {
     .fetch_all(&mut conn)
     .await
     .unwrap();
-    // 0013: one claim_work, with the count of streams the caller has offered already.
-    assert_eq!(claim_args, ["uuid, integer, double precision, integer"]);
+    // 0013: one claim_work, with the count of streams the caller has offered already; since
+    // issue 28's breadth work, the streams themselves too.
+    assert_eq!(
+        claim_args,
+        ["uuid, integer, double precision, integer, uuid[]"]
+    );
 }
 
 /// Acceptance 4 of the perspective lifecycle: a perspective removed from the config with work
@@ -952,9 +956,10 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
         ]
     );
     assert!(report.functions_installed);
-    // Replaced in place (same oids, so grants on them stay); the compiled ones, and engine
+    // Replaced in place (same oids, so grants on them stay); the compiled ones, engine
     // functions added since 0017 (complete_applied_events, wh_run_events, wh_job_blockers,
-    // wh_version_*, wh_settled_without_retry, hand_over_streams), are new.
+    // wh_version_*, wh_settled_without_retry, hand_over_streams), and claim_work, whose
+    // arguments changed since (the older overload is dropped), are new.
     let after: Vec<(String, i64)> = oids(schema.clone())
         .await
         .into_iter()
@@ -969,11 +974,16 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
                 "wh_version_switch",
                 "wh_settled_without_retry",
                 "hand_over_streams",
+                "claim_work",
             ]
             .contains(&name.as_str())
         })
         .collect();
-    assert_eq!(after, before);
+    let kept: Vec<(String, i64)> = before
+        .into_iter()
+        .filter(|(name, _)| name != "claim_work")
+        .collect();
+    assert_eq!(after, kept);
     let (fresh, _) = migrated_schema("upg17fresh").await;
     let upgraded = engine_function_defs(&mut conn, &schema).await;
     assert_same_functions(

@@ -72,14 +72,18 @@ pub(crate) fn claim_again_when_room(queued: usize, max_streams: usize, channel_f
 }
 
 impl ClaimLoop {
-    /// One `claim_work` call, `offered` streams being queued or drained already.
-    async fn claim(&self, max_streams: usize, offered: usize) -> Result<Vec<Uuid>, sqlx::Error> {
+    /// One `claim_work` call, the `offered` streams being queued or drained already.
+    async fn claim(
+        &self,
+        max_streams: usize,
+        offered: Vec<Uuid>,
+    ) -> Result<Vec<Uuid>, sqlx::Error> {
         let shared = &self.shared;
         let started = Instant::now();
         let claim = shared.store.claim_work(ClaimArgs {
             instance_id: shared.instance_id,
             max_streams: max_streams.max(1).min(i32::MAX as usize) as i32,
-            offered: offered.min(i32::MAX as usize) as i32,
+            offered,
             stale_seconds: shared
                 .config
                 .worker
@@ -108,7 +112,7 @@ impl ClaimLoop {
             if shared.shutdown.is_cancelled() {
                 return;
             }
-            let offered = self.queue.len();
+            let offered = self.queue.offered();
             let streams = match self.claim(max_streams, offered).await {
                 Ok(s) => {
                     failures.succeeded();

@@ -4,17 +4,18 @@ use uuid::Uuid;
 
 use super::Store;
 
-const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3, $4)";
+const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3, $4, $5)";
 
 /// The arguments of one claim.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ClaimArgs {
     pub instance_id: Uuid,
     /// Unowned streams taken at most, and streams returned at most beyond `offered`.
     pub max_streams: i32,
-    /// Streams the caller has queued or is draining already: the claim returns (at most) that
-    /// many more, since those are among the oldest it holds.
-    pub offered: i32,
+    /// Streams the caller has queued or is draining already: the claim does not return them
+    /// (nor probe their work), and leaves retiring held streams to the caller's settler while
+    /// there are any.
+    pub offered: Vec<Uuid>,
     /// Heartbeat age after which an instance no longer counts as live.
     pub stale_seconds: f64,
 }
@@ -30,7 +31,8 @@ impl Store {
                     .bind(args.instance_id)
                     .bind(args.max_streams)
                     .bind(args.stale_seconds)
-                    .bind(args.offered)
+                    .bind(args.offered.len().min(i32::MAX as usize) as i32)
+                    .bind(&args.offered)
                     .fetch_all(&mut *c),
             )
             .await

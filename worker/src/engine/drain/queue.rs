@@ -84,6 +84,17 @@ impl DrainQueue {
         state.queued.len() + state.in_flight.len()
     }
 
+    /// The streams queued or being drained.
+    pub(crate) fn offered(&self) -> Vec<Uuid> {
+        let state = self.state.lock().unwrap();
+        state
+            .queued
+            .iter()
+            .chain(state.in_flight.keys())
+            .copied()
+            .collect()
+    }
+
     /// The streams being drained now.
     pub(crate) fn in_flight(&self) -> Vec<Uuid> {
         self.state
@@ -203,6 +214,14 @@ mod tests {
 
         assert_eq!(q.start(vec![a]), vec![a]);
         assert!(q.contains(&a));
+        let mut offered = q.offered();
+        offered.sort();
+        let mut both = vec![a, b];
+        both.sort();
+        assert_eq!(
+            offered, both,
+            "a being drained, b queued: the claim passes over both"
+        );
         assert_eq!(q.offer(a, Offer::Poll), Offered::Present);
         assert!(
             q.take_reruns(&[a]).is_empty(),
