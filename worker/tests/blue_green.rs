@@ -465,6 +465,63 @@ async fn versions_beyond_keep_previous_versions_are_dropped_at_the_switch() {
     assert_exact(&format!("{schema}.order_totals"), &schema).await;
 }
 
+/// Issue 29: "a migration that fails in v3 leaves v2 serving". A new version whose `setup`
+/// fails is refused by `migrate` with an error naming the perspective, the version and the
+/// database's reason; nothing of it is left (no shadow schema, no version record, no job), the
+/// live version stays live, and a worker of the live config goes on applying every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_version_whose_setup_fails_leaves_the_live_one_serving() {
+    let (schema, streams) = v1_with_history("bgfail", 5, 5).await;
+    let broken = yaml(
+        &schema,
+        2,
+        &V2.replace(
+            "doubled bigint NOT NULL,",
+            "doubled bigint NOT NULL REFERENCES no_such_table (id),",
+        ),
+    );
+    assert_ne!(broken, yaml(&schema, 2, V2));
+    let mut conn = connect().await;
+    let err = migrate(
+        &mut conn,
+        &parse_config(&broken),
+        "test.yaml",
+        MigrateOptions::default(),
+    )
+    .await
+    .expect_err("a setup that fails must fail the migration");
+    let message = format!("{err:#}");
+    println!("migrate refused the broken version: {message}");
+    for part in [
+        "perspectives[0] (orders, version 2 built blue/green).setup",
+        "no_such_table",
+    ] {
+        assert!(message.contains(part), "the error names {part}: {message}");
+    }
+    assert_eq!(live_version(&schema).await, Some(1), "v1 still serves");
+    assert_eq!(
+        scalar(&format!(
+            "SELECT (SELECT count(*) FROM pg_namespace WHERE nspname = '{schema}_orders_v2')
+                  + (SELECT count(*) FROM {schema}.wh_perspective_versions WHERE version = 2)
+                  + (SELECT count(*) FROM {schema}.wh_perspective_jobs)"
+        ))
+        .await,
+        0,
+        "nothing of version 2 is left: no shadow schema, no version record, no job"
+    );
+    // The serving worker (the live config) goes on: new events reach v1's model, exactly once.
+    let engine = RunningEngine::start(&parse_config(&yaml(&schema, 1, V1))).await;
+    append_load(&schema, &streams, 3, 2, 10).await;
+    wait_drained(&schema, Duration::from_secs(60)).await;
+    engine.stop().await;
+    let mut conn = connect().await;
+    assert_eq!(
+        read_model(&mut conn, &format!("{schema}.order_totals"), streams.len()).await,
+        Model::V1
+    );
+    assert_exact(&format!("{schema}.order_totals"), &schema).await;
+}
+
 /// A worker process of `yaml`, killed when dropped.
 struct Worker(std::process::Child);
 

@@ -505,7 +505,12 @@ async fn setup_and_prepare(
             .iter()
             .position(|c| c.name == r.configured)
             .unwrap_or_default();
-        let at = |field: &str| format!("perspectives[{index}] ({}).{field}", r.configured);
+        // A version built beside the live one says so: its failure leaves the live one serving.
+        let label = match r.home {
+            Some(_) => format!("{}, version {} built blue/green", r.configured, p.version),
+            None => r.configured.clone(),
+        };
+        let at = |field: &str| format!("perspectives[{index}] ({label}).{field}");
         // A version built beside the live one creates and reads its own tables first.
         store::set_local_search_path_in(conn, r.home.as_deref(), &config.schema)
             .await
