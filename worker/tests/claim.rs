@@ -62,6 +62,19 @@ async fn held(conn: &mut PgConnection, schema: &str, owner: Option<Uuid>) -> Vec
     .unwrap()
 }
 
+/// Rows of `table` this session has read, by any scan, in its current transaction (sessions
+/// report them to the cumulative statistics only after it): call it inside one transaction.
+async fn rows_read(conn: &mut PgConnection, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
+         FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn a_claim_at_breadth_reads_about_what_it_returns_oldest_first() {
     let (schema, _config) = migrated_schema("claim_wide").await;
@@ -73,24 +86,11 @@ async fn a_claim_at_breadth_reads_about_what_it_returns_oldest_first() {
     let oldest = by_age[..100].to_vec();
 
     for round in ["taking", "holding"] {
-        // Rows of wh_active_streams this session read, by any scan, since its last report to
-        // the cumulative statistics (which never happens inside a transaction).
-        let read_so_far = "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
-                           FROM pg_stat_xact_user_tables WHERE relid = $1::regclass";
         let table = format!("{schema}.wh_active_streams");
         sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-        let before: i64 = sqlx::query_scalar(read_so_far)
-            .bind(&table)
-            .fetch_one(&mut conn)
-            .await
-            .unwrap();
+        let before = rows_read(&mut conn, &table).await;
         let got = claim(&mut conn, &schema, me, 100).await;
-        let read = sqlx::query_scalar::<_, i64>(read_so_far)
-            .bind(&table)
-            .fetch_one(&mut conn)
-            .await
-            .unwrap()
-            - before;
+        let read = rows_read(&mut conn, &table).await - before;
         sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
         assert_eq!(got, oldest, "{round}: the 100 oldest streams, in order");
         // Take 100, check 100 held for leftovers, offer 100: a few hundred rows, not 20 000.
@@ -148,10 +148,7 @@ async fn a_claim_passes_over_the_streams_its_caller_has_offered() {
     let first = claim(&mut conn, &schema, me, 100).await;
     assert_eq!(first, by_age[..100]);
 
-    // Work-table rows this session fetched through an index (the claim's probes of held
-    // streams' pending work), reported only at commit: read inside one transaction.
-    let fetched = "SELECT coalesce(idx_tup_fetch, 0)::bigint FROM pg_stat_xact_user_tables
-                   WHERE relid = $1::regclass";
+    // Work-table rows the claim read: its probes of held streams' pending work.
     let work = format!("{schema}.wh_perspective_events");
     // One claim in ten that takes new streams looks at the oldest held ones for idle streams
     // (a random draw, a probe each): seeded so that this one is not among them.
@@ -160,11 +157,7 @@ async fn a_claim_passes_over_the_streams_its_caller_has_offered() {
         .await
         .unwrap();
     sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-    let before: i64 = sqlx::query_scalar(fetched)
-        .bind(&work)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap();
+    let before = rows_read(&mut conn, &work).await;
     // 60 of the first 100 still queued or in flight; the other 40 drained meanwhile, with work
     // left (a stream that stayed busy).
     let second: Vec<Uuid> = sqlx::query_scalar(&format!(
@@ -175,12 +168,7 @@ async fn a_claim_passes_over_the_streams_its_caller_has_offered() {
     .fetch_all(&mut conn)
     .await
     .unwrap();
-    let probed = sqlx::query_scalar::<_, i64>(fetched)
-        .bind(&work)
-        .fetch_one(&mut conn)
-        .await
-        .unwrap()
-        - before;
+    let probed = rows_read(&mut conn, &work).await - before;
     sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
     assert_eq!(
         second,

@@ -10,7 +10,8 @@ const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3, 
 #[derive(Debug, Clone)]
 pub struct ClaimArgs {
     pub instance_id: Uuid,
-    /// Unowned streams taken at most, and streams returned at most beyond `offered`.
+    /// Unowned streams taken at most, and streams returned at most (the `offered` ones are
+    /// never among them).
     pub max_streams: i32,
     /// Streams the caller has queued or is draining already: the claim does not return them
     /// (nor probe their work), and leaves retiring held streams to the caller's settler while

@@ -1,11 +1,12 @@
--- claim_work(instance, max streams, stale seconds, offered): the only polled query. Returns at
--- once when no stream has work. Otherwise takes ownership of up to p_max_streams of the oldest
--- unowned streams in this instance's partition share (`partition_number % live_instances =
--- rank`; the caller always counts itself live, so a late heartbeat never makes it claim
--- everything) and, while some owner is silent, of that owner's streams too (a takeover, until the
--- heartbeats abandon it), skipping rows other claimers hold; then returns the oldest streams it
--- holds that have due work. Held streams are re-offered on every poll, so a lost in-process
--- signal costs one poll, never a stranded stream.
+-- claim_work(instance, max streams, stale seconds, offered, offered ids): the only polled
+-- query. Returns at once when no stream has work. Otherwise takes ownership of up to
+-- p_max_streams of the oldest unowned streams in this instance's partition share
+-- (`partition_number % live_instances = rank`; the caller always counts itself live, so a late
+-- heartbeat never makes it claim everything) and, while some owner is silent, of that owner's
+-- streams too (a takeover, until the heartbeats abandon it), skipping rows other claimers hold;
+-- then returns the oldest streams it holds that have due work and that the caller has not
+-- queued or in flight. Held streams are re-offered on every poll, so a lost in-process signal
+-- costs one poll, never a stranded stream.
 --
 -- Shaped for breadth (100 000 active streams): each step reads what it returns through an index
 -- in age order (wh_active_streams_unowned, wh_active_streams_owner_age) and stops there; the few
@@ -52,7 +53,8 @@ DECLARE
   v_claimed integer;
   v_backfilling text[];
   -- Streams returned at most, and whether the caller has any queued or in flight.
-  v_limit  integer := p_max_streams + CASE WHEN p_offered_ids IS NULL THEN greatest(p_offered, 0) ELSE 0 END;
+  v_limit  integer := p_max_streams
+                      + CASE WHEN p_offered_ids IS NULL THEN greatest(p_offered, 0) ELSE 0 END;
   v_busy   boolean := coalesce(cardinality(p_offered_ids), greatest(p_offered, 0)) > 0;
 BEGIN
   IF NOT EXISTS (SELECT 1 FROM {{schema}}.wh_active_streams) THEN
