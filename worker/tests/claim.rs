@@ -50,6 +50,18 @@ async fn claim(conn: &mut PgConnection, schema: &str, id: Uuid, max: i32) -> Vec
     .unwrap()
 }
 
+/// A migrated schema with `n` one-event streams and one live instance: the schema, a
+/// connection, the instance and the streams oldest first.
+async fn one_instance_and_streams(prefix: &str, n: i64) -> (String, PgConnection, Uuid, Vec<Uuid>) {
+    let (schema, _config) = migrated_schema(prefix).await;
+    let mut conn = connect().await;
+    streams(&mut conn, &schema, n).await;
+    let me = Uuid::now_v7();
+    instance(&mut conn, &schema, me, false).await;
+    let by_age = held(&mut conn, &schema, None).await;
+    (schema, conn, me, by_age)
+}
+
 /// The streams `owner` holds (NULL: nobody), oldest first.
 async fn held(conn: &mut PgConnection, schema: &str, owner: Option<Uuid>) -> Vec<Uuid> {
     sqlx::query_scalar(&format!(
@@ -58,19 +70,6 @@ async fn held(conn: &mut PgConnection, schema: &str, owner: Option<Uuid>) -> Vec
     ))
     .bind(owner)
     .fetch_all(conn)
-    .await
-    .unwrap()
-}
-
-/// Rows of `table` this session has read, by any scan, in its current transaction (sessions
-/// report them to the cumulative statistics only after it): call it inside one transaction.
-async fn rows_read(conn: &mut PgConnection, table: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
-         FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
-    )
-    .bind(table)
-    .fetch_one(conn)
     .await
     .unwrap()
 }
@@ -88,9 +87,9 @@ async fn a_claim_at_breadth_reads_about_what_it_returns_oldest_first() {
     for round in ["taking", "holding"] {
         let table = format!("{schema}.wh_active_streams");
         sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-        let before = rows_read(&mut conn, &table).await;
+        let before = rows_read_so_far(&mut conn, &table).await;
         let got = claim(&mut conn, &schema, me, 100).await;
-        let read = rows_read(&mut conn, &table).await - before;
+        let read = rows_read_so_far(&mut conn, &table).await - before;
         sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
         assert_eq!(got, oldest, "{round}: the 100 oldest streams, in order");
         // Take 100, check 100 held for leftovers, offer 100: a few hundred rows, not 20 000.
@@ -105,12 +104,7 @@ async fn a_claim_at_breadth_reads_about_what_it_returns_oldest_first() {
 /// it still takes (and writes) only `p_max_streams` unowned ones.
 #[tokio::test]
 async fn a_claim_reads_past_the_streams_its_caller_has_offered() {
-    let (schema, _config) = migrated_schema("claim_offered").await;
-    let mut conn = connect().await;
-    streams(&mut conn, &schema, 1_000).await;
-    let me = Uuid::now_v7();
-    instance(&mut conn, &schema, me, false).await;
-    let by_age = held(&mut conn, &schema, None).await;
+    let (schema, mut conn, me, by_age) = one_instance_and_streams("claim_offered", 1_000).await;
 
     let first = claim(&mut conn, &schema, me, 100).await;
     assert_eq!(first, by_age[..100], "the three-argument call: p_offered 0");
@@ -139,12 +133,7 @@ async fn a_claim_reads_past_the_streams_its_caller_has_offered() {
 /// about 1 600 held streams a claim to return 600 new ones (issue 28).
 #[tokio::test]
 async fn a_claim_passes_over_the_streams_its_caller_has_offered() {
-    let (schema, _config) = migrated_schema("claim_offered_ids").await;
-    let mut conn = connect().await;
-    streams(&mut conn, &schema, 1_000).await;
-    let me = Uuid::now_v7();
-    instance(&mut conn, &schema, me, false).await;
-    let by_age = held(&mut conn, &schema, None).await;
+    let (schema, mut conn, me, by_age) = one_instance_and_streams("claim_offered_ids", 1_000).await;
     let first = claim(&mut conn, &schema, me, 100).await;
     assert_eq!(first, by_age[..100]);
 
@@ -157,7 +146,7 @@ async fn a_claim_passes_over_the_streams_its_caller_has_offered() {
         .await
         .unwrap();
     sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
-    let before = rows_read(&mut conn, &work).await;
+    let before = rows_read_so_far(&mut conn, &work).await;
     // 60 of the first 100 still queued or in flight; the other 40 drained meanwhile, with work
     // left (a stream that stayed busy).
     let second: Vec<Uuid> = sqlx::query_scalar(&format!(
@@ -168,7 +157,7 @@ async fn a_claim_passes_over_the_streams_its_caller_has_offered() {
     .fetch_all(&mut conn)
     .await
     .unwrap();
-    let probed = rows_read(&mut conn, &work).await - before;
+    let probed = rows_read_so_far(&mut conn, &work).await - before;
     sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
     assert_eq!(
         second,

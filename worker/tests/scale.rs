@@ -8,19 +8,6 @@ use std::time::Duration;
 use common::*;
 use uuid::Uuid;
 
-/// Rows of `table` this session has read, by any scan, in its current transaction (the
-/// statistics see them only inside it: call it in one transaction, before and after).
-async fn rows_read_so_far(conn: &mut sqlx::PgConnection, table: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
-         FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
-    )
-    .bind(table)
-    .fetch_one(conn)
-    .await
-    .unwrap()
-}
-
 /// Autovacuum visits a database once a minute; under churn that is hundreds of megabytes of
 /// dead work rows. The engine vacuums its queue tables itself once they hold as many dead rows
 /// as live ones (and at least 20 000).

@@ -724,3 +724,16 @@ pub async fn refused(conn: &mut PgConnection, sql: &str) -> String {
         .map(|c| c.into_owned())
         .unwrap_or_else(|| panic!("{sql}: {err}"))
 }
+
+/// Rows of `table` this session has read, by any scan, in its current transaction (the
+/// statistics see them only inside it: call it in one transaction, before and after).
+pub async fn rows_read_so_far(conn: &mut PgConnection, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0))::bigint
+         FROM pg_stat_xact_user_tables WHERE relid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_one(conn)
+    .await
+    .unwrap()
+}
