@@ -18,6 +18,7 @@ use common::cluster::Server;
 use common::proxy::Proxy;
 use common::*;
 use perspective_worker::engine::EngineOptions;
+use perspective_worker::store::complete::AppliedUpTo;
 use perspective_worker::store::Store;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
@@ -54,8 +55,21 @@ async fn the_proxy_holds_traffic_while_cut_and_delivers_it_after_the_heal() {
     assert_eq!(n, 2);
 }
 
-/// A completion that names work ids whose rows the cursor does not cover deletes nothing; the
-/// rows it covers are deleted. (Before the fence, the flush deleted by id alone: this failed.)
+/// The ranges of `stream` a flush would send: every perspective up to `version`.
+fn up_to(stream: Uuid, perspectives: &[&str], version: i64) -> Vec<AppliedUpTo> {
+    perspectives
+        .iter()
+        .map(|p| AppliedUpTo {
+            stream_id: stream,
+            perspective: (*p).into(),
+            version,
+        })
+        .collect()
+}
+
+/// A completion deletes only the rows of its (stream, perspective) up to its version that the
+/// pair's cursor proves applied; rows past the cursor, or past the version, stay. (Before the
+/// fence, the flush deleted by id alone: this failed.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_completion_deletes_only_rows_the_cursor_proves_applied() {
     let schema = unique_schema("fence");
@@ -78,11 +92,11 @@ async fn a_late_completion_deletes_only_rows_the_cursor_proves_applied() {
     };
     let before = rows().await;
     assert_eq!(before.len(), 8, "4 events × 2 perspectives queued");
-    let ids: Vec<i64> = before.iter().map(|r| r.0).collect();
+    let all = up_to(stream, &["p1", "p2"], 4);
 
-    // Nothing applied: a completion of every id (as a retry after a failover would send, the
-    // ids now naming other rows) deletes nothing.
-    assert_eq!(store.complete_events(&ids, false).await.unwrap(), 0);
+    // Nothing applied: a completion of every row (as a retry against a promoted standby that
+    // never saw the apply would send) deletes nothing.
+    assert_eq!(store.complete_events(&all, false).await.unwrap(), 0);
     assert_eq!(rows().await, before, "unapplied work rows deleted");
 
     // p1's cursor at version 2: exactly p1's rows 1 and 2 go.
@@ -90,26 +104,58 @@ async fn a_late_completion_deletes_only_rows_the_cursor_proves_applied() {
         "INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name, last_version, status)
          VALUES ('{stream}', 'p1', 2, 2)"
     ));
-    assert_eq!(store.complete_events(&ids, false).await.unwrap(), 2);
-    let left: Vec<(String, i64)> = rows().await.into_iter().map(|r| (r.1, r.2)).collect();
-    let expected: Vec<(String, i64)> = [
-        ("p1", 3),
-        ("p1", 4),
-        ("p2", 1),
-        ("p2", 2),
-        ("p2", 3),
-        ("p2", 4),
-    ]
-    .iter()
-    .map(|(p, v)| (p.to_string(), *v))
-    .collect();
-    assert_eq!(left, expected);
+    assert_eq!(store.complete_events(&all, false).await.unwrap(), 2);
+    let left = || async {
+        rows()
+            .await
+            .into_iter()
+            .map(|r| (r.1, r.2))
+            .collect::<Vec<(String, i64)>>()
+    };
+    let expected = |kept: &[(&str, i64)]| -> Vec<(String, i64)> {
+        kept.iter().map(|(p, v)| (p.to_string(), *v)).collect()
+    };
+    assert_eq!(
+        left().await,
+        expected(&[
+            ("p1", 3),
+            ("p1", 4),
+            ("p2", 1),
+            ("p2", 2),
+            ("p2", 3),
+            ("p2", 4)
+        ])
+    );
+
+    // p2's cursor at 4, a completion of p2 up to 1: only row 1 (the rest is some later
+    // completion's).
+    psql(&format!(
+        "INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name, last_version, status)
+         VALUES ('{stream}', 'p2', 4, 2)"
+    ));
+    assert_eq!(
+        store
+            .complete_events(&up_to(stream, &["p2"], 1), false)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        left().await,
+        expected(&[("p1", 3), ("p1", 4), ("p2", 2), ("p2", 3), ("p2", 4)])
+    );
 
     // Debug mode stamps instead of deleting, with the same fence.
     psql(&format!(
         "UPDATE {schema}.wh_perspective_cursors SET last_version = 3 WHERE perspective_name = 'p1'"
     ));
-    assert_eq!(store.complete_events(&ids, true).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .complete_events(&up_to(stream, &["p1"], 4), true)
+            .await
+            .unwrap(),
+        1
+    );
     let stamped = scalar(&format!(
         "SELECT count(*) FROM {schema}.wh_perspective_events WHERE processed_at IS NOT NULL"
     ))
@@ -118,7 +164,8 @@ async fn a_late_completion_deletes_only_rows_the_cursor_proves_applied() {
 }
 
 /// A work id issued again (as by a promoted standby that never received the WAL of the first
-/// issue) names a new row; the late completion of the first leaves it, and the worker applies it.
+/// issue) names a new row of another stream; the late completion of the first rows (by their
+/// stream, perspective and version) leaves it, and the worker applies it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reissued_work_id_survives_the_late_completion_of_its_first_row() {
     let schema = unique_schema("reissue");
@@ -163,7 +210,10 @@ async fn a_reissued_work_id_survives_the_late_completion_of_its_first_row() {
     assert!(reissued > 0, "the test did not reissue any id");
     let store = Store::new(pool(2).await, &schema);
     assert_eq!(
-        store.complete_events(&ids, false).await.unwrap(),
+        store
+            .complete_events(&up_to(first, &["p1", "p2"], 3), false)
+            .await
+            .unwrap(),
         0,
         "a late completion deleted new, unapplied work rows"
     );

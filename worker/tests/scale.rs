@@ -382,7 +382,9 @@ async fn engine_statements_over_many_streams_run_without_jit() {
     ));
     no_jit("completing", &complete);
     let flush = explained(format!(
-        "SELECT {schema}.complete_applied_events(ARRAY(SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY 1 LIMIT 10000), false);"
+        "SELECT {schema}.complete_applied_events(x.s, x.p, x.v, false)
+         FROM (SELECT array_agg(stream_id) s, array_agg(perspective_name::text) p, array_agg(stream_version) v
+               FROM (SELECT * FROM {schema}.wh_perspective_events ORDER BY 1 LIMIT 10000) w) x;"
     ));
     no_jit("flushing completions", &flush);
     // A deep drain call (p_shallow_rows 0: every pair takes the per-pair path) of 100 streams
@@ -487,26 +489,49 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
         "completing 6 000 work rows read {read} of the table's 35 000"
     );
 
-    // The flush's fenced completion too (one cursor probe per row besides).
-    let ids: Vec<i64> = sqlx::query_scalar(&format!(
-        "SELECT event_work_id FROM {schema}.wh_perspective_events ORDER BY random() LIMIT 6000"
+    // The flush's fenced completion too, by (stream, perspective) range: one probe of the
+    // cursor and one index range per pair. The pairs left of 3 000 streams (some lost one to the
+    // completion above), their cursors covering their one event.
+    let pairs: Vec<(Uuid, String, i64)> = sqlx::query_as(&format!(
+        "SELECT stream_id, perspective_name, stream_version FROM {schema}.wh_perspective_events
+         WHERE stream_id IN (SELECT DISTINCT stream_id FROM {schema}.wh_perspective_events
+                             ORDER BY 1 LIMIT 3000)"
     ))
     .fetch_all(&mut conn)
     .await
     .unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name, last_version, status)
+         SELECT * , 2 FROM unnest($1::uuid[], $2::text[], $3::bigint[])"
+    ))
+    .bind(pairs.iter().map(|p| p.0).collect::<Vec<_>>())
+    .bind(pairs.iter().map(|p| p.1.clone()).collect::<Vec<_>>())
+    .bind(pairs.iter().map(|p| p.2).collect::<Vec<_>>())
+    .execute(&mut conn)
+    .await
+    .unwrap();
     sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
     let before: i64 = rows_read_so_far(&mut conn, &table).await;
-    sqlx::query_scalar::<_, i32>(&format!(
-        "SELECT {schema}.complete_applied_events($1, false)"
+    let flushed: i32 = sqlx::query_scalar(&format!(
+        "SELECT {schema}.complete_applied_events($1, $2, $3, false)"
     ))
-    .bind(&ids)
+    .bind(pairs.iter().map(|p| p.0).collect::<Vec<_>>())
+    .bind(pairs.iter().map(|p| p.1.clone()).collect::<Vec<_>>())
+    .bind(pairs.iter().map(|p| p.2).collect::<Vec<_>>())
     .fetch_one(&mut conn)
     .await
     .unwrap();
     let read = rows_read_so_far(&mut conn, &table).await - before;
     sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
+    assert_eq!(
+        flushed as usize,
+        pairs.len(),
+        "every covered row is deleted"
+    );
+    assert!(pairs.len() > 3000, "{} rows of 3 000 streams", pairs.len());
     assert!(
-        read <= 2 * 6000,
-        "the fenced completion of 6 000 work rows read {read} of the table's 29 000"
+        read <= 2 * pairs.len() as i64,
+        "the fenced completion of {} work rows read {read} of the table's 29 000",
+        pairs.len()
     );
 }

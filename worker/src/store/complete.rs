@@ -4,28 +4,46 @@ use uuid::Uuid;
 
 use super::Store;
 
-/// Fenced by the cursors (a reused work id cannot delete an unapplied row); skips rows another
+/// A (stream, perspective) whose rows up to `version` were applied: what a completion flush
+/// retires.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AppliedUpTo {
+    pub stream_id: Uuid,
+    pub perspective: std::sync::Arc<str>,
+    pub version: i64,
+}
+
+/// Fenced by the cursors (a late completion cannot delete an unapplied row); skips rows another
 /// transaction holds (a drain retiring them, a rebuild re-queueing them) after 10 ms: waiting
 /// for them made deadlock cycles (see `functions/complete_applied_events.sql`).
-const COMPLETE_APPLIED_EVENTS: &str = "SELECT {schema}.complete_applied_events($1, $2)";
+const COMPLETE_APPLIED_EVENTS: &str = "SELECT {schema}.complete_applied_events($1, $2, $3, $4)";
 const CLEANUP_COMPLETED_STREAMS: &str = "SELECT * FROM {schema}.cleanup_completed_streams($1, $2)";
 /// Those of `$2` that another try would not change (see `functions/wh_settled_without_retry.sql`).
 const NO_RETRY: &str = "SELECT * FROM {schema}.wh_settled_without_retry($1, $2)";
 
 impl Store {
-    /// Delete work rows applied in earlier transactions (stamp them instead in debug mode): only
-    /// those at or below their (stream, perspective) cursor, so a work id reissued after a
-    /// failover, or a row whose apply was lost with it, is left alone. Skips rows another
+    /// Delete the work rows of each (stream, perspective) up to its version, applied in earlier
+    /// transactions (stamp them instead in debug mode): only those at or below the pair's
+    /// cursor, so a row whose apply was lost in a failover is left alone. Skips rows another
     /// transaction holds for more than 10 ms (they are being deleted, or are left at or below
     /// their cursor for the next drain to retire). Returns how many.
-    pub async fn complete_events(&self, work_ids: &[i64], debug: bool) -> Result<i32, sqlx::Error> {
+    pub async fn complete_events(
+        &self,
+        applied: &[AppliedUpTo],
+        debug: bool,
+    ) -> Result<i32, sqlx::Error> {
+        let streams: Vec<Uuid> = applied.iter().map(|a| a.stream_id).collect();
+        let perspectives: Vec<&str> = applied.iter().map(|a| a.perspective.as_ref()).collect();
+        let versions: Vec<i64> = applied.iter().map(|a| a.version).collect();
         let mut c = self
             .conn(self.deadlines.routine, "complete_applied_events")
             .await?;
         c.deadline()
             .run(
                 sqlx::query_scalar(&self.sql(COMPLETE_APPLIED_EVENTS))
-                    .bind(work_ids)
+                    .bind(&streams)
+                    .bind(&perspectives)
+                    .bind(&versions)
                     .bind(debug)
                     .fetch_one(&mut *c),
             )

@@ -464,7 +464,10 @@ fn record_outcome(ctx: &Drainer, group: &Group, o: &ApplyOutcome, mode: ApplyMod
     }
     if !mode.instant && !o.done_work_ids.is_empty() {
         ctx.cache.lock().unwrap().add_range(&o.done_work_ids);
-        ctx.completions.queue(group.stream_id, &o.done_work_ids);
+        // The done rows are at or below the cursor the apply left.
+        let up_to = o.last_version.unwrap_or(i64::MAX);
+        ctx.completions
+            .queue(group.stream_id, perspective, up_to, &o.done_work_ids);
     }
 }
 #[cfg(test)]

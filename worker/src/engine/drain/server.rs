@@ -283,7 +283,10 @@ fn report_pair(
         tracing::warn!(perspective, stream = %o.stream_id, error, "applying a (stream, perspective) failed");
     }
     if !instant && !o.done_work_ids.is_empty() {
-        ctx.completions.queue(o.stream_id, &o.done_work_ids);
+        // The done rows are at or below the cursor the call left.
+        let up_to = o.last_version.unwrap_or(i64::MAX);
+        ctx.completions
+            .queue(o.stream_id, perspective, up_to, &o.done_work_ids);
     }
 }
 

@@ -15,20 +15,50 @@ use uuid::Uuid;
 
 use crate::engine::hooks::HookEvent;
 use crate::engine::Shared;
+use crate::store::complete::AppliedUpTo;
 use dedup::ProcessedEventCache;
 use tracker::{CompletionTracker, RetryPolicy};
+
+/// One applied work row on its way to the flush worker: its id (tracked until the flush that
+/// deletes it), and the (stream, perspective) range it was applied in, which the flush deletes
+/// (shared by the rows of one apply).
+#[derive(Debug, Clone)]
+pub(crate) struct AppliedRow {
+    pub id: i64,
+    pub range: Arc<AppliedUpTo>,
+}
+
+/// The ranges a flush of `rows` deletes: one per (stream, perspective), up to the highest
+/// version applied, in a fixed order (every flush locks rows in the same order).
+pub(crate) fn ranges_of(rows: &[AppliedRow]) -> Vec<AppliedUpTo> {
+    let mut highest: HashMap<(Uuid, &str), &AppliedUpTo> = HashMap::new();
+    for row in rows {
+        let r = row.range.as_ref();
+        highest
+            .entry((r.stream_id, r.perspective.as_ref()))
+            .and_modify(|h| {
+                if r.version > h.version {
+                    *h = r;
+                }
+            })
+            .or_insert(r);
+    }
+    let mut ranges: Vec<AppliedUpTo> = highest.into_values().cloned().collect();
+    ranges.sort_by(|a, b| (a.stream_id, &a.perspective).cmp(&(b.stream_id, &b.perspective)));
+    ranges
+}
 
 /// Applied work rows on their way to the flush worker (Batched), and per stream which ones are
 /// not deleted yet: such a stream cannot be retired before the flush, which settles it after.
 #[derive(Clone)]
 pub(crate) struct CompletionQueue {
-    tx: mpsc::UnboundedSender<(i64, Uuid)>,
+    tx: mpsc::UnboundedSender<AppliedRow>,
     unflushed: Arc<Mutex<HashMap<Uuid, HashSet<i64>>>>,
 }
 
 impl CompletionQueue {
     /// The queue and the flush worker's end of it.
-    pub(crate) fn new() -> (Self, mpsc::UnboundedReceiver<(i64, Uuid)>) {
+    pub(crate) fn new() -> (Self, mpsc::UnboundedReceiver<AppliedRow>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let queue = CompletionQueue {
             tx,
@@ -37,25 +67,35 @@ impl CompletionQueue {
         (queue, rx)
     }
 
-    /// Hand applied work rows of `stream` to the completion flush worker.
-    pub(crate) fn queue(&self, stream: Uuid, ids: &[i64]) {
+    /// Hand applied work rows `ids` of (`stream`, `perspective`) to the completion flush
+    /// worker: they are at or below `up_to`, the pair's cursor after their apply.
+    pub(crate) fn queue(&self, stream: Uuid, perspective: &str, up_to: i64, ids: &[i64]) {
         self.unflushed
             .lock()
             .unwrap()
             .entry(stream)
             .or_default()
             .extend(ids);
+        let range = Arc::new(AppliedUpTo {
+            stream_id: stream,
+            perspective: perspective.into(),
+            version: up_to,
+        });
         for id in ids {
-            let _ = self.tx.send((*id, stream));
+            let _ = self.tx.send(AppliedRow {
+                id: *id,
+                range: range.clone(),
+            });
         }
     }
 
     /// The flush worker deleted these rows.
-    fn flushed(&self, rows: &[(i64, Uuid)]) {
+    fn flushed(&self, rows: &[AppliedRow]) {
         let mut unflushed = self.unflushed.lock().unwrap();
-        for (id, stream) in rows {
+        for row in rows {
+            let stream = &row.range.stream_id;
             if let Some(ids) = unflushed.get_mut(stream) {
-                ids.remove(id);
+                ids.remove(&row.id);
                 if ids.is_empty() {
                     unflushed.remove(stream);
                 }
@@ -90,9 +130,56 @@ pub(crate) struct Settler {
     pub queue: Arc<super::queue::DrainQueue>,
 }
 
-/// Coalescing of completions: wait [`flush_window`] after the first one, or until this many.
+/// Coalescing of completions: wait [`flush_window`] after the first one, or until a flush is
+/// full ([`FlushBudget`]).
 const FLUSH_WINDOW: Duration = Duration::from_millis(25);
-const FLUSH_MAX: usize = 1000;
+
+/// What one flush takes at most: rows, and (stream, perspective) ranges. A flush deletes one
+/// index range per pair, so its cost follows the pairs more than the rows: a deep drain call's
+/// 10 000 rows of 100 pairs go in one statement of a few milliseconds (in flushes of 1 000
+/// rows, the last call's ten flushes were the Batched apply benchmark's tail), while at breadth
+/// (a row or two per pair) flushes of 10 000 pairs cost a tenth of the wide rate (issue 28).
+#[derive(Debug)]
+pub(crate) struct FlushBudget {
+    rows: usize,
+    ranges: usize,
+    last: Option<Arc<AppliedUpTo>>,
+}
+
+impl FlushBudget {
+    const MAX_ROWS: usize = 10_000;
+    const MAX_RANGES: usize = 1_000;
+
+    pub(crate) fn new() -> Self {
+        FlushBudget {
+            rows: 0,
+            ranges: 0,
+            last: None,
+        }
+    }
+
+    /// Counts `row` in, if the flush has room for it. (Rows of one apply share their range and
+    /// arrive together: a range counts when it differs from the previous row's.)
+    pub(crate) fn admit(&mut self, row: &AppliedRow) -> bool {
+        let new_range = !self
+            .last
+            .as_ref()
+            .is_some_and(|last| Arc::ptr_eq(last, &row.range));
+        let ranges = self.ranges + usize::from(new_range);
+        if self.rows + 1 > Self::MAX_ROWS || ranges > Self::MAX_RANGES {
+            return false;
+        }
+        self.rows += 1;
+        self.ranges = ranges;
+        self.last = Some(row.range.clone());
+        true
+    }
+
+    /// Whether it can take no more.
+    pub(crate) fn is_full(&self) -> bool {
+        self.rows >= Self::MAX_ROWS || self.ranges >= Self::MAX_RANGES
+    }
+}
 
 /// How long a flush waits for more completions while `live_workers` (this one included) share
 /// the deployment's work: [`FLUSH_WINDOW`] for each, up to four. Each flush is followed by a
@@ -117,11 +204,11 @@ pub(crate) fn final_flush_pause(attempt: u32) -> Option<Duration> {
 }
 
 impl FlushWorker {
-    /// Completed work rows (work id, stream) → `complete_perspective_events`, in batches, until
-    /// `stop` (the drain consumers are done): then a last flush of everything left.
-    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<(i64, Uuid)>) {
+    /// Applied work rows → `complete_applied_events`, by (stream, perspective) range, in
+    /// batches, until `stop` (the drain consumers are done): then a last flush of everything left.
+    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<AppliedRow>) {
         let ctx = &self.shared;
-        let mut tracker: CompletionTracker<(i64, Uuid)> =
+        let mut tracker: CompletionTracker<AppliedRow> =
             CompletionTracker::new(RetryPolicy::from_options(&ctx.config.worker.retry_options));
         'running: loop {
             if tracker.pending_count() == 0 && tracker.sent_count() == 0 {
@@ -136,14 +223,21 @@ impl FlushWorker {
             // Coalesce.
             let live = ctx.live_workers.load(std::sync::atomic::Ordering::Relaxed);
             let deadline = tokio::time::Instant::now() + flush_window(live);
-            while tracker.pending_count() < FLUSH_MAX {
+            // (Counted here, what arrives: the tracker counts by walking every item it holds,
+            // and thousands arrive at once from a deep drain call.)
+            let mut arriving = FlushBudget::new();
+            while !arriving.is_full() {
                 match tokio::time::timeout_at(deadline, rx.recv()).await {
-                    Ok(Some(item)) => tracker.add(item),
+                    Ok(Some(item)) => {
+                        arriving.admit(&item);
+                        tracker.add(item);
+                    }
                     Ok(None) | Err(_) => break,
                 }
             }
             tracker.reset_stale(Instant::now());
-            let batch = tracker.take_pending_up_to(FLUSH_MAX, Instant::now());
+            let mut budget = FlushBudget::new();
+            let batch = tracker.take_pending_while(Instant::now(), |row| budget.admit(row));
             if batch.is_empty() {
                 // Waiting for the retry of a failed flush.
                 tokio::select! {
@@ -163,12 +257,13 @@ impl FlushWorker {
     }
 
     /// Everything the tracker holds, now, whatever its backoff; a few quick retries.
-    async fn final_flush(&self, tracker: &mut CompletionTracker<(i64, Uuid)>) {
+    async fn final_flush(&self, tracker: &mut CompletionTracker<AppliedRow>) {
         let mut attempt = 0;
         loop {
             tracker.resend_all();
             while tracker.pending_count() > 0 {
-                let batch = tracker.take_pending_up_to(FLUSH_MAX, Instant::now());
+                let mut budget = FlushBudget::new();
+                let batch = tracker.take_pending_while(Instant::now(), |row| budget.admit(row));
                 if !self.flush(tracker, batch).await {
                     break;
                 }
@@ -195,14 +290,13 @@ impl FlushWorker {
     /// One flush of `batch` (taken from `tracker` as Sent); whether it went through.
     async fn flush(
         &self,
-        tracker: &mut CompletionTracker<(i64, Uuid)>,
-        batch: Vec<(i64, Uuid)>,
+        tracker: &mut CompletionTracker<AppliedRow>,
+        batch: Vec<AppliedRow>,
     ) -> bool {
         let ctx = &self.shared;
-        let ids: Vec<i64> = batch.iter().map(|(id, _)| *id).collect();
         let result = ctx
             .store
-            .complete_events(&ids, ctx.config.worker.debug_mode)
+            .complete_events(&ranges_of(&batch), ctx.config.worker.debug_mode)
             .await;
         match result {
             Ok(_) => {
@@ -217,7 +311,7 @@ impl FlushWorker {
                 ctx.hooks
                     .emit(HookEvent::CompletionsFlushed { count: batch.len() });
                 // A stream whose rows went out in several flushes settles after the last.
-                let streams: HashSet<Uuid> = batch.iter().map(|(_, s)| *s).collect();
+                let streams: HashSet<Uuid> = batch.iter().map(|r| r.range.stream_id).collect();
                 for s in streams {
                     if !self.completions.awaiting_flush(&s) {
                         let _ = self.settle_tx.send(s);
@@ -311,6 +405,67 @@ mod tests {
         assert_eq!(ms(0), 25, "0 counts as 1");
         assert_eq!(ms(3), 75);
         assert_eq!(ms(40), 100, "never longer than four windows");
+    }
+
+    #[test]
+    fn a_flush_deletes_one_range_per_pair_up_to_its_highest_applied_version() {
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let (queue, mut rx) = CompletionQueue::new();
+        queue.queue(b, "p", 3, &[10, 11, 12]);
+        queue.queue(a, "p", 2, &[20, 21]);
+        queue.queue(a, "q", 2, &[30, 31]);
+        queue.queue(b, "p", 5, &[13, 14]);
+        let mut rows = Vec::new();
+        while let Ok(row) = rx.try_recv() {
+            rows.push(row);
+        }
+        assert_eq!(rows.len(), 9, "every row is tracked on its own");
+        let ranges: Vec<(Uuid, String, i64)> = ranges_of(&rows)
+            .into_iter()
+            .map(|r| (r.stream_id, r.perspective.to_string(), r.version))
+            .collect();
+        assert_eq!(
+            ranges,
+            [(a, "p".into(), 2), (a, "q".into(), 2), (b, "p".into(), 5)],
+            "one per pair, its highest version, in stream then perspective order"
+        );
+        // Part of a stream's rows flushed: it still awaits the flush of the rest.
+        queue.flushed(&rows[..3]);
+        assert!(queue.awaiting_flush(&b));
+        queue.flushed(&rows[3..]);
+        assert!(!queue.awaiting_flush(&a) && !queue.awaiting_flush(&b));
+    }
+
+    #[test]
+    fn a_flush_takes_ten_thousand_rows_or_a_thousand_pairs() {
+        let (queue, mut rx) = CompletionQueue::new();
+        let rows = |rx: &mut mpsc::UnboundedReceiver<AppliedRow>| {
+            let mut rows = Vec::new();
+            while let Ok(row) = rx.try_recv() {
+                rows.push(row);
+            }
+            rows
+        };
+        // Deep: 100 pairs of 150 rows. The budget fills at 10 000 rows (67 pairs).
+        for s in 0..100u128 {
+            let ids: Vec<i64> = (0..150).map(|i| (s * 1000 + i) as i64).collect();
+            queue.queue(Uuid::from_u128(s), "p", 150, &ids);
+        }
+        let deep = rows(&mut rx);
+        let mut budget = FlushBudget::new();
+        let taken = deep.iter().take_while(|r| budget.admit(r)).count();
+        assert_eq!(taken, 10_000);
+        assert!(budget.is_full());
+        assert_eq!(ranges_of(&deep[..taken]).len(), 67);
+        // Wide: one row per pair. The budget fills at 1 000 pairs.
+        for s in 0..3000u128 {
+            queue.queue(Uuid::from_u128(s), "p", 1, &[s as i64]);
+        }
+        let wide = rows(&mut rx);
+        let mut budget = FlushBudget::new();
+        let taken = wide.iter().take_while(|r| budget.admit(r)).count();
+        assert_eq!(taken, 1_000);
+        assert!(budget.is_full() && !budget.admit(&wide[taken]));
     }
 
     #[test]

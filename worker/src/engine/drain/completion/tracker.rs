@@ -192,15 +192,33 @@ impl<T: Clone> CompletionTracker<T> {
     /// Like [`take_pending_for_send`](Self::take_pending_for_send), but takes at most `max`
     /// items (the oldest); the rest stay Pending for a later flush.
     pub fn take_pending_up_to(&mut self, max: usize, now: Instant) -> Vec<T> {
-        self.items
+        let mut taken = 0;
+        self.take_pending_while(now, |_| {
+            taken += 1;
+            taken <= max
+        })
+    }
+
+    /// Like [`take_pending_up_to`](Self::take_pending_up_to), but takes the oldest Pending items
+    /// for as long as `admit` (shown each in turn) accepts them.
+    pub fn take_pending_while(
+        &mut self,
+        now: Instant,
+        mut admit: impl FnMut(&T) -> bool,
+    ) -> Vec<T> {
+        let mut taken = Vec::new();
+        for tracked in self
+            .items
             .iter_mut()
             .filter(|tracked| tracked.state == CompletionState::Pending)
-            .take(max)
-            .map(|tracked| {
-                tracked.state = CompletionState::Sent { sent_at: now };
-                tracked.item.clone()
-            })
-            .collect()
+        {
+            if !admit(&tracked.item) {
+                break;
+            }
+            tracked.state = CompletionState::Sent { sent_at: now };
+            taken.push(tracked.item.clone());
+        }
+        taken
     }
 
     /// Acknowledges the `count` oldest Sent items: earliest `sent_at` first, ties broken by
