@@ -492,21 +492,23 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     // The flush's fenced completion too, by (stream, perspective) range: one probe of the
     // cursor and one index range per pair. The pairs left of 3 000 streams (some lost one to the
     // completion above), their cursors covering their one event.
-    let pairs: Vec<(Uuid, String, i64)> = sqlx::query_as(&format!(
-        "SELECT stream_id, perspective_name, stream_version FROM {schema}.wh_perspective_events
+    let (streams, perspectives, versions): (Vec<Uuid>, Vec<String>, Vec<i64>) =
+        sqlx::query_as(&format!(
+        "SELECT array_agg(stream_id), array_agg(perspective_name::text), array_agg(stream_version)
+         FROM {schema}.wh_perspective_events
          WHERE stream_id IN (SELECT DISTINCT stream_id FROM {schema}.wh_perspective_events
                              ORDER BY 1 LIMIT 3000)"
     ))
-    .fetch_all(&mut conn)
-    .await
-    .unwrap();
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
     sqlx::query(&format!(
         "INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name, last_version, status)
          SELECT * , 2 FROM unnest($1::uuid[], $2::text[], $3::bigint[])"
     ))
-    .bind(pairs.iter().map(|p| p.0).collect::<Vec<_>>())
-    .bind(pairs.iter().map(|p| p.1.clone()).collect::<Vec<_>>())
-    .bind(pairs.iter().map(|p| p.2).collect::<Vec<_>>())
+    .bind(&streams)
+    .bind(&perspectives)
+    .bind(&versions)
     .execute(&mut conn)
     .await
     .unwrap();
@@ -515,9 +517,9 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     let flushed: i32 = sqlx::query_scalar(&format!(
         "SELECT {schema}.complete_applied_events($1, $2, $3, false)"
     ))
-    .bind(pairs.iter().map(|p| p.0).collect::<Vec<_>>())
-    .bind(pairs.iter().map(|p| p.1.clone()).collect::<Vec<_>>())
-    .bind(pairs.iter().map(|p| p.2).collect::<Vec<_>>())
+    .bind(&streams)
+    .bind(&perspectives)
+    .bind(&versions)
     .fetch_one(&mut conn)
     .await
     .unwrap();
@@ -525,13 +527,17 @@ async fn retiring_thousands_of_streams_probes_their_rows_not_whole_tables() {
     sqlx::raw_sql("COMMIT").execute(&mut conn).await.unwrap();
     assert_eq!(
         flushed as usize,
-        pairs.len(),
+        streams.len(),
         "every covered row is deleted"
     );
-    assert!(pairs.len() > 3000, "{} rows of 3 000 streams", pairs.len());
     assert!(
-        read <= 2 * pairs.len() as i64,
+        streams.len() > 3000,
+        "{} rows of 3 000 streams",
+        streams.len()
+    );
+    assert!(
+        read <= 2 * streams.len() as i64,
         "the fenced completion of {} work rows read {read} of the table's 29 000",
-        pairs.len()
+        streams.len()
     );
 }

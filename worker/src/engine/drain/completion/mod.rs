@@ -137,8 +137,9 @@ const FLUSH_WINDOW: Duration = Duration::from_millis(25);
 /// What one flush takes at most: rows, and (stream, perspective) ranges. A flush deletes one
 /// index range per pair, so its cost follows the pairs more than the rows: a deep drain call's
 /// 10 000 rows of 100 pairs go in one statement of a few milliseconds (in flushes of 1 000
-/// rows, the last call's ten flushes were the Batched apply benchmark's tail), while at breadth
-/// (a row or two per pair) flushes of 10 000 pairs cost a tenth of the wide rate (issue 28).
+/// rows, the last call's ten flushes were the Batched apply benchmark's tail). At breadth (a
+/// row per pair) a range costs a little more than an id did, and flushes of up to 10 000 pairs left the
+/// wide rate 5–15% lower in three rounds: there a flush stays at 1 000 (issue 28).
 #[derive(Debug)]
 pub(crate) struct FlushBudget {
     rows: usize,
