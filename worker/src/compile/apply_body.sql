@@ -28,6 +28,8 @@ DECLARE
   a_tenants   text[];
   v_last_i    integer;
   a_created   timestamptz[];
+  -- The versions of the events as read, in the order read (checked against the group's).
+  v_read_versions bigint[];
   v_n         integer := coalesce(array_length(p_work_ids, 1), 0);
   v_i         integer;
   -- The slice of the group to apply: past the cursor, before a gap.
@@ -88,10 +90,22 @@ BEGIN
   -- stream's (stream_id, stream_version) index with the group's versions (the group is in
   -- version order, so the i-th event is the i-th row): measured 5–10% less server time per apply
   -- than joining the event ids through unnest.
-  SELECT {%+ with order_by = "e.stream_version" %}{% include "event_arrays.sql" %}{% endwith %}
-    INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants
+  -- The scan returns the rows in version order, and every aggregate of one query sees its rows
+  -- in the same order, so the arrays are read without an ORDER BY each (PostgreSQL 15 sorts each
+  -- aggregate's input on its own: seven sorts a group). Whether they are in the group's order is
+  -- checked, not assumed: the versions read must be the group's own; else they are read again,
+  -- sorted.
+  SELECT {%+ with order_by = "" %}{% include "event_arrays.sql" %}{% endwith %},
+         array_agg(e.stream_version)
+    INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants, v_read_versions
   FROM {{ schema }}.wh_event_store e
   WHERE e.stream_id = p_stream_id AND e.stream_version = ANY (a_versions);
+  IF v_read_versions IS DISTINCT FROM a_versions THEN
+    SELECT {%+ with order_by = "e.stream_version" %}{% include "event_arrays.sql" %}{% endwith %}
+      INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants
+    FROM {{ schema }}.wh_event_store e
+    WHERE e.stream_id = p_stream_id AND e.stream_version = ANY (a_versions);
+  END IF;
   IF coalesce(array_length(a_types, 1), 0) <> v_n THEN
     RAISE EXCEPTION 'events of % are missing from {{ schema }}.wh_event_store', p_stream_id
       USING ERRCODE = 'WH404';
