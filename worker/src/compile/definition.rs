@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v38";
+const FORMAT_VERSION: &str = "apply-v39";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v38",
-                "a7af65d180c7d18d5981c0c03656fed89bd19ae12231b9f4263f0417c91f9fe8"
+                "apply-v39",
+                "72cbc2f4dbcb24b302535e9c70c8696085a3dc0bd2a78e250749446e8961281f"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );
