@@ -825,6 +825,195 @@ perspectives:
     assert_eq!(rows, expected);
 }
 
+/// Calls recorded by pg_stat_statements (`track = all` in the engine's sessions) of the
+/// statements whose text contains every part.
+async fn statement_calls(conn: &mut sqlx::PgConnection, parts: &[String]) -> i64 {
+    // (Not the migration's CREATE FUNCTION statements, whose bodies hold the same text.)
+    let mut sql = "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements
+                   WHERE query NOT LIKE '%CREATE %FUNCTION%'"
+        .to_string();
+    for i in 1..=parts.len() {
+        sql.push_str(&format!(" AND query LIKE '%' || ${i} || '%'"));
+    }
+    let mut q = sqlx::query_scalar::<_, i64>(&sql);
+    for part in parts {
+        q = q.bind(part);
+    }
+    q.fetch_one(conn).await.unwrap()
+}
+
+/// A group from a stream's first version inserts the pair's cursor row and holds it, one
+/// statement, where finding no row, inserting it and locking it took three; a later group
+/// locks the row it finds; and a creator that got there first is waited for, not overwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_apply_creates_its_cursor_in_one_statement_and_waits_for_another_creator() {
+    let schema = unique_schema("firstcursor");
+    let yaml = format!(
+        "schema: {schema}
+perspectives:
+  - name: log
+    setup: CREATE TABLE IF NOT EXISTS seen_log (seq bigserial PRIMARY KEY, stream_id uuid, stream_version bigint)
+    handlers:
+      A: INSERT INTO seen_log (stream_id, stream_version) VALUES (:stream_id, :stream_version)
+{FAST}"
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&mut conn)
+        .await
+        .expect("pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh)");
+    let sep = if database_url().contains('?') {
+        '&'
+    } else {
+        '?'
+    };
+    let url = format!(
+        "{}{sep}options[pg_stat_statements.track]=all",
+        database_url()
+    );
+    // (Ten events a stream: more than a shallow pair holds, so they take the per-pair path and
+    // its apply function, whatever depth the engine saw before.)
+    let append = |streams: Vec<Uuid>, events: i32| {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            for stream in streams {
+                sqlx::query(&format!(
+                    "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+                     SELECT $1, 'A', '{{}}' FROM generate_series(1, $2)"
+                ))
+                .bind(stream)
+                .bind(events)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            }
+        }
+    };
+    let locks = format!("{schema}.wh_perspective_cursors c");
+    let lock_found = [locks.clone(), "FOR UPDATE".to_string()];
+    let create = [
+        format!("INSERT INTO {schema}.wh_perspective_cursors"),
+        "RETURNING last_version".to_string(),
+    ];
+    let streams: Vec<Uuid> = (0..20).map(|_| Uuid::now_v7()).collect();
+
+    let start = || {
+        RunningEngine::start_with(perspective_worker::engine::EngineOptions::new(
+            config.clone(),
+            url.clone(),
+        ))
+    };
+    // First applies: each creates its cursor, and none looks for a row first.
+    append(streams.clone(), 10).await;
+    let engine = start().await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    assert_eq!(
+        statement_calls(&mut conn, &create).await,
+        20,
+        "one cursor insert per first apply"
+    );
+    assert_eq!(
+        statement_calls(&mut conn, &lock_found).await,
+        0,
+        "no lookup before a first apply's insert"
+    );
+
+    // Later events: each group locks the row it finds.
+    append(streams.clone(), 10).await;
+    let engine = start().await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    assert_eq!(
+        statement_calls(&mut conn, &create).await,
+        20,
+        "no insert for a later group"
+    );
+    assert_eq!(
+        statement_calls(&mut conn, &lock_found).await,
+        20,
+        "one lock per later group"
+    );
+
+    // Another creator holds a new pair's cursor row, not yet committed: the first apply's insert
+    // waits for it, inserts nothing, and then locks that row and applies after it.
+    let raced = Uuid::now_v7();
+    let mut other = connect().await;
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_perspective_cursors (stream_id, perspective_name) VALUES ($1, 'log')"
+    ))
+    .bind(raced)
+    .execute(&mut other)
+    .await
+    .unwrap();
+    append(vec![raced], 10).await;
+    wait_until("the first apply waits for the other creator", Duration::from_secs(30), || {
+        let schema = schema.clone();
+        async move {
+            let mut conn = connect().await;
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '.wh_drain%'",
+            )
+            .bind(schema)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+                > 0
+        }
+    })
+    .await;
+    sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+    assert_eq!(
+        statement_calls(&mut conn, &create).await,
+        21,
+        "the raced insert ran and inserted nothing"
+    );
+    assert_eq!(
+        statement_calls(&mut conn, &lock_found).await,
+        21,
+        "and the row it waited for was locked"
+    );
+    let rows: Vec<(Uuid, i64)> = sqlx::query_as(&format!(
+        "SELECT stream_id, stream_version FROM {schema}.seen_log ORDER BY seq"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let mut expected: Vec<(Uuid, i64)> = streams
+        .iter()
+        .flat_map(|s| (1..=20).map(move |v| (*s, v)))
+        .collect();
+    expected.extend((1..=10).map(|v| (raced, v)));
+    let mut sorted = rows.clone();
+    sorted.sort();
+    expected.sort();
+    assert_eq!(sorted, expected, "every event applied once");
+    for stream in streams.iter().chain([&raced]) {
+        let versions: Vec<i64> = rows
+            .iter()
+            .filter(|(s, _)| s == stream)
+            .map(|(_, v)| *v)
+            .collect();
+        assert!(
+            versions.is_sorted(),
+            "{stream}: applied out of order: {versions:?}"
+        );
+    }
+    let cursor: i64 = sqlx::query_scalar(&format!(
+        "SELECT last_version FROM {schema}.wh_perspective_cursors WHERE stream_id = $1 AND perspective_name = 'log'"
+    ))
+    .bind(raced)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(cursor, 10, "the raced pair's cursor moved past its events");
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }

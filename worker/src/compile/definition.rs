@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v39";
+const FORMAT_VERSION: &str = "apply-v40";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v39",
-                "72cbc2f4dbcb24b302535e9c70c8696085a3dc0bd2a78e250749446e8961281f"
+                "apply-v40",
+                "2476539649a24e6d4bf8b429a5278b172ea247a1a4c3a8b88ad7347988a9958b"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );
