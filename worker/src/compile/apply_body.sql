@@ -118,8 +118,8 @@ BEGIN
   -- row (and holds it until commit, as a lock would); any other group usually finds the row.
   -- Either guess may be wrong: a concurrent creator makes the INSERT wait for its commit and
   -- insert nothing, and the SELECT, a new snapshot, then sees and locks its row. (Guessing
-  -- right saves a first apply two of its four statements on the cursor; at breadth every apply
-  -- is a first apply.)
+  -- right saves a first apply two of its four statements on the cursor: a new stream's backlog.
+  -- Shallow pairs take wh_drain's set-based path, not this function.)
   v_created_cursor := false;
   IF a_versions[1] = 1 THEN
     INSERT INTO {{ schema }}.wh_perspective_cursors (stream_id, perspective_name)
