@@ -799,15 +799,11 @@ perspectives:
         "the setup did not reorder"
     );
     // The engine's sessions may not use an index, so the events come in heap order.
-    let sep = if database_url().contains('?') {
-        '&'
-    } else {
-        '?'
-    };
-    let url = format!(
-        "{}{sep}options[enable_indexscan]=off&options[enable_indexonlyscan]=off&options[enable_bitmapscan]=off",
-        database_url()
-    );
+    let url = database_url_with(&[
+        ("enable_indexscan", "off"),
+        ("enable_indexonlyscan", "off"),
+        ("enable_bitmapscan", "off"),
+    ]);
     let engine = RunningEngine::start_with(perspective_worker::engine::EngineOptions::new(
         config.clone(),
         url,
@@ -842,6 +838,33 @@ async fn statement_calls(conn: &mut sqlx::PgConnection, parts: &[String]) -> i64
     q.fetch_one(conn).await.unwrap()
 }
 
+/// The apply functions' statements on the cursor so far: its inserts that return the row
+/// (`RETURNING`), and its lookups that lock a row (`FOR UPDATE`).
+async fn assert_cursor_statements(
+    conn: &mut sqlx::PgConnection,
+    schema: &str,
+    inserts: i64,
+    lookups: i64,
+    when: &str,
+) {
+    let insert = [
+        format!("INSERT INTO {schema}.wh_perspective_cursors"),
+        "RETURNING last_version".to_string(),
+    ];
+    let lookup = [
+        format!("{schema}.wh_perspective_cursors c"),
+        "FOR UPDATE".to_string(),
+    ];
+    assert_eq!(
+        (
+            statement_calls(conn, &insert).await,
+            statement_calls(conn, &lookup).await
+        ),
+        (inserts, lookups),
+        "cursor inserts and lookups {when}"
+    );
+}
+
 /// A group from a stream's first version inserts the pair's cursor row and holds it, one
 /// statement, where finding no row, inserting it and locking it took three; a later group
 /// locks the row it finds; and a creator that got there first is waited for, not overwritten.
@@ -864,15 +887,7 @@ perspectives:
         .execute(&mut conn)
         .await
         .expect("pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh)");
-    let sep = if database_url().contains('?') {
-        '&'
-    } else {
-        '?'
-    };
-    let url = format!(
-        "{}{sep}options[pg_stat_statements.track]=all",
-        database_url()
-    );
+    let url = database_url_with(&[("pg_stat_statements.track", "all")]);
     // (Ten events a stream: more than a shallow pair holds, so they take the per-pair path and
     // its apply function, whatever depth the engine saw before.)
     let append = |streams: Vec<Uuid>, events: i32| {
@@ -892,12 +907,6 @@ perspectives:
             }
         }
     };
-    let locks = format!("{schema}.wh_perspective_cursors c");
-    let lock_found = [locks.clone(), "FOR UPDATE".to_string()];
-    let create = [
-        format!("INSERT INTO {schema}.wh_perspective_cursors"),
-        "RETURNING last_version".to_string(),
-    ];
     let streams: Vec<Uuid> = (0..20).map(|_| Uuid::now_v7()).collect();
 
     let start = || {
@@ -911,31 +920,13 @@ perspectives:
     let engine = start().await;
     wait_drained(&schema, Duration::from_secs(30)).await;
     engine.stop().await;
-    assert_eq!(
-        statement_calls(&mut conn, &create).await,
-        20,
-        "one cursor insert per first apply"
-    );
-    assert_eq!(
-        statement_calls(&mut conn, &lock_found).await,
-        0,
-        "no lookup before a first apply's insert"
-    );
+    assert_cursor_statements(&mut conn, &schema, 20, 0, "after 20 first applies").await;
 
     // Later events: each group locks the row it finds.
     append(streams.clone(), 10).await;
     let engine = start().await;
     wait_drained(&schema, Duration::from_secs(30)).await;
-    assert_eq!(
-        statement_calls(&mut conn, &create).await,
-        20,
-        "no insert for a later group"
-    );
-    assert_eq!(
-        statement_calls(&mut conn, &lock_found).await,
-        20,
-        "one lock per later group"
-    );
+    assert_cursor_statements(&mut conn, &schema, 20, 20, "after 20 later groups").await;
 
     // Another creator holds a new pair's cursor row, not yet committed: the first apply's insert
     // waits for it, inserts nothing, and then locks that row and applies after it.
@@ -968,16 +959,8 @@ perspectives:
     sqlx::query("COMMIT").execute(&mut other).await.unwrap();
     wait_drained(&schema, Duration::from_secs(30)).await;
     engine.stop().await;
-    assert_eq!(
-        statement_calls(&mut conn, &create).await,
-        21,
-        "the raced insert ran and inserted nothing"
-    );
-    assert_eq!(
-        statement_calls(&mut conn, &lock_found).await,
-        21,
-        "and the row it waited for was locked"
-    );
+    // The raced insert ran and inserted nothing, and the row it waited for was locked.
+    assert_cursor_statements(&mut conn, &schema, 21, 21, "after the raced first apply").await;
     let rows: Vec<(Uuid, i64)> = sqlx::query_as(&format!(
         "SELECT stream_id, stream_version FROM {schema}.seen_log ORDER BY seq"
     ))

@@ -30,8 +30,8 @@ DECLARE
   a_created   timestamptz[];
   -- The versions of the events as read, in the order read (checked against the group's).
   v_read_versions bigint[];
-  -- Whether this call inserted the pair's cursor row (a first apply).
-  v_created_cursor boolean;
+  -- Whether to insert the pair's cursor row before looking for it (see where it is set).
+  v_insert_cursor boolean;
   v_n         integer := coalesce(array_length(p_work_ids, 1), 0);
   v_i         integer;
   -- The slice of the group to apply: past the cursor, before a gap.
@@ -114,31 +114,26 @@ BEGIN
   END IF;
 
   -- The cursor row lock serialises every apply of this (stream, perspective), in any process.
-  -- A group from a stream's first version is usually the pair's first apply, which creates the
-  -- row (and holds it until commit, as a lock would); any other group usually finds the row.
-  -- Either guess may be wrong: a concurrent creator makes the INSERT wait for its commit and
-  -- insert nothing, and the SELECT, a new snapshot, then sees and locks its row. (Guessing
-  -- right saves a first apply two of its four statements on the cursor: a new stream's backlog.
-  -- Shallow pairs take wh_drain's set-based path, not this function.)
-  v_created_cursor := false;
-  IF a_versions[1] = 1 THEN
-    INSERT INTO {{ schema }}.wh_perspective_cursors (stream_id, perspective_name)
-    VALUES (p_stream_id, {{ perspective|literal }}) ON CONFLICT DO NOTHING
-    RETURNING last_version, last_event_id INTO v_last, v_last_event;
-    v_created_cursor := FOUND;
-  END IF;
-  IF NOT v_created_cursor THEN
+  -- A group from a stream's first version is usually the pair's first apply: it inserts the row
+  -- first (and holds it until commit, as a lock would). Any other group first locks the row it
+  -- finds, and inserts it only when there is none. A concurrent creator makes the INSERT wait for
+  -- its commit and insert nothing; the SELECT, a new snapshot, then sees and locks its row.
+  -- (Inserting first saves a first apply two of its four statements on the cursor: a new
+  -- stream's backlog. Shallow pairs take wh_drain's set-based path, not this function.)
+  v_insert_cursor := a_versions[1] = 1;
+  LOOP
+    IF v_insert_cursor THEN
+      INSERT INTO {{ schema }}.wh_perspective_cursors (stream_id, perspective_name)
+      VALUES (p_stream_id, {{ perspective|literal }}) ON CONFLICT DO NOTHING
+      RETURNING last_version, last_event_id INTO v_last, v_last_event;
+      EXIT WHEN FOUND;
+    END IF;
     SELECT c.last_version, c.last_event_id INTO v_last, v_last_event FROM {{ schema }}.wh_perspective_cursors c
     WHERE c.stream_id = p_stream_id AND c.perspective_name = {{ perspective|literal }}
     FOR UPDATE;
-    IF NOT FOUND THEN
-      INSERT INTO {{ schema }}.wh_perspective_cursors (stream_id, perspective_name)
-      VALUES (p_stream_id, {{ perspective|literal }}) ON CONFLICT DO NOTHING;
-      SELECT c.last_version, c.last_event_id INTO v_last, v_last_event FROM {{ schema }}.wh_perspective_cursors c
-      WHERE c.stream_id = p_stream_id AND c.perspective_name = {{ perspective|literal }}
-      FOR UPDATE;
-    END IF;
-  END IF;
+    EXIT WHEN FOUND;
+    v_insert_cursor := true;
+  END LOOP;
   IF p_contiguous AND NOT EXISTS (SELECT 1 FROM {{ schema }}.wh_perspective_events w
                                   WHERE w.event_work_id = a_work_ids[1]) THEN
     -- wh_drain read the group (and the cursor it follows) before this lock. A rebuild that

@@ -26,6 +26,17 @@ pub fn database_url() -> String {
     shared_database_url()
 }
 
+/// `database_url()` with server settings for the sessions it opens (`options[name]=value`).
+pub fn database_url_with(settings: &[(&str, &str)]) -> String {
+    let url = database_url();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let options: Vec<String> = settings
+        .iter()
+        .map(|(name, value)| format!("options[{name}]={value}"))
+        .collect();
+    format!("{url}{sep}{}", options.join("&"))
+}
+
 fn shared_database_url() -> String {
     std::env::var("TEST_DATABASE_URL").unwrap_or_else(|_| {
         panic!(
