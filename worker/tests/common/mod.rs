@@ -346,23 +346,47 @@ pub async fn append_load(
     }
 }
 
-/// Wait until no work row is pending in `schema`.
+/// Wait until no work row is pending in `schema`; past `timeout`, panic with the first pending
+/// rows and their streams' cursors.
 pub async fn wait_drained(schema: &str, timeout: Duration) {
     let pool = pool(1).await;
     let sql =
         format!("SELECT count(*) FROM {schema}.wh_perspective_events WHERE processed_at IS NULL");
-    wait_until("all work applied", timeout, || {
-        let pool = pool.clone();
-        let sql = sql.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(&sql)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                == 0
+    let deadline = Instant::now() + timeout;
+    loop {
+        let pending: i64 = sqlx::query_scalar(&sql).fetch_one(&pool).await.unwrap();
+        if pending == 0 {
+            return;
         }
-    })
-    .await;
+        if Instant::now() >= deadline {
+            let stuck = stuck_rows(&pool, schema).await;
+            panic!(
+                "timed out after {timeout:?} waiting for all work applied: {pending} row(s) pending; the first ones, each with its stream's cursors:\n{}",
+                stuck.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The first pending work rows, each with its error and every cursor of its stream (of any
+/// perspective name, a version's internal ones too): what a failed drain leaves to read.
+async fn stuck_rows(pool: &sqlx::PgPool, schema: &str) -> Vec<String> {
+    let rows: Vec<(String,)> = sqlx::query_as(&format!(
+        "SELECT format('%s %s v%s attempts %s error %s; cursors: %s', w.stream_id, w.perspective_name,
+                       w.stream_version, w.attempts, coalesce(w.error, '-'),
+                       coalesce((SELECT string_agg(format('%s@%s (status %s)', c.perspective_name,
+                                                          coalesce(c.last_version::text, '-'), c.status),
+                                                   ', ' ORDER BY c.perspective_name)
+                                 FROM {schema}.wh_perspective_cursors c WHERE c.stream_id = w.stream_id),
+                                'none'))
+         FROM {schema}.wh_perspective_events w WHERE w.processed_at IS NULL
+         ORDER BY w.stream_id, w.perspective_name, w.stream_version LIMIT 12"
+    ))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_else(|e| vec![(format!("(could not read them: {e})"),)]);
+    rows.into_iter().map(|(r,)| r).collect()
 }
 
 /// Every stream's recorded versions in both perspectives must be exactly 1..n, n being the
