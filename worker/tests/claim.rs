@@ -567,3 +567,136 @@ async fn settling_streams_asks_the_backfill_gate_about_their_work_only() {
     .await;
     assert_eq!(config, 1, "wh_settled_without_retry runs with jit = off");
 }
+
+/// Under load every worker goes awake and claims at its pace: producers of new streams stop
+/// ringing (they would hold PostgreSQL's global notify lock through their commits). When a
+/// burst stops, the workers go back to sleep without losing a stream: a producer that saw them
+/// awake and did not ring is claimed before they wait. With the safety-net poll off, a lost
+/// wake-up would leave its stream unapplied for good; each burst's last events must be applied
+/// within seconds, and one event after all the bursts, by its doorbell alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn awake_workers_let_producers_skip_the_doorbell_and_lose_no_stream_when_they_sleep() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let schema = unique_schema("awake");
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "claimWorker:\n  enableSafetyNetPoll: false\n",
+    ));
+    migrate_config(&config).await;
+    let engines = [
+        RunningEngine::start(&config).await,
+        RunningEngine::start(&config).await,
+    ];
+    for engine in &engines {
+        let metrics = engine.metrics.clone();
+        wait_until(
+            "listening, both workers counted",
+            Duration::from_secs(10),
+            || async {
+                metrics.listener_connected.get() == 1 && metrics.drain_consumers.get() == 2
+            },
+        )
+        .await;
+    }
+    let channel = perspective_worker::store::names::work_channel(&schema);
+    let mut listener = sqlx::postgres::PgListener::connect(&database_url())
+        .await
+        .unwrap();
+    listener.listen(&channel).await.unwrap();
+    let rings = Arc::new(AtomicUsize::new(0));
+    let counting = {
+        let rings = rings.clone();
+        tokio::spawn(async move {
+            while let Ok(n) = listener.recv().await {
+                if n.payload().is_empty() {
+                    rings.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    async fn applied(schema: &str) -> i64 {
+        scalar(&format!(
+            "SELECT (SELECT coalesce(sum(cardinality(versions)), 0) FROM {schema}.seen_p1)
+                  + (SELECT coalesce(sum(cardinality(versions)), 0) FROM {schema}.seen_p2)"
+        ))
+        .await
+    }
+    let mut appended = 0usize;
+    for burst in 0..20 {
+        // 8 producers, a new stream per event, as fast as they go for 300 ms: far above the
+        // doorbell pace (100 claims a second).
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let (schema, stop) = (schema.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut conn = connect().await;
+                    let mut n = 0usize;
+                    while !stop.load(Ordering::Relaxed) {
+                        sqlx::query(&format!(
+                            "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+                        ))
+                        .bind(Uuid::now_v7())
+                        .execute(&mut conn)
+                        .await
+                        .expect("append");
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            appended += t.await.unwrap();
+        }
+        let want = 2 * appended as i64;
+        wait_until(
+            &format!("burst {burst}: all {appended} events applied by both perspectives"),
+            Duration::from_secs(10),
+            || async { applied(&schema).await == want },
+        )
+        .await;
+    }
+    let went_awake: u64 = engines
+        .iter()
+        .map(|e| e.metrics.claim_awake_total.get())
+        .sum();
+    let rang = rings.load(Ordering::Relaxed);
+    println!("{appended} new streams in 20 bursts: {rang} doorbells, workers went awake {went_awake} times");
+    assert!(went_awake > 0, "the workers never went awake under load");
+    assert!(
+        rang * 2 < appended,
+        "{rang} doorbells for {appended} new streams: producers kept ringing"
+    );
+    // Idle again: asleep, so a lone event rings and is applied.
+    for engine in &engines {
+        let metrics = engine.metrics.clone();
+        wait_until(
+            "the workers asleep again",
+            Duration::from_secs(10),
+            || async { metrics.claim_awake.get() == 0 },
+        )
+        .await;
+    }
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+    ))
+    .bind(Uuid::now_v7())
+    .execute(&mut connect().await)
+    .await
+    .unwrap();
+    let want = 2 * (appended as i64 + 1);
+    wait_until(
+        "the lone event applied",
+        Duration::from_secs(10),
+        || async { applied(&schema).await == want },
+    )
+    .await;
+    counting.abort();
+    for engine in engines {
+        engine.stop().await;
+    }
+}

@@ -670,3 +670,160 @@ async fn finding_4_a_producer_needs_only_insert_and_execute_and_touches_nothing_
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// While every worker that is not stopping is awake (claiming at its pace under load), a
+/// stream's first row rings no doorbell; an asleep worker, or a REPEATABLE READ producer (whose
+/// look at the workers would be older than its lock), makes it ring. A worker goes back to sleep
+/// only when no producer is between such a row and its commit: otherwise it stays awake.
+#[tokio::test]
+async fn doorbell_is_silent_while_every_worker_is_awake_and_a_worker_sleeps_only_between_edges() {
+    let (schema, _) = migrated_schema("awake").await;
+    let channel = perspective_worker::store::names::work_channel(&schema);
+    let mut listener = PgListener::connect(&database_url()).await.unwrap();
+    listener.listen(&channel).await.unwrap();
+    listener
+        .listen(&format!("{channel}_sentinel"))
+        .await
+        .unwrap();
+    let mut conn = connect().await;
+    let mut other = connect().await;
+    // The next notification after an append and a sentinel: the doorbell, or the sentinel when
+    // nothing rang (notifications arrive in commit order).
+    async fn rang(
+        listener: &mut PgListener,
+        other: &mut sqlx::PgConnection,
+        channel: &str,
+    ) -> bool {
+        sqlx::query("SELECT pg_notify($1, 'sentinel')")
+            .bind(format!("{channel}_sentinel"))
+            .execute(&mut *other)
+            .await
+            .unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+            .await
+            .expect("a notification")
+            .unwrap();
+        if n.channel() == channel {
+            let s = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await;
+            assert_eq!(s.expect("the sentinel").unwrap().payload(), "sentinel");
+            true
+        } else {
+            false
+        }
+    }
+    async fn append(conn: &mut sqlx::PgConnection, schema: &str) {
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+        ))
+        .bind(Uuid::now_v7())
+        .execute(conn)
+        .await
+        .unwrap();
+    }
+    async fn set(conn: &mut sqlx::PgConnection, schema: &str, id: Uuid, to: bool) -> bool {
+        sqlx::query_scalar(&format!("SELECT {schema}.wh_claim_awake($1, $2)"))
+            .bind(id)
+            .bind(to)
+            .fetch_one(conn)
+            .await
+            .unwrap()
+    }
+    let register = format!(
+        "INSERT INTO {schema}.wh_service_instances (instance_id, service_name, host_name, process_id)
+         VALUES ($1, 't', 'h', 1)"
+    );
+
+    // No worker registered, or one asleep: rings.
+    append(&mut conn, &schema).await;
+    assert!(
+        rang(&mut listener, &mut other, &channel).await,
+        "no worker: rings"
+    );
+    let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+    sqlx::query(&register)
+        .bind(a)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    append(&mut conn, &schema).await;
+    assert!(
+        rang(&mut listener, &mut other, &channel).await,
+        "a worker asleep: rings"
+    );
+
+    // Awake: silent.
+    assert!(set(&mut conn, &schema, a, true).await);
+    append(&mut conn, &schema).await;
+    assert!(
+        !rang(&mut listener, &mut other, &channel).await,
+        "every worker awake: silent"
+    );
+    // A REPEATABLE READ producer rings all the same.
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    append(&mut tx, &schema).await;
+    tx.commit().await.unwrap();
+    assert!(
+        rang(&mut listener, &mut other, &channel).await,
+        "REPEATABLE READ: rings"
+    );
+    // A second worker, asleep: rings; once it is stopping it no longer counts.
+    sqlx::query(&register)
+        .bind(b)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    append(&mut conn, &schema).await;
+    assert!(
+        rang(&mut listener, &mut other, &channel).await,
+        "one worker asleep: rings"
+    );
+    sqlx::query(&format!(
+        "UPDATE {schema}.wh_service_instances SET stopping_since = now() WHERE instance_id = $1"
+    ))
+    .bind(b)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    append(&mut conn, &schema).await;
+    assert!(
+        !rang(&mut listener, &mut other, &channel).await,
+        "the asleep one is stopping: silent"
+    );
+
+    // A producer between a new stream's first row and its commit keeps the worker awake.
+    let mut tx = conn.begin().await.unwrap();
+    append(&mut tx, &schema).await;
+    assert!(
+        set(&mut other, &schema, a, false).await,
+        "a producer is mid-edge: stays awake"
+    );
+    tx.commit().await.unwrap();
+    assert!(
+        !rang(&mut listener, &mut other, &channel).await,
+        "it saw the worker awake"
+    );
+    assert!(
+        !set(&mut other, &schema, a, false).await,
+        "no producer mid-edge: asleep"
+    );
+    append(&mut conn, &schema).await;
+    assert!(
+        rang(&mut listener, &mut other, &channel).await,
+        "asleep again: rings"
+    );
+    // The doorbell lock (a bigint key: classid is its high half, objid its low) is released at
+    // commit.
+    let held: i64 = scalar(&format!(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1
+           AND ((classid::bigint << 32) | objid::bigint) = hashtextextended('{schema}.wh_doorbell', 0)"
+    ))
+    .await;
+    assert_eq!(
+        held, 0,
+        "no producer holds the doorbell lock after its commit"
+    );
+}

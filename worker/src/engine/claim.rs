@@ -102,6 +102,8 @@ impl ClaimLoop {
         let idle_threshold = shared.config.worker.idle_threshold_polls as u64;
         let max_streams = shared.config.claim_worker.max_streams_per_batch as usize;
         let mut first = true;
+        // Awake as the database has it (wh_claim_awake), and whether the last wake-up was paced.
+        let (mut awake, mut paced) = (false, false);
         let mut wakes = WakeLimiter::new(Instant::now());
         let mut failures = FailureStreak::new(
             "claim_work",
@@ -156,6 +158,16 @@ impl ClaimLoop {
                 }
             }
             shared.hooks.record_poll(n, queued, idle_threshold);
+            // Awake or asleep (functions/wh_claim_awake.sql). Gone back to sleep, claim once
+            // more before waiting: a producer that saw this worker awake did not ring.
+            let want = want_awake(queued, paced);
+            if want != awake {
+                let was_awake = awake;
+                awake = self.set_awake(want).await;
+                if was_awake && !awake {
+                    continue;
+                }
+            }
             let wait = next_interval(
                 &shared.config.claim_worker,
                 shared
@@ -166,29 +178,96 @@ impl ClaimLoop {
                 shared.hooks.consecutive_empty_polls(),
             );
             let backlog = claim_again_when_room(queued, max_streams, channel_full);
-            tokio::select! {
-                _ = shared.shutdown.cancelled() => return,
-                _ = shared.hooks.wake_requested() => {
-                    // Paced: anyone may ring the doorbell (see wake_limit).
-                    let live = shared.live_workers.load(Ordering::Relaxed);
-                    let pause = wakes.take_share(Instant::now(), live);
-                    if !pause.is_zero() {
-                        tokio::select! {
-                            _ = shared.shutdown.cancelled() => return,
-                            _ = tokio::time::sleep(pause) => {}
-                        }
-                    }
-                }
-                _ = self.queue.room_below(max_streams.max(1)), if backlog => {}
-                _ = async {
-                    match wait {
-                        Some(d) => tokio::time::sleep(d).await,
-                        None => std::future::pending().await,
-                    }
-                } => {}
+            match self.wait_for_claim(&mut wakes, awake, backlog, wait).await {
+                Some(p) => paced = p,
+                None => return,
             }
         }
     }
+
+    /// Waits for the next claim. `None`: shutdown. Otherwise whether the wake-up waited for a
+    /// token of the deployment's doorbell pace (see wake_limit): after a doorbell, or at once
+    /// while awake (as if every producer had rung, which is the cadence ringing would give);
+    /// `false` after room in the drain (a backlog) or the safety-net interval.
+    async fn wait_for_claim(
+        &self,
+        wakes: &mut WakeLimiter,
+        awake: bool,
+        backlog: bool,
+        wait: Option<Duration>,
+    ) -> Option<bool> {
+        let shared = &self.shared;
+        let rang = tokio::select! {
+            biased;
+            _ = shared.shutdown.cancelled() => return None,
+            // Paced: anyone may ring the doorbell (see wake_limit).
+            _ = shared.hooks.wake_requested() => true,
+            _ = std::future::ready(()), if awake => true,
+            _ = self.queue.room_below(shared.config.claim_worker.max_streams_per_batch.max(1) as usize), if backlog => false,
+            _ = async {
+                match wait {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => std::future::pending().await,
+                }
+            } => false,
+        };
+        if !rang {
+            return Some(false);
+        }
+        let live = shared.live_workers.load(Ordering::Relaxed);
+        let pause = wakes.take_share(Instant::now(), live);
+        if !pause.is_zero() {
+            tokio::select! {
+                _ = shared.shutdown.cancelled() => return None,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+        Some(!pause.is_zero())
+    }
+
+    /// Says whether this worker is awake; returns the state it is in now. After an error the
+    /// state is unknown: taken as awake, the safe belief (an awake worker claims at its pace, so
+    /// a producer that did not ring for it is served; the next doze settles it).
+    async fn set_awake(&self, awake: bool) -> bool {
+        let shared = &self.shared;
+        let now = match shared
+            .store
+            .set_claim_awake(shared.instance_id, awake)
+            .await
+        {
+            Ok(now) => now,
+            Err(e) => {
+                tracing::warn!(error = %crate::db::describe_error(&e, None), awake,
+                               "could not record whether the claim loop is awake; claiming at its pace");
+                true
+            }
+        };
+        let was = shared.metrics.claim_awake.get() == 1;
+        if now != was {
+            if now {
+                tracing::debug!("claim loop awake: claiming at its pace, producers need not ring");
+            } else {
+                tracing::debug!("claim loop asleep: waiting for doorbells");
+            }
+            if now {
+                shared.metrics.claim_awake_total.inc();
+            }
+        } else if now && !awake {
+            tracing::debug!(
+                "staying awake: a producer is between a new stream's first row and its commit"
+            );
+        }
+        shared.metrics.claim_awake.set(now as i64);
+        now
+    }
+}
+
+/// Whether the claim loop should be awake after a claim that queued `queued` new streams, its
+/// wake-up having waited for a token of the pace (`paced`): new streams come faster than the
+/// pace lets claims through, so a doorbell would not have made it claim any sooner. Otherwise
+/// asleep: a doorbell then starts a claim at once, and an idle worker makes no claims.
+pub(crate) fn want_awake(queued: usize, paced: bool) -> bool {
+    queued > 0 && paced
 }
 
 #[cfg(test)]
@@ -208,6 +287,20 @@ mod tests {
         (0..7)
             .map(|empty| next_interval(opts, stale_seconds, healthy, empty))
             .collect()
+    }
+
+    #[test]
+    fn awake_only_while_new_streams_come_faster_than_the_pace() {
+        assert!(want_awake(3, true));
+        assert!(
+            !want_awake(0, true),
+            "a claim that found nothing new goes to sleep"
+        );
+        assert!(
+            !want_awake(3, false),
+            "new streams the doorbells keep up with: asleep"
+        );
+        assert!(!want_awake(0, false));
     }
 
     #[test]

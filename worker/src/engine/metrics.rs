@@ -76,6 +76,11 @@ pub struct WorkerMetrics {
     pub notify_wakeups: IntCounter,
     /// `perspective_listener_connected`: 1 while the LISTEN connection is healthy.
     pub listener_connected: IntGauge,
+    /// `perspective_claim_awake`: 1 while the claim loop runs at its pace without waiting for
+    /// doorbells (producers then do not ring for this worker).
+    pub claim_awake: IntGauge,
+    /// `perspective_claim_awake_total`: times the claim loop went awake.
+    pub claim_awake_total: IntCounter,
     /// `perspective_drain_consumers`: drain consumers this worker runs now, its share of
     /// `drainConsumersPerDeployment` among the live workers.
     pub drain_consumers: IntGauge,
@@ -139,6 +144,8 @@ impl WorkerMetrics {
             apply_latency: apply_latency(&r),
             notify_wakeups: notify_wakeups(&r),
             listener_connected: listener_connected(&r),
+            claim_awake: claim_awake(&r),
+            claim_awake_total: claim_awake_total(&r),
             drain_consumers: drain_consumers(&r),
             reregistrations: reregistrations(&r),
             completions_flushed: completions_flushed(&r),
@@ -390,6 +397,22 @@ fn listener_connected(r: &Registrar) -> IntGauge {
     )
 }
 
+fn claim_awake(r: &Registrar) -> IntGauge {
+    r.int_gauge(
+        "perspective_claim_awake",
+        "1 while the claim loop claims at its pace without waiting for doorbells: under load, \
+         when doorbells come faster than the pace. While every worker is awake, producers do \
+         not NOTIFY (and stay off PostgreSQL's global notify lock at commit).",
+    )
+}
+
+fn claim_awake_total(r: &Registrar) -> IntCounter {
+    r.counter(
+        "perspective_claim_awake_total",
+        "Times the claim loop went awake (see perspective_claim_awake).",
+    )
+}
+
 fn completions_flushed(r: &Registrar) -> IntCounter {
     r.counter(
         "perspective_completions_flushed_total",
@@ -506,6 +529,8 @@ mod tests {
         "perspective_apply_latency_seconds",
         "perspective_notify_wakeups_total",
         "perspective_listener_connected",
+        "perspective_claim_awake",
+        "perspective_claim_awake_total",
         "perspective_drain_consumers",
         "perspective_reregistrations_total",
         "perspective_completions_flushed_total",

@@ -5,6 +5,7 @@ use uuid::Uuid;
 use super::Store;
 
 const CLAIM_WORK: &str = "SELECT stream_id FROM {schema}.claim_work($1, $2, $3, $4, $5)";
+const CLAIM_AWAKE: &str = "SELECT {schema}.wh_claim_awake($1, $2)";
 
 /// The arguments of one claim.
 #[derive(Debug, Clone)]
@@ -35,6 +36,26 @@ impl Store {
                     .bind(args.offered.len().min(i32::MAX as usize) as i32)
                     .bind(&args.offered)
                     .fetch_all(&mut *c),
+            )
+            .await
+    }
+
+    /// Say whether this instance claims at its pace without a doorbell (producers then need not
+    /// ring for it); returns the state it is in now, which stays awake while a producer is
+    /// between a stream's first pending row and its commit (see `functions/wh_claim_awake.sql`).
+    /// After going to sleep, claim once more before waiting for the doorbell.
+    pub async fn set_claim_awake(
+        &self,
+        instance_id: Uuid,
+        awake: bool,
+    ) -> Result<bool, sqlx::Error> {
+        let mut c = self.quick_conn("wh_claim_awake").await?;
+        c.deadline()
+            .run(
+                sqlx::query_scalar(&self.sql(CLAIM_AWAKE))
+                    .bind(instance_id)
+                    .bind(awake)
+                    .fetch_one(&mut *c),
             )
             .await
     }

@@ -58,6 +58,7 @@ pub const FUNCTIONS: &[Function] = functions![
     "deregister_instance",
     // Claiming, fetching, dead letters.
     "claim_work",
+    "wh_claim_awake",
     "claim_and_fetch_pending_perspective_events",
     "move_to_dead_letters",
     // Backfill and rebuild jobs.

@@ -117,6 +117,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0021_stopping_instances.sql",
         template: include_str!("../../../migrations/0021_stopping_instances.sql"),
     },
+    Migration {
+        version: 22,
+        name: "0022_instances_awake.sql",
+        template: include_str!("../../../migrations/0022_instances_awake.sql"),
+    },
 ];
 
 /// The last migration that defined functions; later ones must not (see the module docs).

@@ -12,7 +12,8 @@
 --      subscribes);
 --   4. on the stream's empty -> non-empty edge, pin it in wh_active_streams and NOTIFY
 --      `<schema>_work` (PostgreSQL folds identical notifications, so at most one per
---      transaction, and none for transactions that roll back).
+--      transaction, and none for transactions that roll back), unless every live worker is
+--      awake: claiming at its pace under load, without a doorbell (wh_claim_awake.sql).
 -- Every name is schema-qualified, so it behaves the same whatever the producer's search_path.
 -- It runs as its owner (SECURITY DEFINER, with a fixed search_path), so a producer needs only
 -- INSERT on wh_event_store: the stream heads, work rows and active streams it writes are not the
@@ -57,7 +58,17 @@ BEGIN
     VALUES (NEW.stream_id, v_partition)
     ON CONFLICT (stream_id) DO NOTHING;
     IF FOUND THEN
-      PERFORM pg_notify('{{schema}}_work', '');
+      -- Not while every live worker is awake (wh_claim_awake.sql): each claims at its pace
+      -- anyway, and ringing would hold the global notify lock through this commit. The lock,
+      -- shared, keeps a worker from going to sleep between this look and the commit. Under
+      -- REPEATABLE READ the look would read the transaction's first snapshot, older than the
+      -- lock: such a transaction rings.
+      PERFORM pg_advisory_xact_lock_shared(hashtextextended('{{schema}}.wh_doorbell', 0));
+      IF current_setting('transaction_isolation') <> 'read committed'
+         OR NOT coalesce((SELECT bool_and(i.awake) FROM {{schema}}.wh_service_instances i
+                          WHERE i.stopping_since IS NULL), false) THEN
+        PERFORM pg_notify('{{schema}}_work', '');
+      END IF;
     END IF;
   END IF;
 
