@@ -8,8 +8,13 @@
 #   store  INSERT into <schema>.wh_event_store: stream_version under the per-stream lock, one
 #          work row for each of 2 subscribed perspectives, active-stream pin and NOTIFY on the
 #          empty->non-empty edge
-# in two scenarios: `hot` (1000 existing streams: the steady state) and `new` (a new stream per
-# event: every transaction is an edge, so every transaction NOTIFYs), at 1 and 8 connections.
+# in three scenarios: `hot` (1000 existing streams: the steady state), `new` (a new stream per
+# event: every transaction is an edge, so every transaction NOTIFYs, as while a worker waits for
+# doorbells) and `new-awake` (the same appends while the one registered worker is awake, as a
+# worker is under load: the edges do not ring; the worker is an instance row marked awake, so
+# that no worker competes for the 2 cores) and `new-live` (the same appends with a real worker
+# running and applying them, which goes awake under such load; it shares the 2 cores with the
+# producers, and sits idle beside the plain INSERTs), at 1 and 8 connections.
 # Rounds alternate plain/store so machine drift hits both; the median of ROUNDS is reported.
 #
 #   tests/bench/append.sh              (make bench builds the worker first)
@@ -22,7 +27,7 @@ cd "$(dirname "$0")/../.."
 DURATION=${DURATION:-10}
 ROUNDS=${ROUNDS:-3}
 CLIENTS=${CLIENTS:-"1 8"}
-SCENARIOS=${SCENARIOS:-"hot new"}
+SCENARIOS=${SCENARIOS:-"hot new new-awake new-live"}
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
 [ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
 
@@ -91,6 +96,22 @@ cat >"$work/store-new.sql" <<EOF
 INSERT INTO bench.wh_event_store (stream_id, event_type, event_data, metadata, scope)
 VALUES (gen_random_uuid(), $payload);
 EOF
+for v in new-awake new-live; do
+  cp "$work/plain-new.sql" "$work/plain-$v.sql"
+  cp "$work/store-new.sql" "$work/store-$v.sql"
+done
+worker_pid=
+start_worker() { # a real worker on the bench schema, ready once its instance row is there
+  "$WORKER" --config "$work/bench.yaml" run --http-addr 127.0.0.1:0 >"$work/worker.log" 2>&1 &
+  worker_pid=$!
+  for _ in $(seq 200); do
+    [ "$(psql "$DATABASE_URL" -XAtc 'SELECT count(*) FROM bench.wh_service_instances')" = 1 ] && return
+    sleep 0.1
+  done
+  echo "the worker did not register in 20 s:" >&2; cat "$work/worker.log" >&2; exit 1
+}
+stop_worker() { kill -TERM "$worker_pid"; wait "$worker_pid" || true; worker_pid=; }
+trap '[ -n "$worker_pid" ] && kill -TERM "$worker_pid" 2>/dev/null; rm -rf "$work"' EXIT
 
 tps() { # script clients
   pgbench "$DATABASE_URL" -n -f "$1" -c "$2" -j "$(( $2 < 2 ? 1 : 2 ))" -T "$DURATION" 2>&1 \
@@ -102,15 +123,25 @@ echo "append-path benchmark: PostgreSQL $(psql "$DATABASE_URL" -XAtc 'show serve
 printf '| scenario | connections | plain INSERT ev/s | wh_event_store ev/s | ratio |\n|---|---|---|---|---|\n'
 for scenario in $SCENARIOS; do
   for c in $CLIENTS; do
+    # new-awake: one worker registered and awake (wh_claim_awake); otherwise none is registered.
+    q_awake="DELETE FROM bench.wh_service_instances"
+    if [ "$scenario" = new-awake ]; then
+      q_awake="$q_awake; INSERT INTO bench.wh_service_instances (instance_id, service_name, host_name, process_id, awake)
+               VALUES (gen_random_uuid(), 'bench', 'bench', 0, true)"
+    fi
+    psql "$DATABASE_URL" -XAtq -c "$q_awake"
+    [ "$scenario" = new-live ] && start_worker
     : >"$work/p"; : >"$work/s"
     for _ in $(seq "$ROUNDS"); do
       tps "$work/plain-$scenario.sql" "$c" >>"$work/p"
       tps "$work/store-$scenario.sql" "$c" >>"$work/s"
-      # Keep the queue from growing without bound between rounds (no worker is running).
+      # Keep the queue from growing without bound between rounds (no worker is running, but in
+      # new-live, where this only clears what the worker did not apply yet).
       psql "$DATABASE_URL" -XAtq -c "TRUNCATE bench.wh_perspective_events" \
         -c "DELETE FROM bench.wh_active_streams WHERE stream_id NOT IN (SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(s), 12, '0'))::uuid FROM generate_series(1, 1000) s)"
       psql "$DATABASE_URL" -XAtq -c "VACUUM ANALYZE bench.wh_perspective_events" -c "VACUUM ANALYZE bench.wh_streams"
     done
+    [ "$scenario" = new-live ] && stop_worker
     p=$(median <"$work/p"); s=$(median <"$work/s")
     printf '| %s | %s | %.0f | %.0f | %.0f%% |\n' "$scenario" "$c" "$p" "$s" "$(awk -v s="$s" -v p="$p" 'BEGIN { print s * 100 / p }')"
   done

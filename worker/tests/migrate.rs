@@ -952,13 +952,14 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
             "0018_engine_functions_installed_by_migrate.sql",
             "0019_retention_guard_checks_each_row.sql",
             "0020_blue_green_versions.sql",
-            "0021_stopping_instances.sql"
+            "0021_stopping_instances.sql",
+            "0022_instances_awake.sql"
         ]
     );
     assert!(report.functions_installed);
     // Replaced in place (same oids, so grants on them stay); the compiled ones, engine
     // functions added since 0017 (complete_applied_events, wh_run_events, wh_job_blockers,
-    // wh_version_*, wh_settled_without_retry, hand_over_streams), and claim_work, whose
+    // wh_version_*, wh_settled_without_retry, hand_over_streams, wh_claim_awake), and claim_work, whose
     // arguments changed since (the older overload is dropped), are new.
     let after: Vec<(String, i64)> = oids(schema.clone())
         .await
@@ -974,6 +975,7 @@ async fn a_schema_migrated_to_0017_upgrades_to_the_function_files() {
                 "wh_version_switch",
                 "wh_settled_without_retry",
                 "hand_over_streams",
+                "wh_claim_awake",
                 "claim_work",
             ]
             .contains(&name.as_str())

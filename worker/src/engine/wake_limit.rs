@@ -2,7 +2,8 @@
 //!
 //! Any role that may connect can `NOTIFY <schema>_work` (PostgreSQL has no rights on channels),
 //! and each notification wakes the claim loop at once: 20 000 spoofed notifications made 2 768
-//! claims in 4 s. Genuine doorbells ring once per stream going from no pending work to some, and
+//! claims in 4 s. Genuine doorbells ring once per stream going from no pending work to some
+//! (none while every worker is awake: the claim loop then takes a token as if they had), and
 //! the loop folds the ones that arrive while it claims, so they rarely come faster than a claim
 //! takes; the bucket lets [`BURST`] through at once and then [`PER_SECOND`] a second, which costs
 //! a genuine doorbell nothing unless it comes in such a flood (and then at most 1/[`PER_SECOND`]
