@@ -259,36 +259,44 @@ async fn concurrent_appenders_leave_unique_gapless_versions() {
     assert_eq!((work, distinct), (8000, 8000));
 }
 
-#[tokio::test]
-async fn doorbell_notifies_once_per_transaction_after_commit_and_never_on_rollback() {
-    let (schema, _) = migrated_schema("notify").await;
-    let channel = perspective_worker::store::names::work_channel(&schema);
+/// A listener on the schema's doorbell channel and on its sentinel channel; the doorbell's name.
+async fn doorbell_listener(schema: &str) -> (PgListener, String) {
+    let channel = perspective_worker::store::names::work_channel(schema);
     let mut listener = PgListener::connect(&database_url()).await.unwrap();
     listener.listen(&channel).await.unwrap();
     listener
         .listen(&format!("{channel}_sentinel"))
         .await
         .unwrap();
+    (listener, channel)
+}
+
+/// Sentinels make "nothing arrived" deterministic: notifications reach a listener in commit
+/// order, so if the next message is the sentinel, nothing was sent before it.
+async fn sentinel(conn: &mut sqlx::PgConnection, channel: &str, tag: &str) {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(format!("{channel}_sentinel"))
+        .bind(tag)
+        .execute(conn)
+        .await
+        .unwrap();
+}
+
+/// The next notification: (channel, payload).
+async fn next(listener: &mut PgListener) -> (String, String) {
+    let n = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+        .await
+        .expect("a notification")
+        .unwrap();
+    (n.channel().to_string(), n.payload().to_string())
+}
+
+#[tokio::test]
+async fn doorbell_notifies_once_per_transaction_after_commit_and_never_on_rollback() {
+    let (schema, _) = migrated_schema("notify").await;
+    let (mut listener, channel) = doorbell_listener(&schema).await;
     let mut conn = connect().await;
     let mut other = connect().await;
-
-    // Sentinels make "nothing arrived" deterministic: notifications reach a listener in commit
-    // order, so if the next message is the sentinel, nothing was sent before it.
-    async fn sentinel(conn: &mut sqlx::PgConnection, channel: &str, tag: &str) {
-        sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(format!("{channel}_sentinel"))
-            .bind(tag)
-            .execute(conn)
-            .await
-            .unwrap();
-    }
-    async fn next(listener: &mut PgListener) -> (String, String) {
-        let n = tokio::time::timeout(Duration::from_secs(10), listener.recv())
-            .await
-            .expect("a notification")
-            .unwrap();
-        (n.channel().to_string(), n.payload().to_string())
-    }
     let insert =
         format!("INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, $2)");
 
@@ -678,34 +686,22 @@ async fn finding_4_a_producer_needs_only_insert_and_execute_and_touches_nothing_
 #[tokio::test]
 async fn doorbell_is_silent_while_every_worker_is_awake_and_a_worker_sleeps_only_between_edges() {
     let (schema, _) = migrated_schema("awake").await;
-    let channel = perspective_worker::store::names::work_channel(&schema);
-    let mut listener = PgListener::connect(&database_url()).await.unwrap();
-    listener.listen(&channel).await.unwrap();
-    listener
-        .listen(&format!("{channel}_sentinel"))
-        .await
-        .unwrap();
+    let (mut listener, channel) = doorbell_listener(&schema).await;
     let mut conn = connect().await;
     let mut other = connect().await;
-    // The next notification after an append and a sentinel: the doorbell, or the sentinel when
-    // nothing rang (notifications arrive in commit order).
+    // Whether the doorbell rang before a sentinel sent now.
     async fn rang(
         listener: &mut PgListener,
         other: &mut sqlx::PgConnection,
         channel: &str,
     ) -> bool {
-        sqlx::query("SELECT pg_notify($1, 'sentinel')")
-            .bind(format!("{channel}_sentinel"))
-            .execute(&mut *other)
-            .await
-            .unwrap();
-        let n = tokio::time::timeout(Duration::from_secs(10), listener.recv())
-            .await
-            .expect("a notification")
-            .unwrap();
-        if n.channel() == channel {
-            let s = tokio::time::timeout(Duration::from_secs(10), listener.recv()).await;
-            assert_eq!(s.expect("the sentinel").unwrap().payload(), "sentinel");
+        sentinel(other, channel, "sentinel").await;
+        if next(listener).await.0 == channel {
+            assert_eq!(
+                next(listener).await.1,
+                "sentinel",
+                "one doorbell, then the sentinel"
+            );
             true
         } else {
             false

@@ -178,7 +178,10 @@ impl ClaimLoop {
                 shared.hooks.consecutive_empty_polls(),
             );
             let backlog = claim_again_when_room(queued, max_streams, channel_full);
-            match self.wait_for_claim(&mut wakes, awake, backlog, wait).await {
+            match self
+                .wait_for_claim(&mut wakes, awake, (backlog, max_streams), wait)
+                .await
+            {
                 Some(p) => paced = p,
                 None => return,
             }
@@ -188,12 +191,13 @@ impl ClaimLoop {
     /// Waits for the next claim. `None`: shutdown. Otherwise whether the wake-up waited for a
     /// token of the deployment's doorbell pace (see wake_limit): after a doorbell, or at once
     /// while awake (as if every producer had rung, which is the cadence ringing would give);
-    /// `false` after room in the drain (a backlog) or the safety-net interval.
+    /// `false` after room below `max_streams` in the drain (while `backlog`) or the safety-net
+    /// interval.
     async fn wait_for_claim(
         &self,
         wakes: &mut WakeLimiter,
         awake: bool,
-        backlog: bool,
+        (backlog, max_streams): (bool, usize),
         wait: Option<Duration>,
     ) -> Option<bool> {
         let shared = &self.shared;
@@ -203,7 +207,7 @@ impl ClaimLoop {
             // Paced: anyone may ring the doorbell (see wake_limit).
             _ = shared.hooks.wake_requested() => true,
             _ = std::future::ready(()), if awake => true,
-            _ = self.queue.room_below(shared.config.claim_worker.max_streams_per_batch.max(1) as usize), if backlog => false,
+            _ = self.queue.room_below(max_streams.max(1)), if backlog => false,
             _ = async {
                 match wait {
                     Some(d) => tokio::time::sleep(d).await,
@@ -243,15 +247,11 @@ impl ClaimLoop {
             }
         };
         let was = shared.metrics.claim_awake.get() == 1;
-        if now != was {
-            if now {
-                tracing::debug!("claim loop awake: claiming at its pace, producers need not ring");
-            } else {
-                tracing::debug!("claim loop asleep: waiting for doorbells");
-            }
-            if now {
-                shared.metrics.claim_awake_total.inc();
-            }
+        if now && !was {
+            tracing::debug!("claim loop awake: claiming at its pace, producers need not ring");
+            shared.metrics.claim_awake_total.inc();
+        } else if !now && was {
+            tracing::debug!("claim loop asleep: waiting for doorbells");
         } else if now && !awake {
             tracing::debug!(
                 "staying awake: a producer is between a new stream's first row and its commit"
