@@ -868,6 +868,7 @@ async fn assert_cursor_statements(
 /// A group from a stream's first version inserts the pair's cursor row and holds it, one
 /// statement, where finding no row, inserting it and locking it took three; a later group
 /// locks the row it finds; and a creator that got there first is waited for, not overwritten.
+/// Only a later group looks for rows left under the cursor it followed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_apply_creates_its_cursor_in_one_statement_and_waits_for_another_creator() {
     let schema = unique_schema("firstcursor");
@@ -921,12 +922,27 @@ perspectives:
     wait_drained(&schema, Duration::from_secs(30)).await;
     engine.stop().await;
     assert_cursor_statements(&mut conn, &schema, 20, 0, "after 20 first applies").await;
+    // Nothing can be left under a first window's cursor: no retire statement after the apply.
+    let retire = [
+        format!("FROM {schema}.wh_perspective_events w"),
+        "AND w.stream_version <= v_last".to_string(),
+    ];
+    assert_eq!(
+        statement_calls(&mut conn, &retire).await,
+        0,
+        "retires after first applies"
+    );
 
     // Later events: each group locks the row it finds.
     append(streams.clone(), 10).await;
     let engine = start().await;
     wait_drained(&schema, Duration::from_secs(30)).await;
     assert_cursor_statements(&mut conn, &schema, 20, 20, "after 20 later groups").await;
+    assert_eq!(
+        statement_calls(&mut conn, &retire).await,
+        20,
+        "retires after later groups"
+    );
 
     // Another creator holds a new pair's cursor row, not yet committed: the first apply's insert
     // waits for it, inserts nothing, and then locks that row and applies after it.

@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v40";
+const FORMAT_VERSION: &str = "apply-v41";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v40",
-                "02e6ae41523cfaf97bdf24c68b2e3b5913d8ccf917be268c7ff2fca4e928c430"
+                "apply-v41",
+                "41f6f9378fb33f76192d9b1574c5fae249d4a0ae641304039496e54cc7780f35"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

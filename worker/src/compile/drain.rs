@@ -120,11 +120,14 @@ mod tests {
             "'{{}}'::uuid[], '{SWITCHED_AWAY}';\n        CONTINUE;"
         )));
         assert!(sql.contains("attempts = w.attempts + 1,\n               scheduled_for = clock_timestamp() + make_interval(secs => least(p_retry_base_ms * power(2, least(greatest((w.attempts + 1) - 1, 0), 30)), p_retry_max_ms) / 1000.0)"), "{sql}");
-        // Retired rows are those at or below the cursor read with them, after the apply,
-        // passing over the pair's own rows with a hashed NOT IN.
-        assert!(sql.contains(
-            "AND w.event_work_id NOT IN (SELECT d.id FROM unnest(o.o_done_work_ids) AS d(id))"
-        ));
+        // Retired rows after the apply are those at or below the cursor read with them and at
+        // or below the cursor the window followed (none for a first window: no statement).
+        assert!(
+            sql.contains("IF v_last > 0 THEN\n        v_retire := ARRAY("),
+            "{sql}"
+        );
+        assert!(sql.contains("AND w.stream_version <= v_last\n"), "{sql}");
+        assert!(!sql.contains("o_done_work_ids) AS d(id)"), "{sql}");
         // Shallow pairs: one batch call per perspective, which then no longer has its pairs
         // applied one by one unless the set-based attempt failed.
         for (i, p) in config.perspectives.iter().enumerate() {

@@ -127,14 +127,16 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
     between cannot pair its new rows with the old cursor). After the pair's apply, work rows are
     then locked after the cursor row, in the order `rebuild` takes them. A pair that applied
     nothing (an empty window, or one whose only due row was dead-lettered) holds no cursor lock:
-    its rows join `v_late`, retired at the end of the call (see there). #}
-{% macro retire(except, late=false) -%}
+    its rows join `v_late`, retired at the end of the call (see there). `below`, when given, also
+    bounds the versions (see where it is used). #}
+{% macro retire(below=none, late=false) -%}
     v_retire := ARRAY(
       SELECT w.event_work_id FROM {{ schema }}.wh_perspective_events w
       WHERE w.stream_id = r.stream_id AND w.perspective_name = r.perspective_name
         AND w.stream_version <= (SELECT c.last_version FROM {{ schema }}.wh_perspective_cursors c
                                  WHERE c.stream_id = r.stream_id AND c.perspective_name = r.perspective_name)
-        AND w.processed_at IS NULL{{ except }}
+        {{- "\n        AND w.stream_version <= " ~ below if below is not none else "" }}
+        AND w.processed_at IS NULL
       OFFSET 0);
   {%- if late %}
     v_late := v_late || v_retire;
@@ -603,7 +605,7 @@ BEGIN
         {{ pair_window(" ORDER BY h.stream_version")|indent(2) }}
       END IF;
       IF v_ids IS NULL THEN
-        {{ retire("", late=true) }}
+        {{ retire(late=true) }}
         CONTINUE;
       END IF;
       v_window := v_versions;
@@ -616,7 +618,7 @@ BEGIN
         v_versions := v_versions[2:];
       END IF;
       IF coalesce(array_length(v_ids, 1), 0) = 0 THEN
-        {{ retire("", late=true) }}
+        {{ retire(late=true) }}
         RETURN QUERY SELECT r.stream_id, r.perspective_name::text, 0, 0, v_last, NULL::bigint, NULL::text,
                             '{}'::bigint[], v_dead, v_window, v_created, false, '{}'::uuid[],
                             {{ due_after("v_last") }}, '{}'::uuid[], NULL::text;
@@ -642,9 +644,15 @@ BEGIN
         -- Contention before anything applied: undo the whole pair (its cursor lock too), below.
         RAISE EXCEPTION 'lock conflict while applying' USING ERRCODE = o.o_contended_sqlstate;
       END IF;
-      -- (The pair's own rows, just applied, are under the cursor too: passed over with a hashed
-      -- NOT IN, where `<> ALL` compared each of them with each done id.)
-      {{ retire("\n        AND w.event_work_id NOT IN (SELECT d.id FROM unnest(o.o_done_work_ids) AS d(id))") }}
+      -- Rows left at or below the cursor the window followed (a completion lost, or not yet
+      -- flushed). Above it, the pending rows up to the new cursor are the window's own, now the
+      -- group's done ids (a stream's appends commit in version order, so none sorts between
+      -- them): only versions up to that cursor are looked at, none for a pair's first window,
+      -- rather than every row just applied. (Rows a concurrent applier's cursor moved past are
+      -- its own to complete; any left are retired by a later call's empty window.)
+      IF v_last > 0 THEN
+        {{ retire(below="v_last")|indent(2) }}
+      END IF;
       -- A new statement, so a new snapshot: also sees rows appended while this call ran.
       -- (After contention the rest is due again at once.)
       v_more := o.o_contended_sqlstate IS NOT NULL OR {{ due_after("coalesce(o.o_last_version, v_last)") }};
