@@ -177,11 +177,9 @@ impl ClaimLoop {
                 self.listener_healthy.load(Ordering::Relaxed),
                 shared.hooks.consecutive_empty_polls(),
             );
-            let backlog = claim_again_when_room(queued, max_streams, channel_full);
-            match self
-                .wait_for_claim(&mut wakes, awake, (backlog, max_streams), wait)
-                .await
-            {
+            let room = claim_again_when_room(queued, max_streams, channel_full)
+                .then_some(max_streams.max(1));
+            match self.wait_for_claim(&mut wakes, awake, room, wait).await {
                 Some(p) => paced = p,
                 None => return,
             }
@@ -191,13 +189,13 @@ impl ClaimLoop {
     /// Waits for the next claim. `None`: shutdown. Otherwise whether the wake-up waited for a
     /// token of the deployment's doorbell pace (see wake_limit): after a doorbell, or at once
     /// while awake (as if every producer had rung, which is the cadence ringing would give);
-    /// `false` after room below `max_streams` in the drain (while `backlog`) or the safety-net
-    /// interval.
+    /// `false` after the safety-net interval or, with a backlog (`room`), once fewer than `room`
+    /// streams are queued or being drained.
     async fn wait_for_claim(
         &self,
         wakes: &mut WakeLimiter,
         awake: bool,
-        (backlog, max_streams): (bool, usize),
+        room: Option<usize>,
         wait: Option<Duration>,
     ) -> Option<bool> {
         let shared = &self.shared;
@@ -207,7 +205,7 @@ impl ClaimLoop {
             // Paced: anyone may ring the doorbell (see wake_limit).
             _ = shared.hooks.wake_requested() => true,
             _ = std::future::ready(()), if awake => true,
-            _ = self.queue.room_below(max_streams.max(1)), if backlog => false,
+            _ = self.queue.room_below(room.unwrap_or(1)), if room.is_some() => false,
             _ = async {
                 match wait {
                     Some(d) => tokio::time::sleep(d).await,
