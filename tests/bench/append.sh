@@ -8,9 +8,9 @@
 #   store  INSERT into <schema>.wh_event_store: stream_version under the per-stream lock, one
 #          work row for each of 2 subscribed perspectives, active-stream pin and NOTIFY on the
 #          empty->non-empty edge
-# in three scenarios: `hot` (1000 existing streams: the steady state), `new` (a new stream per
+# in four scenarios: `hot` (1000 existing streams: the steady state), `new` (a new stream per
 # event: every transaction is an edge, so every transaction NOTIFYs, as while a worker waits for
-# doorbells) and `new-awake` (the same appends while the one registered worker is awake, as a
+# doorbells), `new-awake` (the same appends while the one registered worker is awake, as a
 # worker is under load: the edges do not ring; the worker is an instance row marked awake, so
 # that no worker competes for the 2 cores) and `new-live` (the same appends with a real worker
 # running and applying them, which goes awake under such load; it shares the 2 cores with the
