@@ -1161,6 +1161,17 @@ async fn an_idle_worker_sends_few_statements() {
         async move { m.listener_connected.get() == 1 }
     })
     .await;
+    // The catch-up turns twice at start-up (on starting, and woken by the LISTEN connecting),
+    // each ending with its read of the versions being built: the window starts after both, so
+    // that it holds its idle cadence only (a start-up turn split across its edge counted once
+    // more than that cadence).
+    let versions_read = || calls_like(format!("%{schema}.wh_perspective_versions WHERE state%"));
+    wait_until(
+        "the catch-up's start-up turns",
+        Duration::from_secs(30),
+        || async { versions_read().await >= 2 },
+    )
+    .await;
     let statements_before = per_statement(schema.clone()).await;
     let sweeps_before = sweeps().await;
     let window = Duration::from_secs(30);
