@@ -190,6 +190,18 @@ async fn a_table_another_worker_analyzed_since_or_is_analyzing_is_left_alone() {
         .await
         .unwrap());
     assert_eq!(analyze_count(&schema, "wh_event_store").await, before);
+    let bounds = || async {
+        scalar(&format!(
+            "SELECT coalesce(array_length(histogram_bounds, 1), 0)::bigint FROM pg_stats
+             WHERE schemaname = '{schema}' AND tablename = 'wh_event_store' AND attname = 'event_id'"
+        ))
+        .await
+    };
+    assert_eq!(
+        bounds().await,
+        101,
+        "the server's statistics target: 100 buckets"
+    );
 
     // Outgrown again, and nobody at it: this worker analyzes it.
     let out = psql(&format!(
@@ -212,4 +224,7 @@ async fn a_table_another_worker_analyzed_since_or_is_analyzing_is_left_alone() {
     ))
     .await;
     assert_eq!(statistics_rows, 23000);
+    // The worker's ANALYZE is a bridge until autovacuum's: a tenth of the buckets, and of the
+    // rows sampled.
+    assert_eq!(bounds().await, 11);
 }
