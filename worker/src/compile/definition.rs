@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v41";
+const FORMAT_VERSION: &str = "apply-v42";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v41",
-                "41f6f9378fb33f76192d9b1574c5fae249d4a0ae641304039496e54cc7780f35"
+                "apply-v42",
+                "eae13ded7739fd12a083e8a973a344b4fb3a24b0f08090c84fc120a52951e6c7"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );
