@@ -91,17 +91,27 @@ BEGIN
   -- worker and parsed again; only the columns the handlers use are copied. One scan of the
   -- stream's (stream_id, stream_version) index with the group's versions (the group is in
   -- version order, so the i-th event is the i-th row): measured 5–10% less server time per apply
-  -- than joining the event ids through unnest.
+  -- than joining the event ids through unnest. A group of consecutive versions (the usual one)
+  -- is read as one range of the index: PostgreSQL 15 descends the index once per element of
+  -- an = ANY array (measured: 53 against 110 ms for 800 groups of 100).
   -- The scan returns the rows in version order, and every aggregate of one query sees its rows
   -- in the same order, so the arrays are read without an ORDER BY each (PostgreSQL 15 sorts each
   -- aggregate's input on its own: seven sorts a group). Whether they are in the group's order is
   -- checked, not assumed: the versions read must be the group's own; else they are read again,
   -- sorted.
-  SELECT {%+ with order_by = "" %}{% include "event_arrays.sql" %}{% endwith %},
-         array_agg(e.stream_version)
-    INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants, v_read_versions
-  FROM {{ schema }}.wh_event_store e
-  WHERE e.stream_id = p_stream_id AND e.stream_version = ANY (a_versions);
+  IF a_versions[v_n] - a_versions[1] = v_n - 1 THEN
+    SELECT {%+ with order_by = "" %}{% include "event_arrays.sql" %}{% endwith %},
+           array_agg(e.stream_version)
+      INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants, v_read_versions
+    FROM {{ schema }}.wh_event_store e
+    WHERE e.stream_id = p_stream_id AND e.stream_version BETWEEN a_versions[1] AND a_versions[v_n];
+  ELSE
+    SELECT {%+ with order_by = "" %}{% include "event_arrays.sql" %}{% endwith %},
+           array_agg(e.stream_version)
+      INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants, v_read_versions
+    FROM {{ schema }}.wh_event_store e
+    WHERE e.stream_id = p_stream_id AND e.stream_version = ANY (a_versions);
+  END IF;
   IF v_read_versions IS DISTINCT FROM a_versions THEN
     SELECT {%+ with order_by = "e.stream_version" %}{% include "event_arrays.sql" %}{% endwith %}
       INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants
