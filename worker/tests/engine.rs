@@ -740,6 +740,98 @@ perspectives:
     assert_eq!(everything, 60);
 }
 
+/// A group of consecutive versions reads its events as one range of the store's index, a group
+/// with gaps (a perspective handling some of the stream's types) by its versions; both come in
+/// version order, so neither is read again sorted. Each event still meets its own fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_of_consecutive_versions_reads_its_events_as_one_range() {
+    let schema = unique_schema("eventrange");
+    let yaml = format!(
+        "schema: {schema}
+perspectives:
+  - name: every
+    setup: CREATE TABLE IF NOT EXISTS seen_every (seq bigserial PRIMARY KEY, stream_id uuid, stream_version bigint, n int)
+    handlers:
+      A: INSERT INTO seen_every (stream_id, stream_version, n) VALUES (:stream_id, :stream_version, (:data->>'n')::int)
+      B: INSERT INTO seen_every (stream_id, stream_version, n) VALUES (:stream_id, :stream_version, (:data->>'n')::int)
+  - name: odd
+    setup: CREATE TABLE IF NOT EXISTS seen_odd (seq bigserial PRIMARY KEY, stream_id uuid, stream_version bigint, n int)
+    handlers:
+      A: INSERT INTO seen_odd (stream_id, stream_version, n) VALUES (:stream_id, :stream_version, (:data->>'n')::int)
+{FAST}"
+    );
+    let config = parse_config(&yaml);
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&mut conn)
+        .await
+        .expect("pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh)");
+    // Twenty events a stream, A at odd versions and B at even ones: `every` holds each stream's
+    // versions 1..20, `odd` its odd ones (both deeper than a shallow pair).
+    let streams: Vec<Uuid> = (0..10).map(|_| Uuid::now_v7()).collect();
+    for stream in &streams {
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type, event_data)
+             SELECT $1, CASE WHEN i % 2 = 1 THEN 'A' ELSE 'B' END, jsonb_build_object('n', i * 10)
+             FROM generate_series(1, 20) i ORDER BY i"
+        ))
+        .bind(stream)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    let url = database_url_with(&[("pg_stat_statements.track", "all")]);
+    let engine = RunningEngine::start_with(perspective_worker::engine::EngineOptions::new(
+        config.clone(),
+        url,
+    ))
+    .await;
+    wait_drained(&schema, Duration::from_secs(30)).await;
+    engine.stop().await;
+
+    let store = format!("FROM {schema}.wh_event_store e");
+    let range = [store.clone(), "e.stream_version BETWEEN a_versions[".into()];
+    let by_versions = [
+        store.clone(),
+        "array_agg(e.event_type),".into(),
+        "e.stream_version = ANY (a_versions)".into(),
+    ];
+    let sorted = [
+        store,
+        "array_agg(e.event_type ORDER BY e.stream_version)".into(),
+    ];
+    assert_eq!(
+        (
+            statement_calls(&mut conn, &range).await,
+            statement_calls(&mut conn, &by_versions).await,
+            statement_calls(&mut conn, &sorted).await
+        ),
+        (10, 10, 0),
+        "event reads: by range (every), by versions (odd), again sorted"
+    );
+    for (table, versions) in [
+        ("seen_every", (1..=20).collect::<Vec<i64>>()),
+        ("seen_odd", (1..=20).filter(|v| v % 2 == 1).collect()),
+    ] {
+        let rows: Vec<(Uuid, i64, i32)> = sqlx::query_as(&format!(
+            "SELECT stream_id, stream_version, n FROM {schema}.{table} ORDER BY seq"
+        ))
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        for stream in &streams {
+            let seen: Vec<(i64, i32)> = rows
+                .iter()
+                .filter(|(s, _, _)| s == stream)
+                .map(|(_, v, n)| (*v, *n))
+                .collect();
+            let expected: Vec<(i64, i32)> = versions.iter().map(|v| (*v, *v as i32 * 10)).collect();
+            assert_eq!(seen, expected, "{table}, stream {stream}");
+        }
+    }
+}
+
 /// The apply function reads a group's events in one scan and checks that they came in the
 /// group's version order (it does not sort them by default). Here the scan cannot use an index
 /// and the stream's odd versions lie after its even ones on disk (as after retention freed earlier
