@@ -25,9 +25,15 @@
 # machine's noise, the engine's process or its concurrency. The same call Batched follows (its
 # completion flush is not in it, so it is a lower bound on Batched's server cost).
 #
+# With BUILDS, each round runs every engine variant (and the server cost) once per build, in
+# the order given, beside the same ceiling: builds compared side by side, on the same drift.
+# VARIANTS picks engine variants (comma-separated "engine WORKERS STRATEGY CONSUMERS").
+#
 #   tests/bench/apply.sh            (make bench builds the release worker first)
 #   STREAMS=400 PER_STREAM=100 ROUNDS=3 tests/bench/apply.sh
 #   SERVER_COST_ONLY=1 ROUNDS=6 tests/bench/apply.sh     (only the single-connection part)
+#   BUILDS="main=/tmp/main-worker new=/tmp/new-worker" VARIANTS="engine 1 Batched 4,engine 3 Batched 4" \
+#     ROUNDS=8 tests/bench/apply.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -35,7 +41,25 @@ STREAMS=${STREAMS:-400}
 PER_STREAM=${PER_STREAM:-100}
 ROUNDS=${ROUNDS:-3}
 WORKER=${WORKER:-${CARGO_TARGET_DIR:-$HOME/.cache/perspective-operator/target}/release/perspective-worker}
-[ -x "$WORKER" ] || { echo "build the worker first: cargo build --release -p perspective-worker" >&2; exit 1; }
+# The builds compared: name=path pairs; by default one unnamed build, WORKER.
+declare -A build_path=()
+build_names=("")
+if [ -n "${BUILDS:-}" ]; then
+  build_names=()
+  for b in $BUILDS; do
+    case $b in [a-z0-9]*=?*) ;; *) echo "BUILDS: not name=path with a name of [a-z0-9]: '$b'" >&2; exit 1;; esac
+    case ${b%%=*} in *[!a-z0-9]*) echo "BUILDS: a build's name is [a-z0-9]+ (got '${b%%=*}')" >&2; exit 1;; esac
+    build_names+=("${b%%=*}"); build_path["${b%%=*}"]=${b#*=}
+  done
+fi
+# (The ceiling's schemas are migrated with the first build.)
+[ -z "${build_names[0]}" ] || WORKER=${build_path[${build_names[0]}]}
+worker_of() { # build name (empty: WORKER) -> its binary
+  if [ -n "$1" ]; then echo "${build_path[$1]}"; else echo "$WORKER"; fi
+}
+for b in "${build_names[@]}"; do
+  [ -x "$(worker_of "$b")" ] || { echo "build the worker first: cargo build --release -p perspective-worker (not executable: $(worker_of "$b"))" >&2; exit 1; }
+done
 
 if [ -z "${DATABASE_URL:-}" ]; then
   exec tests/pg/pg.sh with "$0" "$@"
@@ -161,13 +185,14 @@ run_ceiling() { # round -> applies/s
   awk -v n="$APPLIES" -v a="$t0" -v b="$t1" 'BEGIN { printf "%.0f", n / (b - a) }'
 }
 
-run_engine() { # round workers strategy consumers -> applies/s ; leaves RSS in $work/rss
-  local s="eng_$1_$2_$(echo "$3" | tr 'A-Z' 'a-z')_$4"
+run_engine() { # round workers strategy consumers [build] -> applies/s ; leaves RSS in $work/rss
+  local s="eng_$1_$2_$(echo "$3" | tr 'A-Z' 'a-z')_$4${5:+_$5}"
+  local worker; worker=$(worker_of "${5:-}")
   local cfg; cfg=$(config "$s" "$3" "$4" "$2")
-  "$WORKER" --config "$cfg" migrate >/dev/null 2>>"$work/migrate.log"
+  "$worker" --config "$cfg" migrate >/dev/null 2>>"$work/migrate.log"
   pids=()
   for _ in $(seq "$2"); do
-    RUST_LOG=warn "$WORKER" --config "$cfg" run --http-addr 127.0.0.1:0 --max-connections ${MAX_CONNECTIONS:-8} >>"$work/worker.log" 2>&1 &
+    RUST_LOG=warn "$worker" --config "$cfg" run --http-addr 127.0.0.1:0 --max-connections ${MAX_CONNECTIONS:-8} >>"$work/worker.log" 2>&1 &
     pids+=($!)
   done
   # Wait until every worker has registered and made its first claim (idle).
@@ -202,16 +227,23 @@ if [ "${SERVER_COST_ONLY:-0}" != 1 ]; then
 echo "apply-path benchmark: PostgreSQL $(q -c 'show server_version' | cut -d' ' -f1), fsync=$(q -c 'show fsync'), $(nproc) cores; $STREAMS streams x $PER_STREAM events x 2 perspectives = $APPLIES applies; $ROUNDS rounds, median applies/s"
 # "engine WORKERS STRATEGY CONSUMERS": the default 4 drain consumers per worker, and 1 per worker
 # to show scale-out where one worker alone does not keep the database busy.
-variants=("ceiling" "engine 1 Batched 4" "engine 1 Instant 4" "engine 3 Batched 4" "engine 3 Instant 4"
-          "engine 1 Batched 1" "engine 3 Batched 1")
+IFS=, read -ra engines <<<"${VARIANTS:-engine 1 Batched 4,engine 1 Instant 4,engine 3 Batched 4,engine 3 Instant 4,engine 1 Batched 1,engine 3 Batched 1}"
+variants=("ceiling")
+for v in "${engines[@]}"; do
+  read -r word n strat consumers rest <<<"$v"
+  case "$word $strat" in "engine Batched" | "engine Instant") ;; *) echo "VARIANTS: not \"engine WORKERS Batched|Instant CONSUMERS\": '$v'" >&2; exit 1;; esac
+  [ -z "$rest" ] && [ "$n" -ge 1 ] 2>/dev/null && [ "$consumers" -ge 1 ] 2>/dev/null \
+    || { echo "VARIANTS: not \"engine WORKERS Batched|Instant CONSUMERS\": '$v'" >&2; exit 1; }
+  for b in "${build_names[@]}"; do variants+=("$v $b"); done
+done
 for r in $(seq "$ROUNDS"); do
   for i in "${!variants[@]}"; do
     v=${variants[$i]}
     if [ "$v" = ceiling ]; then
       run_ceiling "$r" >>"$work/v$i"
     else
-      read -r _ n strat consumers <<<"$v"
-      run_engine "$r" "$n" "$strat" "$consumers" >>"$work/v$i"
+      read -r _ n strat consumers build <<<"$v"
+      run_engine "$r" "$n" "$strat" "$consumers" "$build" >>"$work/v$i"
       cat "$work/rss" >>"$work/rss$i"
     fi
     echo >>"$work/v$i"
@@ -223,40 +255,46 @@ ceiling=$(median <"$work/v0")
 printf '| variant | applies/s | vs ceiling | median of per-round ratios (min–max) | worker peak RSS |\n|---|---|---|---|---|\n'
 printf '| hand-written ceiling (4 connections, 1 call per group) | %.0f | 100%% | 100%% | - |\n' "$ceiling"
 for i in $(seq $(( ${#variants[@]} - 1 ))); do
-  v=${variants[$i]}; read -r _ n strat consumers <<<"$v"
+  v=${variants[$i]}; read -r _ n strat consumers build <<<"$v"
   m=$(median <"$work/v$i"); rss=$(sort -g "$work/rss$i" | tail -1)
   paste "$work/v$i" "$work/v0" | awk 'NF == 2 { printf "%.4f\n", $1 * 100 / $2 }' >"$work/ratio$i"
-  printf '| engine, %s worker(s) × %s drain consumers, %s | %.0f | %.0f%% | %.0f%% (%.0f–%.0f%%) | %.1f MiB |\n' "$n" "$consumers" "$strat" "$m" \
+  printf '| engine%s, %s worker(s) × %s drain consumers, %s | %.0f | %.0f%% | %.0f%% (%.0f–%.0f%%) | %.1f MiB |\n' "${build:+ $build}" "$n" "$consumers" "$strat" "$m" \
     "$(awk -v m="$m" -v c="$ceiling" 'BEGIN { print m * 100 / c }')" \
     "$(median <"$work/ratio$i")" "$(sort -g "$work/ratio$i" | head -1)" "$(sort -g "$work/ratio$i" | tail -1)" \
     "$(awk -v r="$rss" 'BEGIN { print r / 1024 }')"
 done
 fi
 
-# Single-connection server cost (see the header).
+# Single-connection server cost (see the header), per build in its own schema.
 instance=00000000-0000-0000-0000-000000000001
-s=server_cost
-"$WORKER" --config "$(config "$s" Batched)" migrate >/dev/null 2>>"$work/migrate.log"
-append_all "$s"
-q -c "UPDATE $s.wh_active_streams SET assigned_instance_id = '$instance'" -c "VACUUM ANALYZE"
-create_ceiling "$s"
+for b in "${build_names[@]}"; do
+  s=server_cost${b:+_$b}
+  "$(worker_of "$b")" --config "$(config "$s" Batched)" migrate >/dev/null 2>>"$work/migrate.log"
+  append_all "$s"
+  q -c "UPDATE $s.wh_active_streams SET assigned_instance_id = '$instance'" -c "VACUUM ANALYZE"
+  create_ceiling "$s"
+done
 timed_ms() { # statement -> ms it took, in a transaction rolled back afterwards
   q -c "VACUUM" # the previous call's rolled-back rows, so that no call pays for another's
   printf '%s\n' "BEGIN;" "SELECT clock_timestamp() AS t0 \\gset" "$1;" \
     "SELECT round(extract(epoch FROM clock_timestamp() - :'t0') * 1000);" "ROLLBACK;" | q | tail -1
 }
-drain_sql() { # p_instant -> the one wh_drain call over every stream
-  echo "SELECT count(*) FROM $s.wh_drain('$instance', ARRAY(SELECT stream_id FROM $s.wh_active_streams), 100, $APPLIES, $1, false, 1000, 300000, false, NULL, 30000, 0)"
+drain_sql() { # schema p_instant -> the one wh_drain call over every stream
+  echo "SELECT count(*) FROM $1.wh_drain('$instance', ARRAY(SELECT stream_id FROM $1.wh_active_streams), 100, $APPLIES, $2, false, 1000, 300000, false, NULL, 30000, 0)"
 }
-ceiling_sql="SELECT sum($s.bench_apply_next()) FROM generate_series(1, $(( STREAMS * 2 * ((PER_STREAM + 99) / 100) )))"
 for r in $(seq "$ROUNDS"); do
-  timed_ms "$ceiling_sql" >>"$work/cost_ceiling"
-  timed_ms "$(drain_sql true)" >>"$work/cost_engine"
-  timed_ms "$(drain_sql false)" >>"$work/cost_batched"
+  for b in "${build_names[@]}"; do
+    s=server_cost${b:+_$b}
+    timed_ms "SELECT sum($s.bench_apply_next()) FROM generate_series(1, $(( STREAMS * 2 * ((PER_STREAM + 99) / 100) )))" >>"$work/cost_ceiling$b"
+    timed_ms "$(drain_sql "$s" true)" >>"$work/cost_engine$b"
+    timed_ms "$(drain_sql "$s" false)" >>"$work/cost_batched$b"
+  done
 done
-c=$(sort -g "$work/cost_ceiling" | head -1); e=$(sort -g "$work/cost_engine" | head -1)
-b=$(sort -g "$work/cost_batched" | head -1)
-printf '\nsingle-connection server cost of %d applies (fastest of %d, in ms): ceiling %d, engine wh_drain %d (Instant: it deletes its work rows, as the ceiling does) -> ceiling/engine %.0f%%\n' \
-  "$APPLIES" "$ROUNDS" "$c" "$e" "$(awk -v c="$c" -v e="$e" 'BEGIN { print c * 100 / e }')"
-printf 'the same call Batched (its rows are left to a completion flush, not timed here): %d ms -> ceiling/engine %.0f%%\n' \
-  "$b" "$(awk -v c="$c" -v e="$b" 'BEGIN { print c * 100 / e }')"
+for b in "${build_names[@]}"; do
+  c=$(sort -g "$work/cost_ceiling$b" | head -1); e=$(sort -g "$work/cost_engine$b" | head -1)
+  bt=$(sort -g "$work/cost_batched$b" | head -1)
+  printf '\nsingle-connection server cost of %d applies%s (fastest of %d, in ms): ceiling %d, engine wh_drain %d (Instant: it deletes its work rows, as the ceiling does) -> ceiling/engine %.0f%%\n' \
+    "$APPLIES" "${b:+, build $b}" "$ROUNDS" "$c" "$e" "$(awk -v c="$c" -v e="$e" 'BEGIN { print c * 100 / e }')"
+  printf 'the same call Batched (its rows are left to a completion flush, not timed here): %d ms -> ceiling/engine %.0f%%\n' \
+    "$bt" "$(awk -v c="$c" -v e="$bt" 'BEGIN { print c * 100 / e }')"
+done
