@@ -6,7 +6,7 @@ use crate::config::{Ordering, PerspectiveConfig};
 
 /// Bumped whenever the generated code changes (templates or slot fillers), so `migrate`
 /// recompiles and `run` refuses functions an older binary generated.
-const FORMAT_VERSION: &str = "apply-v43";
+const FORMAT_VERSION: &str = "apply-v44";
 
 /// Hash of everything `migrate` compiles and runs for `perspective` in `schema`: the format
 /// version, schema, name, version, ordering, sequencing (and its key), setup, reset and handlers. Options that are passed to the
@@ -153,8 +153,8 @@ mod tests {
         assert_eq!(
             (FORMAT_VERSION, hex::encode(h.finalize()).as_str()),
             (
-                "apply-v43",
-                "099604e30ee91862bf540374e10dca3a4c1e9ed3011031ff9fb594a02c2a15d8"
+                "apply-v44",
+                "9b4e24e5e50f1904c0f765fe6c734c2a50379038855d1552549cb5ecd63f5f6f"
             ),
             "the generated SQL changed: bump FORMAT_VERSION and update this pin"
         );

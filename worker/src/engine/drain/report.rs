@@ -137,8 +137,29 @@ pub(super) fn seconds_since(
 ) -> f64 {
     (now - t).num_microseconds().unwrap_or(0) as f64 / 1e6
 }
+/// Seconds from `epoch_seconds` (since the Unix epoch, as `wh_drain` reports a row's creation)
+/// to `now`.
+pub(super) fn seconds_since_epoch(epoch_seconds: f64, now: chrono::DateTime<chrono::Utc>) -> f64 {
+    now.timestamp_micros() as f64 / 1e6 - epoch_seconds
+}
 /// A late event rewound a stream (ordering `eventId`): counted and logged.
 pub(super) fn report_rewound(ctx: &Shared, perspective: &str, stream_id: Uuid) {
     ctx.metrics.rewinds.inc();
     tracing::info!(%perspective, %stream_id, "late event: stream rewound and replayed in event-id order");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rows_age_is_measured_from_its_epoch_seconds_to_microseconds() {
+        let now = chrono::DateTime::from_timestamp_micros(1_765_100_000_123_456).unwrap();
+        let created = 1_765_099_999.873_456; // 250 ms earlier
+        let age = seconds_since_epoch(created, now);
+        assert!((age - 0.25).abs() < 1e-6, "{age}");
+        // The same instant as the timestamp form gives.
+        let t = chrono::DateTime::from_timestamp_micros(1_765_099_999_873_456).unwrap();
+        assert!((seconds_since(t, now) - age).abs() < 1e-6);
+    }
 }

@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use super::report::{
     pair_outcome, pair_span, report_applied, report_contended, report_dead_lettered, report_failed,
-    report_rewound, seconds_since,
+    report_rewound, seconds_since_epoch,
 };
 use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
 use crate::config::{CompletionStrategy, Config, Sequencing};
@@ -264,10 +264,10 @@ fn report_pair(
             // The rows applied: up to the new cursor, a dead-lettered head excepted.
             o.versions
                 .iter()
-                .zip(&o.created_at)
+                .zip(&o.created_epoch)
                 .skip(o.dead_lettered.len())
                 .filter(|(v, _)| Some(**v) <= o.last_version)
-                .map(|(_, t)| seconds_since(*t, now)),
+                .map(|(_, t)| seconds_since_epoch(*t, now)),
         );
     }
     if let Some(work_id) = o.failed_work_id {
