@@ -762,11 +762,7 @@ perspectives:
     );
     let config = parse_config(&yaml);
     migrate_config(&config).await;
-    let mut conn = connect().await;
-    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        .execute(&mut conn)
-        .await
-        .expect("pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh)");
+    let (mut conn, url) = counting_statements().await;
     // Twenty events a stream, A at odd versions and B at even ones: `every` holds each stream's
     // versions 1..20, `odd` its odd ones (both deeper than a shallow pair).
     let streams: Vec<Uuid> = (0..10).map(|_| Uuid::now_v7()).collect();
@@ -781,7 +777,6 @@ perspectives:
         .await
         .unwrap();
     }
-    let url = database_url_with(&[("pg_stat_statements.track", "all")]);
     let engine = RunningEngine::start_with(perspective_worker::engine::EngineOptions::new(
         config.clone(),
         url,
@@ -913,6 +908,20 @@ perspectives:
     assert_eq!(rows, expected);
 }
 
+/// A connection to count statements with [`statement_calls`], and the URL an engine's sessions
+/// use for every statement they run, nested ones included, to be counted (`track = all`).
+async fn counting_statements() -> (sqlx::PgConnection, String) {
+    let mut conn = connect().await;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .execute(&mut conn)
+        .await
+        .expect("pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh)");
+    (
+        conn,
+        database_url_with(&[("pg_stat_statements.track", "all")]),
+    )
+}
+
 /// Calls recorded by pg_stat_statements (`track = all` in the engine's sessions) of the
 /// statements whose text contains every part.
 async fn statement_calls(conn: &mut sqlx::PgConnection, parts: &[String]) -> i64 {
@@ -975,12 +984,7 @@ perspectives:
     );
     let config = parse_config(&yaml);
     migrate_config(&config).await;
-    let mut conn = connect().await;
-    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        .execute(&mut conn)
-        .await
-        .expect("pg_stat_statements: the test cluster preloads it (tests/pg/pg.sh)");
-    let url = database_url_with(&[("pg_stat_statements.track", "all")]);
+    let (mut conn, url) = counting_statements().await;
     // (Ten events a stream: more than a shallow pair holds, so they take the per-pair path and
     // its apply function, whatever depth the engine saw before.)
     let append = |streams: Vec<Uuid>, events: i32| {

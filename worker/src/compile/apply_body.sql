@@ -99,18 +99,14 @@ BEGIN
   -- aggregate's input on its own: seven sorts a group). Whether they are in the group's order is
   -- checked, not assumed: the versions read must be the group's own; else they are read again,
   -- sorted.
-  IF a_versions[v_n] - a_versions[1] = v_n - 1 THEN
+{% for versions in ["BETWEEN a_versions[1] AND a_versions[v_n]", "= ANY (a_versions)"] %}
+  {{ "IF a_versions[v_n] - a_versions[1] = v_n - 1 THEN" if loop.first else "ELSE" }}
     SELECT {%+ with order_by = "" %}{% include "event_arrays.sql" %}{% endwith %},
            array_agg(e.stream_version)
       INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants, v_read_versions
     FROM {{ schema }}.wh_event_store e
-    WHERE e.stream_id = p_stream_id AND e.stream_version BETWEEN a_versions[1] AND a_versions[v_n];
-  ELSE
-    SELECT {%+ with order_by = "" %}{% include "event_arrays.sql" %}{% endwith %},
-           array_agg(e.stream_version)
-      INTO a_types, a_data, a_metadata, a_scope, a_created, a_users, a_tenants, v_read_versions
-    FROM {{ schema }}.wh_event_store e
-    WHERE e.stream_id = p_stream_id AND e.stream_version = ANY (a_versions);
+    WHERE e.stream_id = p_stream_id AND e.stream_version {{ versions }};
+{% endfor %}
   END IF;
   IF v_read_versions IS DISTINCT FROM a_versions THEN
     SELECT {%+ with order_by = "e.stream_version" %}{% include "event_arrays.sql" %}{% endwith %}

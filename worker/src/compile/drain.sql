@@ -95,9 +95,9 @@ LEFT JOIN LATERAL (SELECT {{ columns }} FROM {{ schema }}.wh_perspective_cursors
                          LIMIT 1) c ON true
 {%- endmacro %}
 {#- The pair's window (see where it is used): its rows' ids, event ids, versions, attempts and
-    creation times (epoch seconds), one array each in the order `order` gives them (empty: the order the rows
-    come in), which of them this call may not apply yet (v_fence), and the cursor it follows.
-    With `check`, also the versions sorted, into v_sorted. #}
+    creation times (epoch seconds), one array each in the order `order` gives them (empty: the
+    order the rows come in), which of them this call may not apply yet (v_fence), and the
+    cursor it follows. With `check`, also the versions sorted, into v_sorted. #}
 {% macro pair_window(order, check=false) -%}
 {% set check_into = ", v_sorted" if check else "" %}
 {% set check = ",\n             array_agg(h.stream_version ORDER BY h.stream_version)" if check else "" %}
