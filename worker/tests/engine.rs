@@ -2105,6 +2105,74 @@ async fn hand_over_streams_gives_held_streams_to_the_live_peers_by_partition() {
     assert_eq!(unowned, 2);
 }
 
+/// `hand_over_streams` retires the held streams with nothing pending rather than hand them over:
+/// handed to nobody (no live peer), such a stream kept its active row, so the next event on it
+/// rang no doorbell and waited for a claim's poll (seen as a flaky backfill test, whose stopped
+/// engine's drained streams were retired or not as its settler happened to have reached them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_over_streams_retires_drained_streams_so_their_next_event_rings() {
+    let schema = unique_schema("handover_idle");
+    let config = parse_config(&recording_yaml(&schema, ""));
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    let stopping = Uuid::now_v7();
+    sqlx::query(&format!("SELECT {schema}.record_heartbeat($1, 't', 'h', 1)"))
+        .bind(stopping)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let (drained, busy) = (Uuid::now_v7(), Uuid::now_v7());
+    for s in [drained, busy] {
+        sqlx::query(&format!(
+            "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+        ))
+        .bind(s)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    }
+    // One stream's work applied and deleted (as an Instant completion leaves it), both held.
+    sqlx::raw_sql(&format!(
+        "DELETE FROM {schema}.wh_perspective_events WHERE stream_id = '{drained}';
+         UPDATE {schema}.wh_active_streams SET assigned_instance_id = '{stopping}';"
+    ))
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let moved: i32 = sqlx::query_scalar(&format!(
+        "SELECT {schema}.hand_over_streams($1, '{{}}', 30)"
+    ))
+    .bind(stopping)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(moved, 1, "only the stream with pending work is handed over");
+    let active: Vec<(Uuid, Option<Uuid>)> = sqlx::query_as(&format!(
+        "SELECT stream_id, assigned_instance_id FROM {schema}.wh_active_streams"
+    ))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(active, vec![(busy, None)], "the drained stream retired, the other released");
+
+    let mut listener = sqlx::postgres::PgListener::connect(&database_url())
+        .await
+        .unwrap();
+    listener.listen(&format!("{schema}_work")).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
+    ))
+    .bind(drained)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let rang = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await;
+    assert!(
+        matches!(&rang, Ok(Ok(n)) if n.payload().is_empty()),
+        "the producer rings for the retired stream's next event: {rang:?}"
+    );
+}
+
 /// A stopping worker hands the streams it holds but is not draining to its live peer at once:
 /// their events are applied while it still waits for an in-flight drain, not after it
 /// deregisters (in a rolling update the new pod's worker otherwise waited for the old one's

@@ -9,6 +9,9 @@
 -- are applied while this instance finishes its in-flight drains and flushes. Before, they waited
 -- for deregister_instance at the end of the stop; and released to nobody while this instance still
 -- counted as live, half of them would have waited anyway, outside the only peer's share.
+-- Held streams with nothing pending are retired first (cleanup_completed_streams), as the
+-- deregistration would retire them: handed over, to nobody when no peer is live, such a stream
+-- kept its active row, so the next event on it rang no doorbell and waited for a claim's poll.
 -- Returns how many streams were handed over.
 --
 -- Rows another session has locked (a settle retiring them, a producer's trigger) are skipped,
@@ -29,6 +32,10 @@ BEGIN
      SET stopping_since = now()
    WHERE instance_id = p_instance_id AND stopping_since IS NULL;
   GET DIAGNOSTICS v_marked = ROW_COUNT;
+  PERFORM {{schema}}.cleanup_completed_streams(p_instance_id, ARRAY(
+    SELECT h.stream_id FROM {{schema}}.wh_active_streams h
+    WHERE h.assigned_instance_id = p_instance_id
+      AND h.stream_id <> ALL (coalesce(p_keep, '{}'))));
   v_peers := ARRAY(
     SELECT i.instance_id FROM {{schema}}.wh_service_instances i
     WHERE i.instance_id <> p_instance_id AND i.stopping_since IS NULL
