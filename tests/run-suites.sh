@@ -26,7 +26,7 @@ trap 'rm -rf "$dir"' EXIT
 # balance the streams. (Running the control-plane suites 4 tests at a time was faster alone but
 # slower and flaky beside the other streams in CI: libtest's default, one per core, it is.)
 declare -A SECONDS_OF=(
-  [op-e2e]=180 [op-chart]=100 [op-units]=11 [op-pod_runner]=9 [op-monitoring]=3 [op-crd]=2
+  [op-e2e]=180 [op-chart]=12 [op-units]=11 [op-pod_runner]=9 [op-monitoring]=3 [op-crd]=2
   [op-builders]=2 [op-real_node]=2 [op-doc]=3 [engine]=92 [backfill]=43 [process]=39 [scale]=36
   [failures]=34 [options]=28 [failover]=40 [sequencing_lifecycle]=25 [partition]=25
   [worker-units]=24 [contention]=23 [migrate]=22 [connections]=19 [sequencing_failures]=19
