@@ -1138,7 +1138,9 @@ fn mismatches(user: &str, checks: &[Check]) -> Vec<Check> {
         .build()
         .unwrap();
     runtime.block_on(async {
-        let mut config = kube::Config::infer().await.expect("a kubeconfig (KUBECONFIG)");
+        let mut config = kube::Config::infer()
+            .await
+            .expect("a kubeconfig (KUBECONFIG)");
         config.auth_info.impersonate = Some(user.to_string());
         config.read_timeout = Some(Duration::from_secs(30));
         let reviews: kube::Api<SelfSubjectAccessReview> =

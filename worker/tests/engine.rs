@@ -2116,11 +2116,13 @@ async fn hand_over_streams_retires_drained_streams_so_their_next_event_rings() {
     migrate_config(&config).await;
     let mut conn = connect().await;
     let stopping = Uuid::now_v7();
-    sqlx::query(&format!("SELECT {schema}.record_heartbeat($1, 't', 'h', 1)"))
-        .bind(stopping)
-        .execute(&mut conn)
-        .await
-        .unwrap();
+    sqlx::query(&format!(
+        "SELECT {schema}.record_heartbeat($1, 't', 'h', 1)"
+    ))
+    .bind(stopping)
+    .execute(&mut conn)
+    .await
+    .unwrap();
     let (drained, busy) = (Uuid::now_v7(), Uuid::now_v7());
     for s in [drained, busy] {
         sqlx::query(&format!(
@@ -2153,7 +2155,11 @@ async fn hand_over_streams_retires_drained_streams_so_their_next_event_rings() {
     .fetch_all(&mut conn)
     .await
     .unwrap();
-    assert_eq!(active, vec![(busy, None)], "the drained stream retired, the other released");
+    assert_eq!(
+        active,
+        vec![(busy, None)],
+        "the drained stream retired, the other released"
+    );
 
     let mut listener = sqlx::postgres::PgListener::connect(&database_url())
         .await
