@@ -615,12 +615,16 @@ async fn while_notify_is_down_the_claim_loop_keeps_the_tight_interval() {
         use sqlx::Connection;
         sqlx::PgConnection::connect(&url).await.unwrap()
     };
-    let blocked = psql(&format!(
-        "ALTER DATABASE {db} ALLOW_CONNECTIONS false;
-         SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+    // Two psql calls: one `-c` string is one transaction, so the session was terminated before
+    // the ALTER committed, and a reconnect within those milliseconds got in (seen: the listener
+    // back 2 ms after it lost its connection, and the test timed out waiting for it to notice).
+    let blocked = psql(&format!("ALTER DATABASE {db} ALLOW_CONNECTIONS false"));
+    assert!(blocked.status.success(), "{blocked:?}");
+    let terminated = psql(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
          WHERE datname = '{db}' AND application_name = 'perspective-worker listen'"
     ));
-    assert!(blocked.status.success(), "{blocked:?}");
+    assert!(terminated.status.success(), "{terminated:?}");
     let outage = Instant::now();
     wait_until("the listener noticed", Duration::from_secs(5), || async {
         engine.metrics.listener_connected.get() == 0
