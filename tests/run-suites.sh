@@ -22,7 +22,8 @@ STREAMS=${STREAMS:-3}
 dir=$(mktemp -d "${TMPDIR:-/tmp}/perspective-suites.XXXXXX")
 trap 'rm -rf "$dir"' EXIT
 
-# Seconds each job took in warm three-stream runs on the project machine (2026-12-02), to
+# Seconds each job took in warm three-stream runs on the project machine (2026-12-02; the chart
+# suite 2026-12-07, once its RBAC checks were API calls rather than kubectl processes), to
 # balance the streams. (Running the control-plane suites 4 tests at a time was faster alone but
 # slower and flaky beside the other streams in CI: libtest's default, one per core, it is.)
 declare -A SECONDS_OF=(
