@@ -2125,13 +2125,7 @@ async fn hand_over_streams_retires_drained_streams_so_their_next_event_rings() {
     .unwrap();
     let (drained, busy) = (Uuid::now_v7(), Uuid::now_v7());
     for s in [drained, busy] {
-        sqlx::query(&format!(
-            "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
-        ))
-        .bind(s)
-        .execute(&mut conn)
-        .await
-        .unwrap();
+        append_event(&schema, s, None, serde_json::json!({})).await;
     }
     // One stream's work applied and deleted (as an Instant completion leaves it), both held.
     sqlx::raw_sql(&format!(
@@ -2165,13 +2159,7 @@ async fn hand_over_streams_retires_drained_streams_so_their_next_event_rings() {
         .await
         .unwrap();
     listener.listen(&format!("{schema}_work")).await.unwrap();
-    sqlx::query(&format!(
-        "INSERT INTO {schema}.wh_event_store (stream_id, event_type) VALUES ($1, 'A')"
-    ))
-    .bind(drained)
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    append_event(&schema, drained, None, serde_json::json!({})).await;
     let rang = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await;
     assert!(
         matches!(&rang, Ok(Ok(n)) if n.payload().is_empty()),
