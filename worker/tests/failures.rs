@@ -269,6 +269,163 @@ claimWorker:
     assert_eq!((pending, attempts), (1, 0));
 }
 
+/// Until `DELETE FROM <schema>.flush_blocked`, a completion flush (and only that: the statement
+/// the flush worker sends) fails.
+async fn block_flushes(conn: &mut sqlx::PgConnection, schema: &str) {
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE {schema}.flush_blocked (x int);
+         INSERT INTO {schema}.flush_blocked VALUES (1);
+         CREATE FUNCTION {schema}.fail_flush() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF current_query() LIKE '%complete_applied_events%'
+              AND EXISTS (SELECT 1 FROM {schema}.flush_blocked) THEN
+             RAISE EXCEPTION 'completion flush blocked by the test';
+           END IF;
+           RETURN OLD;
+         END $$;
+         CREATE TRIGGER fail_flush BEFORE DELETE ON {schema}.wh_perspective_events
+           FOR EACH ROW EXECUTE FUNCTION {schema}.fail_flush();"
+    ))
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
+/// Until `SELECT pg_advisory_unlock(<key>)` on `holder`, a completion flush waits (blocked
+/// before its first delete, not failed). The key is returned.
+async fn hold_flushes(holder: &mut sqlx::PgConnection, schema: &str) -> i64 {
+    let key: i64 = sqlx::query_scalar(&format!("SELECT hashtext('{schema}.flush')::bigint"))
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!(
+        "SELECT pg_advisory_lock({key});
+         CREATE FUNCTION {schema}.hold_flush() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF current_query() LIKE '%complete_applied_events%' THEN
+             PERFORM pg_advisory_xact_lock({key});
+           END IF;
+           RETURN OLD;
+         END $$;
+         CREATE TRIGGER hold_flush BEFORE DELETE ON {schema}.wh_perspective_events
+           FOR EACH ROW EXECUTE FUNCTION {schema}.hold_flush();"
+    ))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    key
+}
+
+/// What the claims return once the five applied streams' flush is held up (`failing`: it
+/// fails, retried 1 s then 100 s later; otherwise it waits on a lock), and a new stream's
+/// doorbell starts a claim: the number of streams each claim returned from then until the new
+/// stream is applied, and the five streams' work rows left.
+async fn claims_while_the_flush_is_held(failing: bool) -> (Vec<usize>, i64) {
+    let schema = unique_schema(if failing { "flushfail" } else { "flushwait" });
+    let config = parse_config(&recording_yaml(
+        &schema,
+        "worker:
+  retryOptions: { retryTimeoutSeconds: 1, backoffMultiplier: 100, maxBackoffSeconds: 600 }
+claimWorker:
+  pollingIntervalMilliseconds: 60000
+  notifyHealthyPollingIntervalMilliseconds: 60000
+  pollingMaxIntervalMilliseconds: 60000
+",
+    ));
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    let held = match failing {
+        true => {
+            block_flushes(&mut conn, &schema).await;
+            None
+        }
+        false => Some(hold_flushes(&mut conn, &schema).await),
+    };
+    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+         SELECT s, 'A' FROM unnest($1::uuid[]) AS x(s) ORDER BY s"
+    ))
+    .bind(&streams)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let options = EngineOptions::new(config.clone(), database_url());
+    let mut hooks = options.hooks.subscribe();
+    let engine = RunningEngine::start_with(options).await;
+    let metrics = engine.metrics.clone();
+    let waiting = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+           AND query LIKE '%complete_applied_events%' AND query LIKE '%{schema}%'"
+    );
+    wait_until("the flush held up", Duration::from_secs(20), || async {
+        match failing {
+            true => metrics.completion_flush_failures.get() >= 1,
+            false => scalar(&waiting).await >= 1,
+        }
+    })
+    .await;
+    while hooks.try_recv().is_ok() {}
+    let late = Uuid::now_v7();
+    append(&schema, late, serde_json::json!({})).await;
+    wait_until(
+        "the new stream applied",
+        Duration::from_secs(20),
+        || async {
+            seen(&schema, "p1", late).await == [1] && seen(&schema, "p2", late).await == [1]
+        },
+    )
+    .await;
+    let polls: Vec<usize> = std::iter::from_fn(|| hooks.try_recv().ok())
+        .filter_map(|e| match e {
+            HookEvent::ClaimPolled { streams, .. } => Some(streams),
+            _ => None,
+        })
+        .collect();
+    let left = scalar(&format!(
+        "SELECT count(*) FROM {schema}.wh_perspective_events WHERE stream_id <> '{late}'"
+    ))
+    .await;
+    let release = match held {
+        Some(key) => format!("SELECT pg_advisory_unlock({key})"),
+        None => format!("DELETE FROM {schema}.flush_blocked"),
+    };
+    sqlx::query(&release).execute(&mut conn).await.unwrap();
+    engine.stop().await;
+    assert_exactly_once(&schema, 6).await;
+    (polls, left)
+}
+
+/// A claim passes over the streams whose applied rows wait for their flush (Batched): those
+/// rows still look pending, and a claim that returned the streams had them drained again, a
+/// call that found only rows to retire (at breadth, a third of the streams claims returned).
+/// The flush hands them to the settler instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_passes_over_streams_whose_applied_rows_wait_for_their_flush() {
+    let (polls, left) = claims_while_the_flush_is_held(false).await;
+    assert!(
+        polls.contains(&1) && polls.iter().all(|n| *n <= 1),
+        "the claims while the flush waited returned only the new stream; streams per claim: {polls:?}"
+    );
+    assert_eq!(
+        left, 10,
+        "the applied rows wait for their flush, not retired by a second drain"
+    );
+}
+
+/// While flushes fail, claims return those streams again: the flush's retry may be long in
+/// coming, and after a failover to a standby that had not received the applies (failover.rs)
+/// the streams have work to redo.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_flushes_fail_a_claim_returns_the_streams_they_hold_up() {
+    let (polls, left) = claims_while_the_flush_is_held(true).await;
+    assert!(
+        polls.contains(&6),
+        "a claim returned the five streams with the new one; streams per claim: {polls:?}"
+    );
+    assert_eq!(left, 0, "the second drain retired the applied rows");
+}
+
 /// A completion flush that keeps failing backs off (here 1 s, then 100 s). Stopping does not
 /// wait that out: once the drain consumers are done it flushes what is left at once, so the
 /// worker stops well inside its grace period and the applied rows are deleted. (A CI run hung
@@ -286,30 +443,12 @@ claimWorker:
   pollingMaxIntervalMilliseconds: 60000
 ",
     ));
-    // (No claim after the first: a later claim re-offers the applied streams, whose rows wait for
-    // their flush, and that drain retired the rows itself before any flush could fail. Seen
-    // once, on a loaded machine.)
+    // (No claim after the first: before claims passed over the streams whose rows wait for
+    // their flush, a later claim re-offered them, and that drain retired the rows itself before
+    // any flush could fail. Seen once, on a loaded machine.)
     migrate_config(&config).await;
-    // While `flush_blocked` holds a row, a completion flush (and only that: the statement the
-    // flush worker sends) fails.
     let mut conn = connect().await;
-    sqlx::raw_sql(&format!(
-        "CREATE TABLE {schema}.flush_blocked (x int);
-         INSERT INTO {schema}.flush_blocked VALUES (1);
-         CREATE FUNCTION {schema}.fail_flush() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-           IF current_query() LIKE '%complete_applied_events%'
-              AND EXISTS (SELECT 1 FROM {schema}.flush_blocked) THEN
-             RAISE EXCEPTION 'completion flush blocked by the test';
-           END IF;
-           RETURN OLD;
-         END $$;
-         CREATE TRIGGER fail_flush BEFORE DELETE ON {schema}.wh_perspective_events
-           FOR EACH ROW EXECUTE FUNCTION {schema}.fail_flush();"
-    ))
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    block_flushes(&mut conn, &schema).await;
     // Appended before the engine starts, in one transaction: one claim, one drain call, one
     // flush of all ten rows, whose retries are then the only flushes.
     let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();

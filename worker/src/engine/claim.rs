@@ -1,5 +1,6 @@
 //! The claim loop: the only part of the worker that polls the database for new work.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -7,6 +8,7 @@ use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 use super::backoff::FailureStreak;
+use super::drain::completion::CompletionQueue;
 use super::drain::queue::{DrainQueue, Offer, Offered};
 use super::health::Probe;
 use super::wake_limit::WakeLimiter;
@@ -28,6 +30,8 @@ pub(crate) struct ClaimLoop {
     pub listener_healthy: Arc<AtomicBool>,
     /// When a claim last found work, out (the job runner paces itself by it).
     pub last_work: Arc<super::catchup::LastWork>,
+    /// Applied rows not flushed yet (Batched): their streams are not the claim's to offer.
+    pub completions: CompletionQueue,
 }
 
 /// The wait before the next poll: the tight interval while NOTIFY is unavailable, however long
@@ -72,7 +76,23 @@ pub(crate) fn claim_again_when_room(queued: usize, max_streams: usize, channel_f
 }
 
 impl ClaimLoop {
-    /// One `claim_work` call, the `offered` streams being queued or drained already.
+    /// The streams a claim passes over: queued, being drained, or drained with applied rows
+    /// the flush has not deleted yet. Those rows still look pending, so a claim returned such
+    /// a stream and the loop queued it again, for a drain that found only rows to retire (at
+    /// 100 000 one-event streams, 44 000 of the 144 000 streams one run's claims returned).
+    /// The flush hands each to the settler, which queues it again if new work came meanwhile
+    /// (a stream whose flush failed is not passed over: see `streams_awaiting_flush`).
+    fn offered(&self) -> Vec<Uuid> {
+        let mut offered = self.queue.offered();
+        let unflushed = self.completions.streams_awaiting_flush();
+        if !unflushed.is_empty() {
+            let known: HashSet<Uuid> = offered.iter().copied().collect();
+            offered.extend(unflushed.into_iter().filter(|s| !known.contains(s)));
+        }
+        offered
+    }
+
+    /// One `claim_work` call, passing over the `offered` streams (see [`ClaimLoop::offered`]).
     async fn claim(
         &self,
         max_streams: usize,
@@ -114,7 +134,7 @@ impl ClaimLoop {
             if shared.shutdown.is_cancelled() {
                 return;
             }
-            let offered = self.queue.offered();
+            let offered = self.offered();
             let streams = match self.claim(max_streams, offered).await {
                 Ok(s) => {
                     failures.succeeded();

@@ -452,6 +452,7 @@ fn spawn_tasks(
         queue: queue.clone(),
         listener_healthy,
         last_work,
+        completions: completions.clone(),
     };
     tasks.push(tokio::spawn(claim_loop.run()));
     let flush_stop = CancellationToken::new();

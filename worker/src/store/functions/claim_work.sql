@@ -19,8 +19,8 @@
 --     here has an index that yields its order, but the ranking of the (few) live instances,
 --     whose sort the setting only makes look expensive: so jit = off too, or that cost would have
 --     each call JIT-compile its queries (~200 ms). It runs no user code.
---   - p_offered_ids (the streams the caller has queued or in flight) are not returned: they are
---     the oldest it holds, and with a wide backlog a claim returned only them, so the worker
+--   - p_offered_ids (the streams the caller has queued or in flight, or whose applied rows wait
+--     for its flush) are not returned: they are the oldest it holds, and with a wide backlog a claim returned only them, so the worker
 --     re-offered them in a tight loop while the rest waited. Passed over by a hash lookup, they
 --     cost no probe of their pending work: at 100 000 one-event streams the listing probed
 --     about 1 600 held streams a claim to return 600 new ones (issue 28). An older worker passes

@@ -54,6 +54,9 @@ pub(crate) fn ranges_of(rows: &[AppliedRow]) -> Vec<AppliedUpTo> {
 pub(crate) struct CompletionQueue {
     tx: mpsc::UnboundedSender<AppliedRow>,
     unflushed: Arc<Mutex<HashMap<Uuid, HashSet<i64>>>>,
+    /// Streams of `unflushed` whose flush failed (the database unreachable, a failover) and
+    /// waits for its retry: claims do not wait for that (see `streams_awaiting_flush`).
+    retrying: Arc<Mutex<HashSet<Uuid>>>,
 }
 
 impl CompletionQueue {
@@ -63,6 +66,7 @@ impl CompletionQueue {
         let queue = CompletionQueue {
             tx,
             unflushed: Arc::default(),
+            retrying: Arc::default(),
         };
         (queue, rx)
     }
@@ -98,6 +102,7 @@ impl CompletionQueue {
                 ids.remove(&row.id);
                 if ids.is_empty() {
                     unflushed.remove(stream);
+                    self.retrying.lock().unwrap().remove(stream);
                 }
             }
         }
@@ -106,6 +111,32 @@ impl CompletionQueue {
     /// Whether applied rows of `stream` are still waiting for the flush worker.
     pub(crate) fn awaiting_flush(&self, stream: &Uuid) -> bool {
         self.unflushed.lock().unwrap().contains_key(stream)
+    }
+
+    /// The streams with applied rows still waiting for the flush worker, but for those whose
+    /// flush failed. Their rows look pending to a claim until the flush deletes them; after it,
+    /// the settler takes each one (and hands it back to the drain if it has new work). A failed
+    /// flush's retry may be long in coming (its backoff), and after a failover to a standby
+    /// that had not received the applies, its streams have work to redo: claims return them.
+    pub(crate) fn streams_awaiting_flush(&self) -> Vec<Uuid> {
+        let unflushed = self.unflushed.lock().unwrap();
+        let retrying = self.retrying.lock().unwrap();
+        unflushed
+            .keys()
+            .filter(|s| !retrying.contains(s))
+            .copied()
+            .collect()
+    }
+
+    /// The flush of `rows` failed; they wait for its retry.
+    fn flush_failed(&self, rows: &[AppliedRow]) {
+        let unflushed = self.unflushed.lock().unwrap();
+        let mut retrying = self.retrying.lock().unwrap();
+        for row in rows {
+            if unflushed.contains_key(&row.range.stream_id) {
+                retrying.insert(row.range.stream_id);
+            }
+        }
     }
 }
 
@@ -339,6 +370,7 @@ impl FlushWorker {
             Err(e) => {
                 // They stay Sent; reset_stale re-queues them after the backoff. If the process
                 // dies first, the rows are re-offered and the cursor skips them.
+                self.completions.flush_failed(&batch);
                 ctx.metrics.completion_flush_failures.inc();
                 tracing::warn!(error = %crate::db::describe_error(&e, None), count = batch.len(), "completion flush failed; will retry");
                 false
