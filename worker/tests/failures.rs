@@ -269,6 +269,27 @@ claimWorker:
     assert_eq!((pending, attempts), (1, 0));
 }
 
+/// A failed flush is retried 1 s later, then 100 s after that; claims start only on doorbells.
+const HELD_FLUSH_OPTIONS: &str = "worker:
+  retryOptions: { retryTimeoutSeconds: 1, backoffMultiplier: 100, maxBackoffSeconds: 600 }
+claimWorker:
+  pollingIntervalMilliseconds: 60000
+  notifyHealthyPollingIntervalMilliseconds: 60000
+  pollingMaxIntervalMilliseconds: 60000
+";
+
+/// One event of type A on each of `streams`, in one transaction.
+async fn append_one_each(conn: &mut sqlx::PgConnection, schema: &str, streams: &[Uuid]) {
+    sqlx::query(&format!(
+        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
+         SELECT s, 'A' FROM unnest($1::uuid[]) AS x(s) ORDER BY s"
+    ))
+    .bind(streams)
+    .execute(conn)
+    .await
+    .unwrap();
+}
+
 /// Until `DELETE FROM <schema>.flush_blocked`, a completion flush (and only that: the statement
 /// the flush worker sends) fails.
 async fn block_flushes(conn: &mut sqlx::PgConnection, schema: &str) {
@@ -322,16 +343,7 @@ async fn hold_flushes(holder: &mut sqlx::PgConnection, schema: &str) -> i64 {
 /// stream is applied, and the five streams' work rows left.
 async fn claims_while_the_flush_is_held(failing: bool) -> (Vec<usize>, i64) {
     let schema = unique_schema(if failing { "flushfail" } else { "flushwait" });
-    let config = parse_config(&recording_yaml(
-        &schema,
-        "worker:
-  retryOptions: { retryTimeoutSeconds: 1, backoffMultiplier: 100, maxBackoffSeconds: 600 }
-claimWorker:
-  pollingIntervalMilliseconds: 60000
-  notifyHealthyPollingIntervalMilliseconds: 60000
-  pollingMaxIntervalMilliseconds: 60000
-",
-    ));
+    let config = parse_config(&recording_yaml(&schema, HELD_FLUSH_OPTIONS));
     migrate_config(&config).await;
     let mut conn = connect().await;
     let held = match failing {
@@ -342,14 +354,7 @@ claimWorker:
         false => Some(hold_flushes(&mut conn, &schema).await),
     };
     let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
-    sqlx::query(&format!(
-        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
-         SELECT s, 'A' FROM unnest($1::uuid[]) AS x(s) ORDER BY s"
-    ))
-    .bind(&streams)
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    append_one_each(&mut conn, &schema, &streams).await;
     let options = EngineOptions::new(config.clone(), database_url());
     let mut hooks = options.hooks.subscribe();
     let engine = RunningEngine::start_with(options).await;
@@ -433,16 +438,7 @@ async fn while_flushes_fail_a_claim_returns_the_streams_they_hold_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_flushes_completions_at_once_whatever_their_retry_backoff() {
     let schema = unique_schema("flushstop");
-    let config = parse_config(&recording_yaml(
-        &schema,
-        "worker:
-  retryOptions: { retryTimeoutSeconds: 1, backoffMultiplier: 100, maxBackoffSeconds: 600 }
-claimWorker:
-  pollingIntervalMilliseconds: 60000
-  notifyHealthyPollingIntervalMilliseconds: 60000
-  pollingMaxIntervalMilliseconds: 60000
-",
-    ));
+    let config = parse_config(&recording_yaml(&schema, HELD_FLUSH_OPTIONS));
     // (No claim after the first: before claims passed over the streams whose rows wait for
     // their flush, a later claim re-offered them, and that drain retired the rows itself before
     // any flush could fail. Seen once, on a loaded machine.)
@@ -452,14 +448,7 @@ claimWorker:
     // Appended before the engine starts, in one transaction: one claim, one drain call, one
     // flush of all ten rows, whose retries are then the only flushes.
     let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
-    sqlx::query(&format!(
-        "INSERT INTO {schema}.wh_event_store (stream_id, event_type)
-         SELECT s, 'A' FROM unnest($1::uuid[]) AS x(s) ORDER BY s"
-    ))
-    .bind(&streams)
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    append_one_each(&mut conn, &schema, &streams).await;
     let engine = RunningEngine::start(&config).await;
     let metrics = engine.metrics.clone();
     wait_until("a failed flush", Duration::from_secs(20), || async {
