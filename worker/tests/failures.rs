@@ -269,25 +269,34 @@ claimWorker:
     assert_eq!((pending, attempts), (1, 0));
 }
 
-/// A failed flush is retried 1 s later, then 100 s after that; claims start only on doorbells.
-const HELD_FLUSH_OPTIONS: &str = "worker:
-  retryOptions: { retryTimeoutSeconds: 1, backoffMultiplier: 100, maxBackoffSeconds: 600 }
-claimWorker:
+/// Claim options under which claims start only on doorbells (polls a minute apart).
+macro_rules! doorbells_only {
+    () => {
+        "claimWorker:
   pollingIntervalMilliseconds: 60000
   notifyHealthyPollingIntervalMilliseconds: 60000
   pollingMaxIntervalMilliseconds: 60000
-";
+"
+    };
+}
+
+/// A failed flush is retried 1 s later, then 100 s after that; claims start only on doorbells.
+const HELD_FLUSH_OPTIONS: &str = concat!(
+    "worker:
+  retryOptions: { retryTimeoutSeconds: 1, backoffMultiplier: 100, maxBackoffSeconds: 600 }
+",
+    doorbells_only!()
+);
 
 /// As `HELD_FLUSH_OPTIONS`, but a failed flush is retried only 100 s later: no retry runs while
 /// a test drains. (A retry that was deleting rows when a drain retired the same streams' rows
 /// held one of them, so the drain skipped it and it stayed: seen on a loaded CI machine.)
-const FLUSH_RETRIED_LATE_OPTIONS: &str = "worker:
+const FLUSH_RETRIED_LATE_OPTIONS: &str = concat!(
+    "worker:
   retryOptions: { retryTimeoutSeconds: 100, backoffMultiplier: 2, maxBackoffSeconds: 600 }
-claimWorker:
-  pollingIntervalMilliseconds: 60000
-  notifyHealthyPollingIntervalMilliseconds: 60000
-  pollingMaxIntervalMilliseconds: 60000
-";
+",
+    doorbells_only!()
+);
 
 /// One event of type A on each of `streams`, in one transaction.
 async fn append_one_each(conn: &mut sqlx::PgConnection, schema: &str, streams: &[Uuid]) {
