@@ -106,11 +106,12 @@ pub(super) async fn fetch_and_apply(ctx: &Drainer, streams: &[Uuid]) -> Round {
         items,
         ctx.shared.config.worker.perspective_batch_size as usize,
     );
-    let (applied, contended) = apply_groups(ctx, groups).await;
+    let (applied, contended, progressed) = apply_groups(ctx, groups).await;
     Round {
         applied,
         busy,
         contended,
+        progressed,
     }
 }
 /// Rows already tried `maxPerspectiveEventAttempts` times (a lease counts as a try, so a worker
@@ -198,17 +199,27 @@ fn group(items: Vec<WorkItem>, batch_size: usize) -> Vec<Vec<Group>> {
         .collect()
 }
 /// Apply the pairs in parallel (up to `maxConcurrentPerspectives`), the chunks of one pair in
-/// order. Returns events applied and the streams whose apply met a lock conflict.
-async fn apply_groups(ctx: &Drainer, pairs: Vec<Vec<Group>>) -> (u64, HashSet<Uuid>) {
+/// order. Returns events applied, the streams whose apply met a lock conflict, and those with
+/// events applied.
+async fn apply_groups(
+    ctx: &Drainer,
+    pairs: Vec<Vec<Group>>,
+) -> (u64, HashSet<Uuid>, HashSet<Uuid>) {
     let limit = ctx.shared.config.worker.max_concurrent_perspectives.max(1) as usize;
     futures::stream::iter(pairs)
-        .map(|chunks| apply_pair(ctx, chunks))
+        .map(|chunks| async {
+            let stream = chunks.first().map(|g| g.stream_id);
+            (apply_pair(ctx, chunks).await, stream)
+        })
         .buffer_unordered(limit)
         .fold(
-            (0u64, HashSet::new()),
-            |(acc, mut contended), (n, stream)| async move {
-                contended.extend(stream);
-                (acc + n, contended)
+            (0u64, HashSet::new(), HashSet::new()),
+            |(acc, mut contended, mut progressed), ((n, conflict), stream)| async move {
+                contended.extend(conflict);
+                if n > 0 {
+                    progressed.extend(stream);
+                }
+                (acc + n, contended, progressed)
             },
         )
         .await

@@ -53,7 +53,7 @@ pub(crate) struct Drainer {
     /// Applied rows, out to the completion flush worker (Batched).
     completions: CompletionQueue,
     /// Streams that may be drained, out to the settler.
-    settle_tx: mpsc::UnboundedSender<Uuid>,
+    settle_tx: mpsc::UnboundedSender<completion::ToSettle>,
     /// The retry delay after lock conflicts between appliers.
     contention: contention::ContentionBackoff,
 }
@@ -65,7 +65,7 @@ impl Drainer {
         cache: Arc<Mutex<ProcessedEventCache>>,
         completions: CompletionQueue,
         queue: Arc<DrainQueue>,
-        settle_tx: mpsc::UnboundedSender<Uuid>,
+        settle_tx: mpsc::UnboundedSender<completion::ToSettle>,
     ) -> Self {
         Drainer {
             shared,
@@ -302,6 +302,9 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
     let started = Instant::now();
     let mut applied_total = 0u64;
     let mut current = mine.clone();
+    // Streams with events applied in any round of this batch (the last round of a busy stream
+    // often finds nothing: what came since is the settler's to find).
+    let mut progressed: HashSet<Uuid> = HashSet::new();
     let mut iterations = 0;
     let max_iterations = ctx.shared.config.worker.drain_loop_max_iterations.max(1);
     while !current.is_empty()
@@ -313,8 +316,10 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
             applied,
             busy,
             contended,
+            progressed: applied_to,
         } = drain_once(ctx, &current).await;
         applied_total += applied;
+        progressed.extend(applied_to);
         // A stream signalled again while we drained it gets another pass; one whose apply met a
         // lock conflict comes back after a short delay (`contention`), not in this loop.
         let mut next: Vec<Uuid> = busy;
@@ -330,7 +335,10 @@ async fn process_streams(ctx: &Drainer, streams: Vec<Uuid>) {
         for s in current.iter().filter(|s| {
             !next.contains(s) && !contended.contains(s) && !ctx.completions.awaiting_flush(s)
         }) {
-            let _ = ctx.settle_tx.send(*s);
+            let _ = ctx.settle_tx.send(completion::ToSettle {
+                stream: *s,
+                progressed: progressed.contains(s),
+            });
         }
         if contended.is_empty() {
             ctx.contention.calm();
@@ -372,6 +380,8 @@ struct Round {
     /// Streams whose apply met a lock conflict with another applier (nothing recorded): to be
     /// drained again after a short delay.
     contended: HashSet<Uuid>,
+    /// Streams with events applied.
+    progressed: HashSet<Uuid>,
 }
 /// One drain round for `streams`.
 async fn drain_once(ctx: &Drainer, streams: &[Uuid]) -> Round {

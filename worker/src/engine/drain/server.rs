@@ -127,6 +127,7 @@ async fn report_round(
     let mut rows_per_stream: BTreeMap<Uuid, i64> = BTreeMap::new();
     let mut more: HashSet<Uuid> = HashSet::new();
     let mut contended: HashSet<Uuid> = HashSet::new();
+    let mut progressed: HashSet<Uuid> = HashSet::new();
     let now = chrono::Utc::now();
     let mut completed: Vec<(Uuid, Uuid)> = Vec::new();
     for o in outcomes {
@@ -136,6 +137,9 @@ async fn report_round(
         }
         if o.contended_sqlstate.is_some() {
             contended.insert(o.stream_id);
+        }
+        if o.applied > 0 {
+            progressed.insert(o.stream_id);
         }
         applied += o.applied.max(0) as u64;
         report_pair(ctx, o, now, instant, &mut completed);
@@ -170,6 +174,7 @@ async fn report_round(
         applied,
         busy,
         contended,
+        progressed,
     }
 }
 

@@ -147,7 +147,7 @@ pub(crate) struct FlushWorker {
     /// Its retention starts once the rows it remembers are deleted.
     pub cache: Arc<Mutex<ProcessedEventCache>>,
     /// Streams whose rows were flushed, out: they may be drained.
-    pub settle_tx: mpsc::UnboundedSender<Uuid>,
+    pub settle_tx: mpsc::UnboundedSender<ToSettle>,
     /// Cancelled once the drain consumers have stopped (after the shutdown token): the last
     /// flush, then the task ends.
     pub stop: CancellationToken,
@@ -362,7 +362,10 @@ impl FlushWorker {
                 let streams: HashSet<Uuid> = batch.iter().map(|r| r.range.stream_id).collect();
                 for s in streams {
                     if !self.completions.awaiting_flush(&s) {
-                        let _ = self.settle_tx.send(s);
+                        let _ = self.settle_tx.send(ToSettle {
+                            stream: s,
+                            progressed: true,
+                        });
                     }
                 }
                 true
@@ -379,29 +382,76 @@ impl FlushWorker {
     }
 }
 
+/// A stream for the settler to retire, and whether the drain that left it applied events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ToSettle {
+    pub stream: Uuid,
+    /// Events applied (in any round of the drain batch that left it, or in the rows its flush
+    /// deleted): if it cannot be retired it most likely has new work (a hot stream), so it is
+    /// drained again at once.
+    pub progressed: bool,
+}
+
+/// How many times in a row a stream that makes no progress is handed back to the drain.
+const SETTLE_RETRIES: u32 = 8;
+
+/// What to do with a stream `cleanup_completed_streams` did not retire.
+#[derive(Debug, PartialEq, Eq)]
+enum Unsettled {
+    /// Its flush will bring it back to the settler.
+    AwaitFlush,
+    /// Back to the drain after this delay.
+    DrainAgain(Duration),
+    /// Tried enough: the claim loop's polls look after it.
+    GiveUp,
+}
+
+/// The rule for an unsettled stream, given the tries it has had without progress (`tries`,
+/// updated). A stream whose drain applied events starts again at no delay: a hot stream's
+/// producers find its active row and ring no doorbell, so this is the only thing that brings it
+/// back soon (with a growing delay it waited up to 1.3 s, then for a poll: a p99 of 120-600 ms
+/// with 10 streams at 1 000 events/s).
+fn unsettled(tries: &mut u32, progressed: bool, awaiting_flush: bool) -> Unsettled {
+    if awaiting_flush {
+        *tries = 0;
+        return Unsettled::AwaitFlush;
+    }
+    if progressed {
+        *tries = 0;
+        return Unsettled::DrainAgain(Duration::ZERO);
+    }
+    *tries += 1;
+    if *tries > SETTLE_RETRIES {
+        *tries = 0;
+        return Unsettled::GiveUp;
+    }
+    Unsettled::DrainAgain(Duration::from_millis(10u64 << (*tries - 1).min(7)))
+}
+
 impl Settler {
     /// Streams that may be drained → `cleanup_completed_streams`. A stream that could not be
-    /// retired (a producer was mid-append, or completions are not flushed yet, or it has work
-    /// waiting for a retry) is handed back to the drain channel after a growing delay, a few times;
-    /// after that the claim loop's own polls look after it. A stream this instance no longer
+    /// retired (it has new work, a producer was mid-append, completions are not flushed yet, or
+    /// it has work waiting for a retry) is handed back to the drain channel: at once if its
+    /// drain applied events, else after a growing delay, a few times; after that the claim
+    /// loop's own polls look after it (see [`unsettled`]). A stream this instance no longer
     /// holds (retired already, e.g. by a claim, or taken over) is settled: draining it again
     /// would find nothing it owns. So is one whose only work a backfill gates: a drain cannot
     /// apply that work, and the job's chunk that takes the stream rings the doorbell.
-    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<Uuid>) {
+    pub(crate) async fn run(self, mut rx: mpsc::UnboundedReceiver<ToSettle>) {
         let ctx = &self.shared;
-        const RETRIES: u32 = 8;
-        let mut retries: HashMap<Uuid, u32> = HashMap::new();
+        let mut tries: HashMap<Uuid, u32> = HashMap::new();
         loop {
             let first = tokio::select! {
                 _ = ctx.shutdown.cancelled() => return,
                 s = rx.recv() => match s { Some(s) => s, None => return },
             };
-            let mut streams: HashSet<Uuid> = HashSet::from([first]);
+            let mut streams: HashMap<Uuid, bool> =
+                HashMap::from([(first.stream, first.progressed)]);
             let deadline = tokio::time::Instant::now() + Duration::from_millis(5);
             while let Ok(Some(s)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-                streams.insert(s);
+                *streams.entry(s.stream).or_default() |= s.progressed;
             }
-            let list: Vec<Uuid> = streams.iter().copied().collect();
+            let list: Vec<Uuid> = streams.keys().copied().collect();
             let settled = ctx.store.settle_streams(ctx.instance_id, &list).await;
             let settled: HashSet<Uuid> = match settled {
                 Ok(r) => r.into_iter().collect(),
@@ -410,42 +460,73 @@ impl Settler {
                     HashSet::new()
                 }
             };
-            for s in list {
+            for (s, progressed) in streams {
                 if settled.contains(&s) {
-                    retries.remove(&s);
+                    tries.remove(&s);
                     continue;
                 }
-                if self.completions.awaiting_flush(&s) {
-                    // Its flush will bring it back here.
-                    retries.remove(&s);
-                    continue;
+                let n = tries.entry(s).or_insert(0);
+                let rule = unsettled(n, progressed, self.completions.awaiting_flush(&s));
+                if *n == 0 {
+                    tries.remove(&s);
                 }
-                let n = retries.entry(s).or_insert(0);
-                *n += 1;
-                if *n > RETRIES {
-                    retries.remove(&s);
-                    continue;
+                match rule {
+                    Unsettled::AwaitFlush | Unsettled::GiveUp => {}
+                    Unsettled::DrainAgain(delay) => self.drain_again(s, delay),
                 }
-                let delay = Duration::from_millis(10u64 << (*n - 1).min(7));
-                tracing::debug!(stream = %s, attempt = *n, delay_ms = delay.as_millis() as u64, "stream not retired; draining it again");
-                let queue = self.queue.clone();
-                let shutdown = ctx.shutdown.clone();
-                tokio::spawn(async move {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => {}
-                        _ = tokio::time::sleep(delay) => {
-                            queue.offer(s, super::queue::Offer::Signal);
-                        }
-                    }
-                });
             }
         }
+    }
+
+    /// Hands `stream` back to the drain channel after `delay`.
+    fn drain_again(&self, stream: Uuid, delay: Duration) {
+        tracing::debug!(%stream, delay_ms = delay.as_millis() as u64, "stream not retired; draining it again");
+        if delay.is_zero() {
+            self.queue.offer(stream, super::queue::Offer::Signal);
+            return;
+        }
+        let queue = self.queue.clone();
+        let shutdown = self.shared.shutdown.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = tokio::time::sleep(delay) => {
+                    queue.offer(stream, super::queue::Offer::Signal);
+                }
+            }
+        });
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsettled_stream_that_progressed_is_drained_again_at_once_others_back_off() {
+        let mut tries = 0;
+        let ms = |r: Unsettled| match r {
+            Unsettled::DrainAgain(d) => Some(d.as_millis() as u64),
+            _ => None,
+        };
+        let delays: Vec<_> = (0..4)
+            .map(|_| ms(unsettled(&mut tries, false, false)))
+            .collect();
+        assert_eq!(delays, [Some(10), Some(20), Some(40), Some(80)]);
+        assert_eq!(
+            ms(unsettled(&mut tries, true, false)),
+            Some(0),
+            "progress: at once"
+        );
+        assert_eq!(tries, 0, "and the delays start again");
+        assert_eq!(ms(unsettled(&mut tries, false, false)), Some(10));
+        assert_eq!(unsettled(&mut tries, true, true), Unsettled::AwaitFlush);
+        for _ in 0..SETTLE_RETRIES {
+            assert!(ms(unsettled(&mut tries, false, false)).is_some());
+        }
+        assert_eq!(unsettled(&mut tries, false, false), Unsettled::GiveUp);
+        assert_eq!(tries, 0);
+    }
 
     #[test]
     fn the_workers_of_a_deployment_flush_as_often_as_one_would() {
