@@ -94,7 +94,7 @@ pub struct WorkerOptions {
     pub drain_batcher: DrainBatcherOptions,
     /// Retry with backoff for unacknowledged completion reports (defaults 1 s, exponential x2, max 60 s).
     pub retry_options: RetryOptions,
-    /// When applied work rows are deleted: Batched (default) or Instant.
+    /// When applied work rows are deleted: Batched (default: in batches after the apply, but a drain of at most 500 rows deletes its own in its transaction) or Instant (always in the apply transaction).
     pub completion_strategy: CompletionStrategy,
     /// Interval between heartbeats in wh_service_instances, in seconds (default 10).
     #[schemars(range(min = 1, max = MAX_HEARTBEAT_INTERVAL_SECONDS))]

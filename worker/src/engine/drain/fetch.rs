@@ -19,7 +19,6 @@ use super::report::{
     report_rewound, seconds_since,
 };
 use super::{Drainer, Round, ROWS_PER_FETCH};
-use crate::config::CompletionStrategy;
 use crate::contract::{ApplyMode, ApplyOutcome, Group, RunnerError, WorkItem};
 use crate::engine::lifecycle;
 use crate::store::drain::FetchArgs;
@@ -102,11 +101,15 @@ pub(super) async fn fetch_and_apply(ctx: &Drainer, streams: &[Uuid]) -> Round {
 
     let items = dead_letter_filter(ctx, items).await;
     let items = dedup_filter(ctx, items);
+    let instant = super::completes_at_once(
+        &ctx.shared.config.worker.completion_strategy,
+        Some(items.len() as f64),
+    );
     let groups = group(
         items,
         ctx.shared.config.worker.perspective_batch_size as usize,
     );
-    let (applied, contended, progressed) = apply_groups(ctx, groups).await;
+    let (applied, contended, progressed) = apply_groups(ctx, groups, instant).await;
     Round {
         applied,
         busy,
@@ -200,16 +203,17 @@ fn group(items: Vec<WorkItem>, batch_size: usize) -> Vec<Vec<Group>> {
 }
 /// Apply the pairs in parallel (up to `maxConcurrentPerspectives`), the chunks of one pair in
 /// order. Returns events applied, the streams whose apply met a lock conflict, and those with
-/// events applied.
+/// events applied. `instant`: each apply completes its rows itself.
 async fn apply_groups(
     ctx: &Drainer,
     pairs: Vec<Vec<Group>>,
+    instant: bool,
 ) -> (u64, HashSet<Uuid>, HashSet<Uuid>) {
     let limit = ctx.shared.config.worker.max_concurrent_perspectives.max(1) as usize;
     futures::stream::iter(pairs)
         .map(|chunks| async {
             let stream = chunks.first().map(|g| g.stream_id);
-            (apply_pair(ctx, chunks).await, stream)
+            (apply_pair(ctx, chunks, instant).await, stream)
         })
         .buffer_unordered(limit)
         .fold(
@@ -226,14 +230,14 @@ async fn apply_groups(
 }
 /// Apply one pair's chunks in order, up to a failure or a lock conflict. Returns events
 /// applied and, if a lock conflict stopped it, the stream.
-async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>) -> (u64, Option<Uuid>) {
+async fn apply_pair(ctx: &Drainer, chunks: Vec<Group>, instant: bool) -> (u64, Option<Uuid>) {
     let Some(first) = chunks.first() else {
         return (0, None);
     };
     let gate = ctx.gates.get(first.stream_id, &first.perspective);
     let held = gate.clone().lock_owned().await;
     let mode = ApplyMode {
-        instant: ctx.shared.config.worker.completion_strategy == CompletionStrategy::Instant,
+        instant,
         debug: ctx.shared.config.worker.debug_mode,
         force: false,
     };

@@ -24,7 +24,7 @@ use uuid::Uuid;
 use super::drain::queue::{DrainQueue, Offer};
 use super::hooks::HookEvent;
 use super::Shared;
-use crate::config::DrainBatcherOptions;
+use crate::config::{CompletionStrategy, DrainBatcherOptions};
 use crate::contract::PerspectiveRunner;
 use completion::dedup::ProcessedEventCache;
 use completion::CompletionQueue;
@@ -81,6 +81,15 @@ impl Drainer {
         }
     }
 
+    /// Whether a `wh_drain` call for `streams` completes the rows it applies itself (see
+    /// [`completes_at_once`]), by the depth the last call found.
+    fn completes_at_once(&self, streams: &[Uuid]) -> bool {
+        let expected = self
+            .observed_depth()
+            .map(|depth| depth * streams.len() as f64);
+        completes_at_once(&self.shared.config.worker.completion_strategy, expected)
+    }
+
     /// One consumer loop, the `index`th (from 0): it takes batches while fewer than `index + 1`
     /// consumers would leave the worker under its share of the deployment's drain consumers
     /// ([`Shared::drain_width`]), and waits otherwise.
@@ -103,6 +112,23 @@ impl Drainer {
             process_streams(&self, batch).instrument(span).await;
             self.batches_in_flight.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+}
+
+/// Rows a drain call (or, for custom runners, a pair's fetch) applies at most to complete them
+/// itself, in its own transaction, under the Batched strategy.
+const COMPLETE_AT_ONCE_ROWS: f64 = 500.0;
+
+/// Whether an apply of `rows` (expected; `None`: not known) deletes the work rows it applied in
+/// its own transaction (as Instant does) rather than handing them to the flush worker: always
+/// with Instant; with Batched when it is small. A stream waits for its flush before its next
+/// drain (claims pass over it meanwhile), so for a drain of a few events the flush's own commit
+/// and window were most of their latency (10 hot streams at 1 000 events/s: p99 35 ms against
+/// 17 ms with Instant), while deep backlogs keep the flush's batched range deletes.
+pub(crate) fn completes_at_once(strategy: &CompletionStrategy, rows: Option<f64>) -> bool {
+    match strategy {
+        CompletionStrategy::Instant => true,
+        CompletionStrategy::Batched => rows.is_some_and(|r| r <= COMPLETE_AT_ONCE_ROWS),
     }
 }
 
@@ -402,6 +428,24 @@ mod tests {
             max_wait_milliseconds: max_wait,
             max_size: 1000,
         }
+    }
+
+    #[test]
+    fn small_applies_complete_their_rows_themselves_deep_ones_leave_them_to_the_flush() {
+        use CompletionStrategy::{Batched, Instant};
+        assert!(
+            completes_at_once(&Batched, Some(3.5)),
+            "a hot stream's few events"
+        );
+        assert!(completes_at_once(&Batched, Some(500.0)));
+        assert!(!completes_at_once(&Batched, Some(501.0)));
+        assert!(
+            !completes_at_once(&Batched, Some(2.0 * 1000.0)),
+            "1 000 one-event streams"
+        );
+        assert!(!completes_at_once(&Batched, None), "no depth known yet");
+        assert!(completes_at_once(&Instant, None));
+        assert!(completes_at_once(&Instant, Some(10_000.0)));
     }
 
     /// Send `ids` one by one, `gap` apart, then close the channel.

@@ -10,14 +10,14 @@ use super::report::{
     report_rewound, seconds_since_epoch,
 };
 use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
-use crate::config::{CompletionStrategy, Config, Sequencing};
+use crate::config::{Config, Sequencing};
 use crate::engine::lifecycle;
 use crate::store::drain::{DrainArgs, PairOutcome};
 use crate::store::names::{SEQUENCING_BUSY, SWITCHED_AWAY};
 
 /// One `wh_drain` round for `streams`, reported.
 pub(super) async fn drain(ctx: &Drainer, streams: &[Uuid]) -> Round {
-    let instant = ctx.shared.config.worker.completion_strategy == CompletionStrategy::Instant;
+    let instant = ctx.completes_at_once(streams);
     let mut outcomes = Vec::new();
     let mut whole_call_contended = false;
     for call in calls(&ctx.shared.config) {

@@ -231,8 +231,9 @@ impl FlushBudget {
 /// the deployment's work: [`FLUSH_WINDOW`] for each, up to four. Each flush is followed by a
 /// settle of its streams, and the workers of a deployment flush what one worker would have
 /// flushed in one go: three workers each flushing every 25 ms made three times the calls of one
-/// (issue 28). The cursor is the durable floor, so a later flush delays no apply; a stream
-/// retired later rings no doorbell meanwhile, but its new work is re-offered by the next claim.
+/// (issue 28). The cursor is the durable floor, so a later flush delays no other stream's apply;
+/// the stream itself waits for it (claims pass over streams awaiting their flush), which is why
+/// small drain calls complete their rows themselves (`Drainer::completes_at_once`).
 pub(crate) fn flush_window(live_workers: usize) -> Duration {
     FLUSH_WINDOW * live_workers.clamp(1, 4) as u32
 }
