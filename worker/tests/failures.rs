@@ -425,6 +425,52 @@ async fn claims_while_the_flush_is_held(failing: bool) -> (Vec<usize>, i64) {
     (polls, left)
 }
 
+/// Under Batched, a drain call of a few events deletes its applied work rows itself, in its
+/// own transaction: the stream's next drain would otherwise wait for the flush (its window, its
+/// commit, the settle after it), which was most of a live stream's latency. Here every flush
+/// fails, so only the drain can have deleted the new stream's rows. The first call knows no
+/// depth yet and leaves its rows to the flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_drain_deletes_its_applied_rows_itself_under_batched() {
+    let schema = unique_schema("smalldrain");
+    let config = parse_config(&recording_yaml(&schema, FLUSH_RETRIED_LATE_OPTIONS));
+    migrate_config(&config).await;
+    let mut conn = connect().await;
+    block_flushes(&mut conn, &schema).await;
+    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    append_one_each(&mut conn, &schema, &streams).await;
+    let engine = RunningEngine::start(&config).await;
+    let metrics = engine.metrics.clone();
+    wait_until("a failed flush", Duration::from_secs(20), || async {
+        metrics.completion_flush_failures.get() >= 1
+    })
+    .await;
+    let live = Uuid::now_v7();
+    append(&schema, live, serde_json::json!({})).await;
+    wait_until(
+        "the live stream applied",
+        Duration::from_secs(20),
+        || async {
+            seen(&schema, "p1", live).await == [1] && seen(&schema, "p2", live).await == [1]
+        },
+    )
+    .await;
+    let rows = |stream: &str| {
+        format!("SELECT count(*) FROM {schema}.wh_perspective_events WHERE stream_id {stream}")
+    };
+    assert_eq!(
+        scalar(&rows(&format!("= '{live}'"))).await,
+        0,
+        "the live stream's drain deleted its rows, though every flush fails"
+    );
+    sqlx::query(&format!("DELETE FROM {schema}.flush_blocked"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    engine.stop().await;
+    assert_exactly_once(&schema, 6).await;
+}
+
 /// A claim passes over the streams whose applied rows wait for their flush (Batched): those
 /// rows still look pending, and a claim that returned the streams had them drained again, a
 /// call that found only rows to retire (at breadth, a third of the streams claims returned).
