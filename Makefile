@@ -67,6 +67,7 @@ bench: postgres
 	PHASES=live LIVE_RATE=1000 DURABLE=1 tests/bench/backfill.sh
 	tests/bench/crossstream.sh
 	tests/bench/latency.sh
+	STREAMS=10 RATES=1000 tests/bench/latency.sh
 	tests/bench/rollout.sh
 	tests/bench/idle.sh
 	tests/bench/bluegreen.sh

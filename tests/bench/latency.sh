@@ -16,6 +16,8 @@
 #
 #   tests/bench/latency.sh                       (make bench builds the release worker first)
 #   RATES="1000" WORKERS_LIST="1 3" SECONDS_EACH=30 tests/bench/latency.sh
+#   STREAMS=10 RATES=1000 tests/bench/latency.sh (hot streams, also in make bench: each stream
+#                                                 stays active, so its producers ring no doorbell)
 #
 # The latency during a 1 000 000-event backfill is measured by tests/bench/backfill.sh.
 set -euo pipefail
