@@ -10,7 +10,7 @@ use super::report::{
     report_rewound, seconds_since_epoch,
 };
 use super::{shallow_rows, Drainer, Round, ROWS_PER_FETCH};
-use crate::config::{Config, Sequencing};
+use crate::config::{CompletionStrategy, Config, Sequencing};
 use crate::engine::lifecycle;
 use crate::store::drain::{DrainArgs, PairOutcome};
 use crate::store::names::{SEQUENCING_BUSY, SWITCHED_AWAY};
@@ -145,10 +145,16 @@ async fn report_round(
         report_pair(ctx, o, now, instant, &mut completed);
     }
     let min_batch = ctx.shared.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
-    ctx.observe_depth(
-        rows_per_stream.values().sum::<i64>(),
-        rows_per_stream.values().filter(|r| **r > 0).count(),
-    );
+    let rows = rows_per_stream.values().sum::<i64>();
+    ctx.observe_depth(rows, rows_per_stream.values().filter(|r| **r > 0).count());
+    if instant
+        && rows >= super::COMPLETE_AT_ONCE_ROWS as i64
+        && ctx.shared.config.worker.completion_strategy == CompletionStrategy::Batched
+    {
+        // A call expected small stopped at its rows: the next one leaves them to the flush.
+        // (Not `more`: a live stream has more whenever events came during the call.)
+        ctx.observe_deep();
+    }
     lifecycle::fire(&ctx.shared, &completed).await;
     tracing::debug!(
         streams = streams.len(),
@@ -178,13 +184,28 @@ async fn report_round(
     }
 }
 
+/// The rows a `wh_drain` call may take, given what its streams could yield at full depth
+/// (`full`). A call guessed small (`guessed_small`: Batched, see `completes_at_once`) takes no
+/// more than a small one: if its streams are deeper than the last call found (a catch-up's after
+/// live ones), it stops there and reports them deep, instead of deleting a deep call's rows in
+/// its own transaction.
+fn row_budget(full: i64, guessed_small: bool) -> i64 {
+    let budget = full.clamp(100, 2 * ROWS_PER_FETCH as i64);
+    match guessed_small {
+        true => budget.min(super::COMPLETE_AT_ONCE_ROWS as i64),
+        false => budget,
+    }
+}
+
 /// The arguments of one `wh_drain` call for `streams` streams.
 fn drain_args(ctx: &Drainer, streams: usize, instant: bool) -> DrainArgs {
     let w = &ctx.shared.config.worker;
     let perspectives = ctx.shared.config.perspectives.len();
     let per_pair = w.perspective_batch_size.max(1) as i64;
-    let max_rows =
-        (per_pair * streams as i64 * perspectives as i64).clamp(100, 2 * ROWS_PER_FETCH as i64);
+    let max_rows = row_budget(
+        per_pair * streams as i64 * perspectives as i64,
+        instant && w.completion_strategy == CompletionStrategy::Batched,
+    );
     DrainArgs {
         instance_id: ctx.shared.instance_id,
         per_pair: per_pair as i32,
@@ -298,6 +319,15 @@ fn report_pair(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_guessed_small_takes_no_more_rows_than_a_small_one() {
+        assert_eq!(row_budget(67 * 100 * 2, false), 13_400, "67 deep streams");
+        assert_eq!(row_budget(67 * 100 * 2, true), 500, "guessed small: capped");
+        assert_eq!(row_budget(200, true), 200, "a small call keeps its budget");
+        assert_eq!(row_budget(10, true), 100, "at least 100");
+        assert_eq!(row_budget(1_000_000, false), 2 * ROWS_PER_FETCH as i64);
+    }
 
     fn config(modes: &[&str]) -> Config {
         let mut yaml = String::from("schema: s\nperspectives:\n");
