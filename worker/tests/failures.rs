@@ -425,15 +425,16 @@ async fn claims_while_the_flush_is_held(failing: bool) -> (Vec<usize>, i64) {
     (polls, left)
 }
 
-/// Under Batched, a drain call of a few events deletes its applied work rows itself, in its
-/// own transaction: the stream's next drain would otherwise wait for the flush (its window, its
-/// commit, the settle after it), which was most of a live stream's latency. Here every flush
-/// fails, so only the drain can have deleted the new stream's rows. The first call knows no
-/// depth yet and leaves its rows to the flush.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_small_drain_deletes_its_applied_rows_itself_under_batched() {
-    let schema = unique_schema("smalldrain");
-    let config = parse_config(&recording_yaml(&schema, FLUSH_RETRIED_LATE_OPTIONS));
+/// A migrated schema (`options`) whose completion flushes fail, five one-event streams appended
+/// before the engine starts (in one transaction: one claim, one drain call, one flush of all ten
+/// rows), and the engine once that flush has failed. Returns the schema, a connection, the
+/// engine and the streams.
+async fn five_streams_whose_flush_failed(
+    prefix: &str,
+    options: &str,
+) -> (String, sqlx::PgConnection, RunningEngine, Vec<Uuid>) {
+    let schema = unique_schema(prefix);
+    let config = parse_config(&recording_yaml(&schema, options));
     migrate_config(&config).await;
     let mut conn = connect().await;
     block_flushes(&mut conn, &schema).await;
@@ -445,6 +446,18 @@ async fn a_small_drain_deletes_its_applied_rows_itself_under_batched() {
         metrics.completion_flush_failures.get() >= 1
     })
     .await;
+    (schema, conn, engine, streams)
+}
+
+/// Under Batched, a drain call of a few events deletes its applied work rows itself, in its
+/// own transaction: the stream's next drain would otherwise wait for the flush (its window, its
+/// commit, the settle after it), which was most of a live stream's latency. Here every flush
+/// fails, so only the drain can have deleted the new stream's rows. The first call knows no
+/// depth yet and leaves its rows to the flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_drain_deletes_its_applied_rows_itself_under_batched() {
+    let (schema, mut conn, engine, _) =
+        five_streams_whose_flush_failed("smalldrain", FLUSH_RETRIED_LATE_OPTIONS).await;
     let live = Uuid::now_v7();
     append(&schema, live, serde_json::json!({})).await;
     wait_until(
@@ -507,24 +520,13 @@ async fn while_flushes_fail_a_claim_returns_the_streams_they_hold_up() {
 /// 30 s in `stop` this way, after deadlocks had failed a flush several times.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_flushes_completions_at_once_whatever_their_retry_backoff() {
-    let schema = unique_schema("flushstop");
-    let config = parse_config(&recording_yaml(&schema, HELD_FLUSH_OPTIONS));
-    // (No claim after the first: before claims passed over the streams whose rows wait for
-    // their flush, a later claim re-offered them, and that drain retired the rows itself before
-    // any flush could fail. Seen once, on a loaded machine.)
-    migrate_config(&config).await;
-    let mut conn = connect().await;
-    block_flushes(&mut conn, &schema).await;
-    // Appended before the engine starts, in one transaction: one claim, one drain call, one
-    // flush of all ten rows, whose retries are then the only flushes.
-    let streams: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
-    append_one_each(&mut conn, &schema, &streams).await;
-    let engine = RunningEngine::start(&config).await;
+    // The five streams' one flush of all ten rows: its retries are then the only flushes. (No
+    // claim after the first: before claims passed over the streams whose rows wait for their
+    // flush, a later claim re-offered them, and that drain retired the rows itself before any
+    // flush could fail. Seen once, on a loaded machine.)
+    let (schema, mut conn, engine, streams) =
+        five_streams_whose_flush_failed("flushstop", HELD_FLUSH_OPTIONS).await;
     let metrics = engine.metrics.clone();
-    wait_until("a failed flush", Duration::from_secs(20), || async {
-        metrics.completion_flush_failures.get() >= 1
-    })
-    .await;
     // The rows go out in one flush or a few; each failed one is retried 1 s after it was sent,
     // then 100 s after that. So once a failure has been retried (at least 2 counted) and no
     // other has come for 3 s, the next retries are 100 s away. (Counting the failures half a

@@ -115,8 +115,8 @@ impl Drainer {
     }
 }
 
-/// Rows a drain call (or, for custom runners, a pair's fetch) applies at most to complete them
-/// itself, in its own transaction, under the Batched strategy.
+/// Rows a drain call (or, for custom runners, a fetch) applies at most to complete them itself,
+/// in its apply transactions, under the Batched strategy.
 pub(super) const COMPLETE_AT_ONCE_ROWS: f64 = 500.0;
 
 /// Whether an apply of `rows` (expected; `None`: not known) deletes the work rows it applied in

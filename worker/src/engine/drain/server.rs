@@ -147,10 +147,7 @@ async fn report_round(
     let min_batch = ctx.shared.config.worker.drain_loop_refetch_min_batch.max(1) as i64;
     let rows = rows_per_stream.values().sum::<i64>();
     ctx.observe_depth(rows, rows_per_stream.values().filter(|r| **r > 0).count());
-    if instant
-        && rows >= super::COMPLETE_AT_ONCE_ROWS as i64
-        && ctx.shared.config.worker.completion_strategy == CompletionStrategy::Batched
-    {
+    if guessed_small(ctx, instant) && rows >= super::COMPLETE_AT_ONCE_ROWS as i64 {
         // A call expected small stopped at its rows: the next one leaves them to the flush.
         // (Not `more`: a live stream has more whenever events came during the call.)
         ctx.observe_deep();
@@ -184,6 +181,12 @@ async fn report_round(
     }
 }
 
+/// Whether a call completing its rows itself (`instant`) does so because it was guessed small
+/// (Batched), not because the strategy is Instant.
+fn guessed_small(ctx: &Drainer, instant: bool) -> bool {
+    instant && ctx.shared.config.worker.completion_strategy == CompletionStrategy::Batched
+}
+
 /// The rows a `wh_drain` call may take, given what its streams could yield at full depth
 /// (`full`). A call guessed small (`guessed_small`: Batched, see `completes_at_once`) takes no
 /// more than a small one: if its streams are deeper than the last call found (a catch-up's after
@@ -204,7 +207,7 @@ fn drain_args(ctx: &Drainer, streams: usize, instant: bool) -> DrainArgs {
     let per_pair = w.perspective_batch_size.max(1) as i64;
     let max_rows = row_budget(
         per_pair * streams as i64 * perspectives as i64,
-        instant && w.completion_strategy == CompletionStrategy::Batched,
+        guessed_small(ctx, instant),
     );
     DrainArgs {
         instance_id: ctx.shared.instance_id,
